@@ -1,0 +1,136 @@
+"""The `h3gen` command. Parses, resolves configuration, draws on stderr, writes results on stdout.
+
+Nothing heavy is imported at module level, so `h3gen --help` and shell completion answer at once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from h3gen import __version__
+from h3gen.errors import H3genError
+
+app = typer.Typer(add_completion=True, no_args_is_help=True, rich_markup_mode=None,
+                  help="Render MiniMax-H3 clips (video with a stereo soundtrack) from a prompts file.")
+presets_app = typer.Typer(no_args_is_help=True, help="List and inspect presets.")
+app.add_typer(presets_app, name="presets")
+
+
+def fail(error: H3genError) -> None:
+    typer.echo(f"h3gen: error: {error}", err=True)
+    raise typer.Exit(error.exit_code)
+
+
+def version_callback(value: bool):
+    if value:
+        typer.echo(f"h3gen {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(version: Annotated[bool, typer.Option("--version", callback=version_callback, is_eager=True,
+                                                       help="Print the version and exit.")] = False):
+    """Render MiniMax-H3 clips (video with a stereo soundtrack) from a prompts file."""
+
+
+@app.command()
+def render(
+    prompts: Annotated[Path, typer.Argument(help="Prompts file: one prompt per line, or JSON Lines.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Directory the MP4s are written to.")] = Path("out"),
+    preset: Annotated[str, typer.Option("--preset", help="Preset name or TOML file.")] = "tiny",
+    model: Annotated[Optional[Path], typer.Option("--model", envvar="H3GEN_MODEL",
+                                                  help="MiniMax-H3 repository directory (default: embedded tiny model).")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Base seed; a clip's seed is this plus its index.")] = 0,
+    overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a preset value: section.key=value.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per finished clip on stdout.")] = False,
+    save_latents: Annotated[bool, typer.Option("--save-latents", help="Also write each clip's final latents.")] = False,
+):
+    """Render one MP4 per prompt."""
+    from h3gen.cli.run import run_render
+
+    try:
+        code = run_render(prompts, output, preset, model, seed, overrides or [], json_out, save_latents)
+    except H3genError as e:
+        fail(e)
+    raise typer.Exit(code)
+
+
+@app.command()
+def validate(
+    files: Annotated[list[Path], typer.Argument(help="MP4 files to check.")],
+    frames: Annotated[Optional[int], typer.Option("--frames", help="Expected frame count.")] = None,
+):
+    """Check that clips are valid: H.264 at 24 fps, AAC stereo 32 kHz, matching durations, not blank or silent."""
+    from h3gen.validate import validate_clip
+
+    bad = 0
+    for path in files:
+        problems = validate_clip(path, expected_frames=frames)
+        if problems:
+            bad += 1
+            typer.echo(f"{path}: INVALID: {'; '.join(problems)}", err=True)
+        else:
+            typer.echo(f"{path}: ok")
+    raise typer.Exit(1 if bad else 0)
+
+
+@presets_app.command("list")
+def presets_list():
+    """List the presets every plugin registered."""
+    from h3gen.plugins.manager import registry
+    from h3gen.preset import load_toml
+
+    for name, path in sorted(registry().presets.items()):
+        typer.echo(f"{name:12s} {load_toml(path).get('description', '')}")
+
+
+@presets_app.command("show")
+def presets_show(
+    name: Annotated[str, typer.Argument(help="Preset name or TOML file.")],
+    overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a value: section.key=value.")] = None,
+):
+    """Print a preset's resolved configuration and where each value came from."""
+    from h3gen.plugins.manager import registry
+    from h3gen.preset import describe, resolve
+
+    try:
+        resolved = resolve(name, registry(), overrides or [])
+    except H3genError as e:
+        fail(e)
+    typer.echo(f"# {resolved.name}: {resolved.description}")
+    for key, value, source in describe(resolved):
+        typer.echo(f"{key:26s} = {value!r:40s} # {source}")
+
+
+@app.command()
+def plugins():
+    """List every registered stage with its kind and the plugin it came from."""
+    from h3gen.plugins.manager import registry
+
+    found = registry()
+    for (kind, name), entry in sorted(found.stages.items()):
+        typer.echo(f"{kind:8s} {name:16s} {entry.origin:20s} {entry.stage.__module__}.{entry.stage.__qualname__}")
+    for name, error in found.failed:
+        typer.echo(f"plugin {name} failed: {error}", err=True)
+
+
+@app.command()
+def tiny(directory: Annotated[Optional[Path], typer.Argument(help="Where to write it (default: user cache).")] = None):
+    """Write the embedded tiny random-weight model and print where it is."""
+    from h3gen.tiny import TINY_NOTICE, ensure_tiny_model
+
+    typer.echo(str(ensure_tiny_model(directory)))
+    typer.echo(f"note: {TINY_NOTICE}", err=True)
+
+
+def main():
+    app(prog_name="h3gen")
+
+
+if __name__ == "__main__":
+    main()

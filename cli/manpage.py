@@ -1,0 +1,52 @@
+"""man/h3gen.1, generated from the command tree itself so it cannot drift from `--help`.
+
+Run `python -m h3gen.cli.manpage > man/h3gen.1`; a test checks the committed page is current.
+"""
+
+from __future__ import annotations
+
+import click
+import typer.main
+
+from h3gen import __version__
+from h3gen.cli.main import app
+
+
+def roff(text: str) -> str:
+    text = text.replace("\\", "\\\\").replace("-", "\\-")
+    return "\n".join(("\\&" + line) if line.startswith((".", "'")) else line for line in text.splitlines())
+
+
+def commands(group, prefix: str):
+    for name in sorted(group.commands):
+        command = group.commands[name]
+        if hasattr(command, "commands"):
+            yield from commands(command, f"{prefix}{name} ")
+        else:
+            yield f"{prefix}{name}", command
+
+
+def page() -> str:
+    root = typer.main.get_command(app)
+    ctx = click.Context(root, info_name="h3gen")
+    lines = [f'.TH H3GEN 1 "" "h3gen {__version__}" "User Commands"', ".SH NAME",
+             roff("h3gen - batch renderer for MiniMax-H3 text-to-video with a stereo soundtrack"),
+             ".SH SYNOPSIS", roff("h3gen COMMAND [OPTIONS] [ARGS]..."), ".SH DESCRIPTION", roff(root.help or ""),
+             ".SH COMMANDS"]
+    for name, command in commands(root, ""):
+        sub = click.Context(command, info_name=f"h3gen {name}", parent=ctx)
+        lines += [".SS " + roff(f"h3gen {name} " + " ".join(command.collect_usage_pieces(sub))),
+                  roff((command.help or "").strip())]
+        for param in command.get_params(sub):
+            record = param.get_help_record(sub)
+            if record:
+                lines += [".TP", ".B " + roff(record[0]), roff(record[1] or "")]
+    lines += [".SH ENVIRONMENT", ".TP", ".B H3GEN_MODEL", roff("Model directory used when --model is not given."),
+              ".TP", ".B H3GEN_LOAD_PLUGINS", roff("Comma-separated plugin names to load (default: all)."),
+              ".SH EXIT STATUS", roff("0 when every clip was written, 1 when some clips failed, 2 on usage errors."),
+              ".SH SEE ALSO", roff("README.md of the h3gen repository.")]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(page(), end="")

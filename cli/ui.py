@@ -1,0 +1,122 @@
+"""What the user sees on stderr while a run works: a live rich display on a terminal, plain lines otherwise.
+
+stdout is kept for results (`--json`), so every display here writes to stderr and never redirects stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+STAGE_ORDER = ("encode", "sampler", "vae", "mux")
+
+
+def seconds_text(seconds: dict) -> str:
+    return "  ".join(f"{k} {seconds[k]:.2f}s" for k in STAGE_ORDER if k in seconds)
+
+
+def result_record(result, preset: str) -> dict:
+    return {"path": str(result.path), "id": result.request.id, "line": result.request.line,
+            "seed": result.request.seed, "preset": preset, "ok": result.ok, "error": result.error or None,
+            "seconds": {k: round(v, 4) for k, v in result.seconds.items()},
+            "end_to_end_s": round(result.end_to_end, 4), "rtf": round(result.rtf, 4),
+            "media_s": round(result.request.duration, 4), "frames": result.request.frames,
+            "forwards": result.forwards, "peak_gib": round(result.peak_gib, 3)}
+
+
+class PlainReporter:
+    """One line per event: what cron and make logs want."""
+
+    def __init__(self, total: int, json_out: bool = False, preset: str = ""):
+        self.total, self.json_out, self.preset = total, json_out, preset
+        self.console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+    def say(self, text: str) -> None:
+        self.console.print(text, markup=False)
+
+    def start(self):
+        return self
+
+    def stop(self):
+        pass
+
+    def clip_started(self, clip):
+        request = clip.request
+        self.say(f"[{request.index + 1}/{self.total}] {clip.path.name}: {request.width}x{request.height} "
+                 f"{request.frames} frames, seed {request.seed}: {request.prompt[:60]}")
+
+    def stage_done(self, clip, kind, seconds):
+        self.say(f"[{clip.request.index + 1}/{self.total}] {kind} {seconds:.2f}s")
+
+    def step(self, clip, step, steps):
+        pass
+
+    def clip_done(self, result):
+        if result.ok:
+            self.say(f"[{result.request.index + 1}/{self.total}] wrote {result.path} in {result.end_to_end:.2f}s "
+                     f"(RTF {result.rtf:.2f})")
+        else:
+            self.say(f"[{result.request.index + 1}/{self.total}] FAILED {result.path.name}: {result.error}")
+        if self.json_out:
+            print(json.dumps(result_record(result, self.preset)), file=sys.stdout, flush=True)
+
+    def summary(self, results):
+        table = Table(title="h3gen render summary", title_justify="left")
+        for column in ("clip", "status", *STAGE_ORDER, "end to end", "RTF"):
+            table.add_column(column, justify="left" if column in ("clip", "status") else "right")
+        for r in results:
+            table.add_row(r.path.name, "ok" if r.ok else "failed",
+                          *(f"{r.seconds[k]:.2f}s" if k in r.seconds else "-" for k in STAGE_ORDER),
+                          f"{r.end_to_end:.2f}s", f"{r.rtf:.2f}")
+        self.console.print(table)
+        failed = [r for r in results if not r.ok]
+        self.say(f"{len(results) - len(failed)} of {len(results)} clips written"
+                 + (f", {len(failed)} failed" if failed else ""))
+        for r in failed:
+            self.say(f"  failed {r.path.name} (line {r.request.line}): {r.error}")
+
+
+class LiveReporter(PlainReporter):
+    """A live display on a terminal: the clip in flight with its denoise steps, finished clips above it."""
+
+    def __init__(self, total: int, json_out: bool = False, preset: str = ""):
+        super().__init__(total, json_out, preset)
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.fields[stages]}"),
+                                 console=self.console, redirect_stdout=False, redirect_stderr=False)
+        self.task = None
+
+    def say(self, text: str) -> None:
+        self.progress.console.print(text, markup=False)
+
+    def start(self):
+        self.progress.start()
+        return self
+
+    def stop(self):
+        self.progress.stop()
+
+    def clip_started(self, clip):
+        r = clip.request
+        self.task = self.progress.add_task(f"[{r.index + 1}/{self.total}] {r.prompt[:32]}", total=None, stages="")
+
+    def stage_done(self, clip, kind, seconds):
+        self.progress.update(self.task, stages=seconds_text(clip.seconds))
+
+    def step(self, clip, step, steps):
+        self.progress.update(self.task, completed=step, total=steps)
+
+    def clip_done(self, result):
+        self.progress.remove_task(self.task)
+        super().clip_done(result)
+        if result.ok:
+            self.say(f"    {seconds_text(result.seconds)}")
+
+
+def reporter_for(total: int, json_out: bool, preset: str):
+    live = sys.stderr.isatty()
+    return (LiveReporter if live else PlainReporter)(total, json_out, preset)

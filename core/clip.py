@@ -1,0 +1,53 @@
+"""What flows between stages: one request from the prompts file and what the stages make of it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+FPS = 24
+SAMPLE_RATE = 32000
+
+
+MIN_SECONDS, MAX_SECONDS = 5.0, 15.0
+
+
+def frames_for_duration(seconds: float) -> int:
+    """The video VAE needs 17n+5 frames: the smallest such count lasting `seconds`, kept within H3's 5-15 s."""
+    frames = 17 * math.ceil((seconds * FPS - 5) / 17) + 5
+    if frames > MAX_SECONDS * FPS:
+        frames -= 17
+    return frames
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    index: int
+    prompt: str
+    seed: int
+    width: int
+    height: int
+    frames: int
+    id: str | None = None
+    line: int = 0
+
+    @property
+    def duration(self) -> float:
+        return self.frames / FPS
+
+
+@dataclasses.dataclass
+class Clip:
+    request: Request
+    path: Path
+    preset: str = ""
+    prompt_embeds: Any = None
+    text_token_tags: Any = None
+    video_latents: Any = None
+    audio_latents: Any = None
+    frames: Any = None  # uint8 (T, H, W, 3) on the host
+    audio: Any = None  # float32 (2, N) on the host
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    notes: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -1,0 +1,93 @@
+"""The prompts file: one prompt per line, or JSON Lines with `prompt` and optional per-clip settings."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from h3gen.clip import MAX_SECONDS, MIN_SECONDS, Request, frames_for_duration
+from h3gen.errors import UsageError
+
+FIELDS = {"prompt": str, "id": str, "seed": int, "duration": (int, float), "width": int, "height": int}
+SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MIN_ASPECT, MAX_ASPECT = 1 / 4, 4
+
+
+def read_prompts(path: Path, base_seed: int, defaults: dict) -> list[Request]:
+    """Parse and check every line before anything loads, so a bad line costs seconds, not a run."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"prompts file {path} does not exist", "pass the path of a text or JSON Lines file") from None
+    except IsADirectoryError:
+        raise UsageError(f"prompts file {path} is a directory", "pass the path of a text or JSON Lines file") from None
+    except PermissionError:
+        raise UsageError(f"prompts file {path} is not readable", "check its permissions") from None
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise UsageError(f"{path}:{line}: not UTF-8 text", "save the prompts file as UTF-8") from None
+    requests, seen = [], {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        fields = _parse_line(line, f"{path}:{number}")
+        request = _request(fields, len(requests), number, base_seed, defaults, f"{path}:{number}")
+        if request.id is not None:
+            if request.id in seen:
+                raise UsageError(f"{path}:{number}: duplicate id '{request.id}' (first on line {seen[request.id]})",
+                                 "give every clip its own id")
+            seen[request.id] = number
+        requests.append(request)
+    if not requests:
+        raise UsageError(f"prompts file {path} has no prompts", "write one prompt per line, or JSON Lines")
+    return requests
+
+
+def _parse_line(line: str, where: str) -> dict:
+    if not line.startswith("{"):
+        return {"prompt": line}
+    try:
+        fields = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{where}: malformed JSON ({e.msg} at column {e.colno})",
+                         'write one object per line, e.g. {"prompt": "..."}') from None
+    if not isinstance(fields, dict):
+        raise UsageError(f"{where}: a JSON line must be an object", 'e.g. {"prompt": "..."}')
+    for key, value in fields.items():
+        if key not in FIELDS:
+            raise UsageError(f"{where}: unknown field '{key}'", f"allowed fields: {', '.join(FIELDS)}")
+        if not isinstance(value, FIELDS[key]) or isinstance(value, bool):
+            raise UsageError(f"{where}: field '{key}' has the wrong type ({value!r})", "see the README for each field's type")
+    if not str(fields.get("prompt", "")).strip():
+        raise UsageError(f"{where}: missing or empty 'prompt'", 'every JSON line needs {"prompt": "..."}')
+    return fields
+
+
+def _request(fields: dict, index: int, line: int, base_seed: int, defaults: dict, where: str) -> Request:
+    duration = float(fields.get("duration", defaults["duration"]))
+    if not MIN_SECONDS <= duration <= MAX_SECONDS:
+        raise UsageError(f"{where}: duration {duration:g} s is outside H3's {MIN_SECONDS:g}-{MAX_SECONDS:g} s",
+                         "ask for 5 to 15 seconds")
+    width, height = int(fields.get("width", defaults["width"])), int(fields.get("height", defaults["height"]))
+    check_size(width, height, where)
+    clip_id = fields.get("id")
+    if clip_id is not None and not SAFE_ID.match(clip_id):
+        raise UsageError(f"{where}: id '{clip_id}' is not a plain file name",
+                         "use letters, digits, '.', '_' and '-' only, not starting with '.'")
+    seed = int(fields.get("seed", base_seed + index))
+    if not 0 <= seed < 2**63:
+        raise UsageError(f"{where}: seed {seed} is out of range", "use a seed between 0 and 2**63 - 1")
+    return Request(index=index, prompt=fields["prompt"].strip(), seed=seed, width=width, height=height,
+                   frames=frames_for_duration(duration), id=clip_id, line=line)
+
+
+def check_size(width: int, height: int, where: str) -> None:
+    if width < 32 or height < 32 or width % 32 or height % 32:
+        raise UsageError(f"{where}: size {width}x{height} is not made of multiples of 32 (at least 32)",
+                         "use e.g. 1344x768, 768x1344 or 1024x1024")
+    if not MIN_ASPECT <= width / height <= MAX_ASPECT:
+        raise UsageError(f"{where}: aspect ratio {width}x{height} is outside H3's 1:4 to 4:1",
+                         "choose a less extreme width/height")

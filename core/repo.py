@@ -1,0 +1,89 @@
+"""A MiniMax-H3 repository on disk, in the layout of the Hugging Face repo `MiniMaxAI/MiniMax-H3`.
+
+Only local files and only safetensors: h3gen never unpickles a checkpoint and never runs remote code.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from h3gen.errors import ModelError
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+WEIGHTED = ("transformer", "vae", "audio_vae", "text_encoder")
+CONFIG_ONLY = {"tokenizer": ("tokenizer.json", "tokenizer_config.json"),
+               "processor": ("processor_config.json", "preprocessor_config.json")}
+
+
+def check_safetensors(path: Path) -> None:
+    """Read the header of one safetensors file, naming the file when it is truncated or not safetensors."""
+    try:
+        with path.open("rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ValueError("shorter than a header")
+            (header_len,) = struct.unpack("<Q", raw)
+            header = json.loads(f.read(header_len))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if path.stat().st_size < 8 + header_len + end:
+            raise ValueError("truncated")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, MemoryError) as e:
+        raise ModelError(f"corrupt or truncated checkpoint {path} ({e})",
+                         "re-download this file from the repository") from None
+
+
+class ModelRepo:
+    """Paths of one repository's components, validated before any weight is loaded."""
+
+    def __init__(self, root: Path | str, components=WEIGHTED + tuple(CONFIG_ONLY)):
+        self.root = Path(root).expanduser()
+        if not self.root.is_dir():
+            raise ModelError(f"model directory {self.root} does not exist",
+                             "pass --model DIR pointing at a MiniMax-H3 repository")
+        for name in components:
+            self._check(name)
+
+    def path(self, component: str) -> Path:
+        return self.root / component
+
+    def _check(self, name: str) -> None:
+        folder = self.root / name
+        if not folder.is_dir():
+            raise ModelError(f"{folder} is missing: not a MiniMax-H3 repository layout",
+                             "the repository needs transformer/, vae/, audio_vae/, text_encoder/, tokenizer/, processor/")
+        if name in CONFIG_ONLY:
+            if not any((folder / f).is_file() for f in CONFIG_ONLY[name]):
+                raise ModelError(f"{folder} has none of {', '.join(CONFIG_ONLY[name])}",
+                                 "copy the complete folder from the repository")
+            return
+        if not (folder / "config.json").is_file():
+            raise ModelError(f"{folder / 'config.json'} is missing", "copy the complete folder from the repository")
+        weights = sorted(folder.glob("*.safetensors"))
+        if not weights:
+            pickles = [p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES]
+            if pickles:
+                raise ModelError(f"{pickles[0]} is a pickle checkpoint; h3gen loads safetensors only",
+                                 "download the .safetensors files of the repository instead")
+            raise ModelError(f"no .safetensors weights in {folder}", "copy the weights from the repository")
+        for index in folder.glob("*.safetensors.index.json"):
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+            for shard in sorted(shards):
+                if not (folder / shard).is_file():
+                    raise ModelError(f"{folder / shard} is missing (listed in {index.name})",
+                                     "download every shard of the checkpoint")
+        for weight in weights:
+            check_safetensors(weight)
+
+
+def load_component(name: str, loader, *args, **kwargs):
+    """Call a from_pretrained loader, turning a failure into an error that names the component."""
+    try:
+        return loader(*args, **kwargs)
+    except ModelError:
+        raise
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"cannot load {name}: {first[:300]}",
+                         "check that the folder matches the repository (config and weights of one release)") from e

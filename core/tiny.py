@@ -1,0 +1,138 @@
+"""The embedded default model: a tiny random-weight MiniMax-H3 in the Hugging Face repository layout.
+
+It has the real classes and the real latent interface (24 video channels, 16x spatial and 4x temporal
+compression, 17n+5 frames, 32 audio channels at 40 latents/s) at widths and depths that run in seconds on a
+CPU. It renders noise: it exists so that every code path, loading included, runs without real weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from platformdirs import user_cache_dir
+
+# Bumped whenever the tiny architecture or its seed changes, so stale cache copies are never reused.
+TINY_VERSION = 1
+TINY_SEED = 1101
+TINY_NOTICE = (
+    "the embedded tiny model is a smoke-test model with random weights: it renders noise. "
+    "Point --model (or H3GEN_MODEL) at a MiniMax-H3 repository for real clips."
+)
+
+# Qwen3-VL needs these in its vocabulary; H3 reads hidden state 50, so the text stack keeps 51 layers.
+_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                   "<|image_pad|>", "<|video_pad|>"]
+_TOKENIZER_CORPUS = [
+    "a red fox runs through fresh snow at dawn, its breath steaming",
+    "waves crash on a rocky shore under a grey sky while gulls cry",
+    "a street musician plays violin in the rain, people hurry past with umbrellas",
+    "the camera flies over a green valley with a river and a small village",
+]
+
+
+def default_tiny_dir() -> Path:
+    return Path(user_cache_dir("h3gen")) / f"tiny-v{TINY_VERSION}"
+
+
+def ensure_tiny_model(target: Path | None = None) -> Path:
+    """Return the tiny model's directory, writing it first when it is not there yet."""
+    target = Path(target) if target is not None else default_tiny_dir()
+    if (target / "modular_model_index.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
+    try:
+        write_tiny_model(staging, final_dir=target)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Qwen2TokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token=None))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=_SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(_TOKENIZER_CORPUS, trainer)
+    return Qwen2TokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                              unk_token=None)
+
+
+def _tiny_text_encoder(tokenizer):
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    ids = {name: tokenizer.convert_tokens_to_ids(f"<|{name}|>")
+           for name in ("image_pad", "video_pad", "vision_start", "vision_end")}
+    text = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=51,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                rope_scaling={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[0])
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids["image_pad"],
+                           video_token_id=ids["video_pad"], vision_start_token_id=ids["vision_start"],
+                           vision_end_token_id=ids["vision_end"])
+    return Qwen3VLForConditionalGeneration(config).eval()
+
+
+def _tiny_components():
+    import torch
+    from diffusers import (AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler,
+                           MiniMaxH3Transformer3DModel)
+    from transformers import Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    torch.manual_seed(TINY_SEED)
+    tokenizer = _tiny_tokenizer()
+    generator = torch.Generator().manual_seed(TINY_SEED)
+    latents_mean = (torch.randn(24, generator=generator) * 0.1).tolist()
+    latents_std = (1.0 + torch.rand(24, generator=generator) * 0.5).tolist()
+    return dict(
+        tokenizer=tokenizer,
+        text_encoder=_tiny_text_encoder(tokenizer),
+        processor=Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2),
+                                   tokenizer=tokenizer,
+                                   video_processor=Qwen3VLVideoProcessor(patch_size=16, merge_size=2)),
+        transformer=MiniMaxH3Transformer3DModel(
+            num_attention_heads=2, attention_head_dim=128, hidden_size=64, num_layers=2, num_refiner_layers=1,
+            ffn_dim=128, text_dim=32, freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=32),
+        vae=AutoencoderKLMiniMaxH3(
+            block_out_channels=(8, 8, 8, 8, 8, 8), layers_per_block=1, norm_num_groups=4, decoder_num_layers=1,
+            decoder_num_attention_heads=2, decoder_attention_head_dim=16,
+            latents_mean=latents_mean, latents_std=latents_std),
+        audio_vae=AutoencoderKLMiniMaxH3Audio(
+            encoder_dim=4, latent_dim=64, num_attention_heads=2, decoder_dim=128,
+            latents_mean=[0.0] * 32, latents_std=[1.0] * 32),
+        scheduler=MiniMaxH3Scheduler(shift=12.0),
+        audio_scheduler=MiniMaxH3Scheduler(shift=3.0),
+    )
+
+
+def write_tiny_model(directory: Path, final_dir: Path | None = None) -> None:
+    """Write the tiny model with diffusers' own `save_pretrained`, so its layout is the real repository's."""
+    import warnings
+
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3Blocks
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = MiniMaxH3Blocks().init_pipeline()
+        pipe.update_components(**_tiny_components())
+        pipe.save_pretrained(str(directory))
+    # The index records where each component was saved; point it at the directory it will live in.
+    index_path = directory / "modular_model_index.json"
+    index = index_path.read_text().replace(json.dumps(str(directory))[1:-1],
+                                           json.dumps(str(final_dir or directory))[1:-1])
+    index_path.write_text(index)
+    (directory / "README.md").write_text(f"h3gen tiny model v{TINY_VERSION}: {TINY_NOTICE}\n")

@@ -1,0 +1,176 @@
+"""Probe a rendered clip and list what is wrong with it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import av
+import numpy as np
+
+DURATION_TOLERANCE_S = 0.1
+SILENCE_RMS = 1e-4
+
+
+@dataclass(frozen=True)
+class ClipInfo:
+    video_streams: int = 0
+    video_codec: str | None = None
+    frames: int = 0
+    width: int = 0
+    height: int = 0
+    fps: float | None = None
+    pixel_variance: float = 0.0
+    audio_codec: str | None = None
+    audio_channels: int = 0
+    sample_rate: int = 0
+    audio_samples: int = 0
+    audio_rms: float = 0.0
+
+    @property
+    def video_duration(self) -> float:
+        return self.frames / self.fps if self.fps else 0.0
+
+    @property
+    def audio_duration(self) -> float:
+        return self.audio_samples / self.sample_rate if self.sample_rate else 0.0
+
+
+def probe_clip(path: Path) -> ClipInfo:
+    """Decode the whole clip once; raises av.FFmpegError or OSError if unreadable."""
+    with av.open(str(path)) as container:
+        video = next(iter(container.streams.video), None)
+        audio = next(iter(container.streams.audio), None)
+        pixels, sound = _PixelStats(), _SoundStats()
+        streams = [stream for stream in (video, audio) if stream is not None]
+        for packet in container.demux(streams) if streams else ():
+            stats = pixels if packet.stream.type == "video" else sound
+            for frame in packet.decode():
+                stats.add(frame)
+        return ClipInfo(
+            video_streams=len(container.streams.video),
+            **_video_fields(video, pixels),
+            **_audio_fields(audio, sound),
+        )
+
+
+def validate_clip(
+    path: Path,
+    expected_frames: int | None = None,
+    fps: int = 24,
+    sample_rate: int = 32000,
+) -> list[str]:
+    """Human-readable problems with the clip at `path`; empty when it is valid."""
+    try:
+        info = probe_clip(path)
+    except (av.FFmpegError, OSError) as error:
+        return [f"cannot read {path}: {error}"]
+    return (
+        _video_problems(info, expected_frames, fps)
+        + _audio_problems(info, sample_rate)
+        + _sync_problems(info)
+    )
+
+
+class _PixelStats:
+    """Frame count and exact pixel variance (summed over RGB channels)."""
+
+    def __init__(self) -> None:
+        self.frames = self.count = 0
+        self.total = self.squares = np.zeros(3, dtype=object)
+
+    def add(self, frame: av.VideoFrame) -> None:
+        pixels = frame.to_ndarray(format="rgb24").reshape(-1, 3).astype(np.int64)
+        self.frames += 1
+        self.count += len(pixels)
+        self.total = self.total + pixels.sum(axis=0).astype(object)
+        self.squares = self.squares + np.square(pixels).sum(axis=0).astype(object)
+
+    def variance(self) -> float:
+        if not self.count:
+            return 0.0
+        spread = self.count * self.squares - self.total * self.total
+        return float(spread.sum()) / self.count**2
+
+
+class _SoundStats:
+    """Decoded sample count (per channel) and RMS over all channels."""
+
+    def __init__(self) -> None:
+        self.samples, self.energy, self.values = 0, 0.0, 0
+
+    def add(self, frame: av.AudioFrame) -> None:
+        pcm = frame.to_ndarray().astype(np.float64)
+        self.samples += frame.samples
+        self.energy += float(np.square(pcm).sum())
+        self.values += pcm.size
+
+    def rms(self) -> float:
+        return (self.energy / self.values) ** 0.5 if self.values else 0.0
+
+
+def _video_fields(stream, pixels: _PixelStats) -> dict:
+    if stream is None:
+        return {}
+    rate = stream.average_rate or stream.guessed_rate
+    return dict(
+        video_codec=stream.codec_context.name,
+        frames=pixels.frames,
+        width=stream.codec_context.width,
+        height=stream.codec_context.height,
+        fps=float(rate) if rate else None,
+        pixel_variance=pixels.variance(),
+    )
+
+
+def _audio_fields(stream, sound: _SoundStats) -> dict:
+    if stream is None:
+        return {}
+    return dict(
+        audio_codec=stream.codec_context.name,
+        audio_channels=stream.codec_context.channels,
+        sample_rate=stream.codec_context.sample_rate,
+        audio_samples=sound.samples,
+        audio_rms=sound.rms(),
+    )
+
+
+def _video_problems(info: ClipInfo, expected_frames: int | None, fps: int) -> list[str]:
+    if info.video_streams != 1:
+        return [f"expected exactly one video stream, found {info.video_streams}"]
+    problems = []
+    if info.video_codec != "h264":
+        problems.append(f"video codec is {info.video_codec}, expected h264")
+    if info.fps is None or abs(info.fps - fps) > 1e-3:
+        problems.append(f"video runs at {info.fps} fps, expected {fps}")
+    if expected_frames is not None and info.frames != expected_frames:
+        problems.append(f"video has {info.frames} frames, expected {expected_frames}")
+    if info.pixel_variance == 0:
+        problems.append("video is constant (zero pixel variance)")
+    return problems
+
+
+def _audio_problems(info: ClipInfo, sample_rate: int) -> list[str]:
+    if info.audio_codec is None:
+        return ["no audio stream"]
+    problems = []
+    if info.audio_codec != "aac":
+        problems.append(f"audio codec is {info.audio_codec}, expected aac")
+    if info.audio_channels != 2:
+        problems.append(f"audio has {info.audio_channels} channels, expected 2")
+    if info.sample_rate != sample_rate:
+        problems.append(f"audio sample rate is {info.sample_rate} Hz, expected {sample_rate}")
+    if info.audio_rms <= SILENCE_RMS:
+        problems.append(f"audio is silent (RMS {info.audio_rms:.2e})")
+    return problems
+
+
+def _sync_problems(info: ClipInfo) -> list[str]:
+    if info.video_streams != 1 or info.audio_codec is None:
+        return []
+    gap = abs(info.audio_duration - info.video_duration)
+    if gap > DURATION_TOLERANCE_S:
+        return [
+            f"audio lasts {info.audio_duration:.3f} s but video {info.video_duration:.3f} s"
+        ]
+    return []

@@ -1,0 +1,72 @@
+"""What every stage shares: a small validated config, loading from a repository, timing around `run`.
+
+`Stage.__call__` is never overridden: it times `run` for the live display, so every implementation, built-in or
+from a plugin, is measured the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, ClassVar
+
+from h3gen.errors import UsageError
+
+STAGE_KINDS = ("encode", "sampler", "vae", "quant", "mux")
+
+
+@dataclasses.dataclass
+class NoConfig:
+    pass
+
+
+def build_config(config_cls: type, values: dict[str, Any], where: str):
+    """Make a config dataclass from preset values: unknown keys and wrong types are errors listing what is allowed."""
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    hints = typing.get_type_hints(config_cls)
+    for key, value in values.items():
+        if key not in fields:
+            allowed = ", ".join(sorted(fields)) or "none"
+            raise UsageError(f"unknown key '{key}' in {where}", f"allowed keys: {allowed}")
+        values[key] = _coerce(value, hints[key], f"{where}.{key}")
+    return config_cls(**values)
+
+
+def _coerce(value, hint, where: str):
+    origin = typing.get_origin(hint) or hint
+    if origin is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise UsageError(f"{where} must be a list, got {value!r}", "write it as [a, b, ...]")
+        (item,) = set(typing.get_args(hint)[:1]) or {object}
+        return origin(_coerce(v, item, where) for v in value)
+    if origin is object or isinstance(value, origin) and not (origin is int and isinstance(value, bool)):
+        return value
+    raise UsageError(f"{where} must be {getattr(origin, '__name__', origin)}, got {value!r}",
+                     "fix the value in the preset or --set")
+
+
+class Stage:
+    """One step of the pipeline. Subclasses set `kind`, `name`, `Config` and implement `run`."""
+
+    kind: ClassVar[str]
+    name: ClassVar[str]
+    Config: ClassVar[type] = NoConfig
+    description: ClassVar[str] = ""
+
+    def __init__(self, config, runtime):
+        self.config, self.runtime = config, runtime
+
+    def load(self, repo) -> None:
+        """Load weights from a `ModelRepo`; stages without weights keep this no-op."""
+
+    def __call__(self, clip):
+        with self.runtime.timer.measure(clip, self.kind):
+            return self.run(clip)
+
+    def run(self, clip):
+        raise NotImplementedError
+
+    def unload(self) -> None:
+        """Drop weights so the memory can serve another stage."""

@@ -1,0 +1,62 @@
+"""Text encode: Qwen3-VL, read at the unnormalized hidden state after layer 50 (the layers past it never run)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from h3gen.errors import ClipError
+from h3gen.repo import load_component
+from h3gen.stages.base import Stage
+
+TEXT_TAG = 1  # the AdaLN table's modality tag of a text row: a checkpoint contract
+
+
+@dataclasses.dataclass
+class Qwen3VLConfig:
+    layer: int = 50
+    max_tokens: int = 1024
+
+
+class Qwen3VLEncoder(Stage):
+    kind, name = "encode", "qwen3vl"
+    Config = Qwen3VLConfig
+    description = "Qwen3-VL text encoder (transformers), truncated after the layer H3 reads"
+
+    def load(self, repo):
+        from transformers import AutoConfig, Qwen2TokenizerFast, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+
+        path = repo.path("text_encoder")
+        config = load_component("text_encoder config", AutoConfig.from_pretrained, path, local_files_only=True)
+        total = config.text_config.num_hidden_layers
+        if total <= self.config.layer:
+            raise ClipError(f"the text encoder has {total} layers, H3 reads hidden state {self.config.layer}",
+                            "use the repository's own text_encoder/")
+        # One layer past the one H3 reads: hidden_states[layer] is then still unnormalized.
+        config.text_config.num_hidden_layers = self.config.layer + 1
+        self.tokenizer = load_component("tokenizer", Qwen2TokenizerFast.from_pretrained, repo.path("tokenizer"),
+                                        local_files_only=True)
+        self.processor = load_component("processor", Qwen3VLProcessor.from_pretrained, repo.path("processor"),
+                                        local_files_only=True)
+        self.text_encoder = load_component(
+            "text_encoder", Qwen3VLForConditionalGeneration.from_pretrained, path, config=config,
+            dtype=self.runtime.dtype, use_safetensors=True, local_files_only=True, trust_remote_code=False,
+        ).to(self.runtime.device).eval()
+        self.text_encoder = self.runtime.quant.transform("text_encoder", self.text_encoder)
+
+    def run(self, clip):
+        import torch
+        from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
+
+        token_ids = self.tokenizer(clip.request.prompt, add_special_tokens=False)["input_ids"]
+        if len(token_ids) > self.config.max_tokens:
+            raise ClipError(f"prompt is {len(token_ids)} tokens, over the encoder limit of {self.config.max_tokens}",
+                            "shorten the prompt")
+        with torch.inference_mode():
+            clip.prompt_embeds = get_qwen3vl_prompt_embeds(
+                self.text_encoder, self.processor, token_ids, {}, text_encoder_layer=self.config.layer,
+                device=self.runtime.device, dtype=self.runtime.dtype)
+        clip.text_token_tags = torch.full((len(token_ids),), TEXT_TAG, dtype=torch.long)
+        return clip
+
+    def unload(self):
+        self.text_encoder = None

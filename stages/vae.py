@@ -1,0 +1,63 @@
+"""Decode: the video VAE to uint8 frames, the mono audio VAE twice (one stereo channel per batch item)."""
+
+from __future__ import annotations
+
+from h3gen.repo import load_component
+from h3gen.stages.base import Stage
+
+# The video VAE works in ImageNet-normalized pixels.
+PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+class DiffusersVAE(Stage):
+    kind, name = "vae", "diffusers"
+    description = "diffusers' AutoencoderKLMiniMaxH3 (default tiling) and AutoencoderKLMiniMaxH3Audio"
+
+    def load(self, repo):
+        from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+
+        common = dict(use_safetensors=True, local_files_only=True)
+        self.vae = load_component("vae", AutoencoderKLMiniMaxH3.from_pretrained, repo.path("vae"),
+                                  torch_dtype=self.runtime.dtype, **common).to(self.runtime.device).eval()
+        # The audio VAE is small and decodes in fp32, as the reference does.
+        import torch
+
+        self.audio_vae = load_component("audio_vae", AutoencoderKLMiniMaxH3Audio.from_pretrained,
+                                        repo.path("audio_vae"), torch_dtype=torch.float32,
+                                        **common).to(self.runtime.device).eval()
+        self.sample_rate = self.audio_vae.config.sampling_rate
+
+    def run(self, clip):
+        import torch
+
+        with torch.inference_mode():
+            clip.frames = self.decode_video(clip.video_latents)
+            clip.audio = self.decode_audio(clip.audio_latents)
+        clip.notes["sample_rate"] = self.sample_rate
+        return clip
+
+    def decode_video(self, latents):
+        import torch
+
+        device, config = self.runtime.device, self.vae.config
+        mean = torch.tensor(config.latents_mean, device=device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(config.latents_std, device=device).view(1, -1, 1, 1, 1)
+        video = self.vae.decode((latents * std + mean).to(self.vae.dtype), return_dict=False)[0]
+        pixel_mean = torch.tensor(PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
+        pixel_std = torch.tensor(PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
+        video = (video.float() * pixel_std + pixel_mean).clamp(0, 1)
+        # Frames become uint8 once, on the device, in the (T, H, W, RGB) layout the encoder reads.
+        frames = (video[0] * 255).round().to(torch.uint8).permute(1, 2, 3, 0)
+        return frames.cpu().numpy()
+
+    def decode_audio(self, latents):
+        import torch
+
+        device, config = self.runtime.device, self.audio_vae.config
+        mean = torch.tensor(config.latents_mean, device=device).view(1, -1, 1)
+        std = torch.tensor(config.latents_std, device=device).view(1, -1, 1)
+        audio = self.audio_vae.decode(latents.float() * std + mean, return_dict=False)[0]
+        return audio.float()[:, 0].cpu().numpy()
+
+    def unload(self):
+        self.vae = self.audio_vae = None
