@@ -38,7 +38,10 @@ def run_render(prompts, output, preset_name, model, seed, overrides, json_out, s
     repo = ModelRepo(model)
     reporter.say(f"h3gen: {len(requests)} clip(s), preset {preset.name}, model {repo.root}")
 
+    from h3gen.quiet import quiet_libraries
     from h3gen.render import Renderer
+
+    quiet_libraries()
 
     renderer = Renderer(preset, found, repo, reporter)
     reporter.say(f"h3gen: loaded on {renderer.runtime.device} ({preset.runtime['dtype']})")

@@ -16,7 +16,7 @@ from pathlib import Path
 from platformdirs import user_cache_dir
 
 # Bumped whenever the tiny architecture or its seed changes, so stale cache copies are never reused.
-TINY_VERSION = 1
+TINY_VERSION = 2
 TINY_SEED = 1101
 TINY_NOTICE = (
     "the embedded tiny model is a smoke-test model with random weights: it renders noise. "
@@ -113,6 +113,7 @@ def _tiny_components():
             latents_mean=latents_mean, latents_std=latents_std),
         audio_vae=AutoencoderKLMiniMaxH3Audio(
             encoder_dim=4, latent_dim=64, num_attention_heads=2, decoder_dim=128,
+            resblock_kernel_sizes=(3,), resblock_dilation_sizes=((1,),),
             latents_mean=[0.0] * 32, latents_std=[1.0] * 32),
         scheduler=MiniMaxH3Scheduler(shift=12.0),
         audio_scheduler=MiniMaxH3Scheduler(shift=3.0),

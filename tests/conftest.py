@@ -1,0 +1,39 @@
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Every test, and every h3gen process a test starts, uses a cache of its own: the tiny model is written once per
+# test session, exactly as a user's first run writes it.
+os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="h3gen-test-cache-"))
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    from h3gen.tiny import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+def h3gen(*args, env=None, check_code=None, **kwargs) -> subprocess.CompletedProcess:
+    """Run the installed command as a user would, in a child process."""
+    result = subprocess.run([sys.executable, "-m", "h3gen.cli.main", *map(str, args)], capture_output=True,
+                            text=True, env={**os.environ, **(env or {})}, **kwargs)
+    if check_code is not None:
+        assert result.returncode == check_code, result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    def write(text: str) -> Path:
+        path = tmp_path / "prompts.txt"
+        path.write_text(text)
+        return path
+
+    return write

@@ -1,0 +1,66 @@
+"""`h3gen render` end to end on the embedded tiny model, the way a user runs it."""
+
+import json
+
+from conftest import h3gen
+from h3gen.validate import validate_clip
+
+TWO_PROMPTS = 'a red fox in the snow\n# a comment\n\n{"id": "waves", "prompt": "waves on rocks", "seed": 5}\n'
+
+
+def test_render_writes_valid_clips_and_json_lines(prompts_file, tmp_path):
+    out = tmp_path / "out"
+    result = h3gen("render", prompts_file(TWO_PROMPTS), "-o", out, "--json", check_code=0)
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["id"] for r in records] == [None, "waves"]
+    assert [r["seed"] for r in records] == [0, 5]
+    for record in records:
+        assert record["ok"] and set(record["seconds"]) == {"encode", "sampler", "vae", "mux"}
+        assert record["rtf"] > 0 and record["frames"] == 124 and record["forwards"] == 3
+        assert validate_clip(record["path"], expected_frames=124) == []
+    assert "smoke-test model" in result.stderr
+    assert sorted(p.name for p in out.iterdir())[-1] == "waves.mp4"
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
+def test_same_prompt_and_seed_give_byte_identical_mp4(prompts_file, tmp_path):
+    prompts = prompts_file('{"id": "clip", "prompt": "a lighthouse at night", "seed": 3}\n')
+    for name in ("first", "second"):
+        h3gen("render", prompts, "-o", tmp_path / name, check_code=0)
+    assert (tmp_path / "first/clip.mp4").read_bytes() == (tmp_path / "second/clip.mp4").read_bytes()
+
+
+def test_file_names_are_stable_and_depend_on_seed(prompts_file, tmp_path):
+    prompts = prompts_file("a lighthouse at night\n")
+    names = []
+    for seed in (0, 0, 1):
+        out = tmp_path / f"seed{seed}-{len(names)}"
+        h3gen("render", prompts, "-o", out, "--seed", seed, check_code=0)
+        names.append([p.name for p in out.glob("*.mp4")])
+    assert names[0] == names[1] != names[2]
+
+
+def test_failed_clip_exits_1_and_the_others_are_written(prompts_file, tmp_path):
+    prompts = prompts_file("short\n" + "a very long prompt " * 20 + "\n")
+    result = h3gen("render", prompts, "-o", tmp_path / "out", "--json", "--set", "encode.max_tokens=12")
+    assert result.returncode == 1
+    first, second = (json.loads(line) for line in result.stdout.splitlines())
+    assert first["ok"] and not second["ok"]
+    assert "over the encoder limit of 12" in second["error"]
+    assert "1 failed" in result.stderr
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [first["path"].rsplit("/", 1)[1]]
+
+
+def test_plain_lines_when_stderr_is_not_a_terminal(prompts_file, tmp_path):
+    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", check_code=0)
+    lines = result.stderr.splitlines()
+    assert any(line.startswith("[1/1] sampler ") for line in lines)
+    assert any("wrote" in line and "RTF" in line for line in lines)
+    assert result.stdout == ""
+
+
+def test_validate_command_reports_bad_files(tmp_path):
+    bad = tmp_path / "bad.mp4"
+    bad.write_bytes(b"not a video")
+    result = h3gen("validate", bad)
+    assert result.returncode == 1 and "INVALID" in result.stderr
