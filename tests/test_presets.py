@@ -1,0 +1,84 @@
+"""Presets: versioned TOML naming registered stages, overrides with --set, provenance of every value."""
+
+import pytest
+
+from conftest import h3gen
+from h3gen.errors import UsageError
+from h3gen.plugins.manager import registry
+from h3gen.preset import resolve
+from h3gen.stages.sampler import forwards
+
+
+def write(tmp_path, text):
+    path = tmp_path / "custom.toml"
+    path.write_text(text)
+    return str(path)
+
+
+BASE = """version = 1
+[encode]
+use = "qwen3vl"
+[sampler]
+use = "euler"
+steps = 6
+[vae]
+use = "diffusers"
+[quant]
+use = "none"
+[mux]
+use = "pyav"
+"""
+
+
+def test_shipped_presets_resolve_with_their_contracts():
+    found = registry()
+    assert {"tiny", "h3-base", "fasth3"} <= set(found.presets)
+    base, fast = resolve("h3-base", found), resolve("fasth3", found)
+    assert forwards(base.stages["sampler"][1]) == 49
+    assert forwards(fast.stages["sampler"][1]) == 4
+    assert fast.stages["sampler"][1].sigma_positions == [0.999, 0.749, 0.5, 0.25, 0.0]
+    assert (base.stages["sampler"][1].video_shift, base.stages["sampler"][1].audio_shift) == (12.0, 3.0)
+
+
+def test_set_overrides_and_records_where_values_came_from(tmp_path):
+    preset = resolve(write(tmp_path, BASE), registry(), ["sampler.steps=9", "request.width=64"])
+    assert preset.stages["sampler"][1].steps == 9 and preset.request["width"] == 64
+    assert preset.sources["sampler.steps"] == "--set"
+    assert preset.sources["sampler.video_shift"] == "default of sampler 'euler'"
+    assert preset.sources["encode.use"] == "preset custom"
+
+
+@pytest.mark.parametrize("text, overrides, message", [
+    (BASE.replace("steps = 6", "stepz = 6"), [], "unknown key 'stepz'.*allowed keys: audio_shift"),
+    (BASE.replace('use = "euler"', 'use = "os:system"'), [], "unknown sampler stage 'os:system'"),
+    (BASE.replace("steps = 6", 'steps = "six"'), [], "steps must be int"),
+    (BASE.replace("version = 1", "version = 99"), [], "version 99"),
+    (BASE.replace("version = 1\n", ""), [], "version None"),
+    (BASE + "[parallel]\nx = 1\n", [], "unknown section 'parallel'"),
+    (BASE.replace("[mux]\nuse = \"pyav\"\n", ""), [], r"\[mux\] needs use"),
+    (BASE, ["sampler.steps"], "is not section.key=value"),
+    (BASE, ["video.x=1"], "unknown section 'video'"),
+    (BASE, ["runtime.dtype=1"], "dtype must be str"),
+    (BASE.replace("steps = 6", "steps = 6 6"), [], "not valid TOML.*line 6"),
+])
+def test_bad_presets(tmp_path, text, overrides, message):
+    with pytest.raises(UsageError, match=message):
+        resolve(write(tmp_path, text), registry(), overrides)
+
+
+def test_unknown_preset_name_lists_the_available_ones():
+    with pytest.raises(UsageError, match="available: fasth3, h3-base, tiny"):
+        resolve("nope", registry())
+
+
+def test_presets_cli_list_and_show():
+    listed = h3gen("presets", "list", check_code=0).stdout
+    assert "fasth3" in listed and "h3-base" in listed and "tiny" in listed
+    shown = h3gen("presets", "show", "fasth3", "--set", "mux.crf=20", check_code=0).stdout
+    assert "sampler.sigma_positions" in shown and "# preset fasth3" in shown
+    assert "mux.crf" in shown and "20" in shown and "# --set" in shown
+
+
+def test_presets_show_bad_value_exits_2():
+    result = h3gen("presets", "show", "tiny", "--set", "sampler.nope=1")
+    assert result.returncode == 2 and "unknown key 'nope'" in result.stderr
