@@ -1,0 +1,72 @@
+"""Model directories: layout, safetensors only, corrupt files named, never unpickled."""
+
+import shutil
+
+import pytest
+
+from conftest import h3gen
+from h3gen.errors import ModelError
+from h3gen.repo import ModelRepo
+
+
+@pytest.fixture
+def repo_copy(tiny_model, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model, copy)
+    return copy
+
+
+def test_tiny_model_has_the_repository_layout(tiny_model):
+    repo = ModelRepo(tiny_model)
+    for name in ("transformer", "vae", "audio_vae", "text_encoder", "tokenizer", "processor", "scheduler"):
+        assert repo.path(name).is_dir()
+    assert (tiny_model / "modular_model_index.json").is_file()
+
+
+def test_tiny_model_is_written_deterministically(tmp_path):
+    from h3gen.tiny import write_tiny_model
+
+    write_tiny_model(tmp_path / "a")
+    write_tiny_model(tmp_path / "b")
+    for weights in (tmp_path / "a").rglob("*.safetensors"):
+        assert weights.read_bytes() == (tmp_path / "b" / weights.relative_to(tmp_path / "a")).read_bytes()
+
+
+def test_missing_component(repo_copy):
+    shutil.rmtree(repo_copy / "vae")
+    with pytest.raises(ModelError, match="vae is missing"):
+        ModelRepo(repo_copy)
+
+
+def test_pickle_only_checkpoint_is_refused(repo_copy):
+    weights = repo_copy / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.rename(weights.with_suffix(".bin"))
+    with pytest.raises(ModelError, match="is a pickle checkpoint; h3gen loads safetensors only"):
+        ModelRepo(repo_copy)
+
+
+def test_truncated_safetensors_names_the_file(repo_copy):
+    weights = repo_copy / "vae" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ModelError, match="corrupt or truncated checkpoint .*vae/diffusion_pytorch_model"):
+        ModelRepo(repo_copy)
+
+
+def test_garbage_safetensors_names_the_file(repo_copy):
+    (repo_copy / "audio_vae" / "diffusion_pytorch_model.safetensors").write_bytes(b"\x10" * 64)
+    with pytest.raises(ModelError, match="audio_vae/diffusion_pytorch_model.safetensors"):
+        ModelRepo(repo_copy)
+
+
+def test_shapes_that_do_not_match_the_config_exit_2(repo_copy, prompts_file, tmp_path):
+    config = repo_copy / "transformer" / "config.json"
+    config.write_text(config.read_text().replace('"hidden_size": 64', '"hidden_size": 96'))
+    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--model", repo_copy)
+    assert result.returncode == 2
+    assert "cannot load transformer" in result.stderr and result.stderr.strip().count("\n") <= 2
+    assert not list((tmp_path / "out").glob("*.mp4"))
+
+
+def test_not_a_directory_exits_2(prompts_file, tmp_path):
+    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--model", tmp_path / "none")
+    assert result.returncode == 2 and "does not exist" in result.stderr

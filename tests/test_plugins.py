@@ -1,0 +1,95 @@
+"""Plugins: an installed package's entry point registers a stage that a preset then uses."""
+
+import textwrap
+
+from conftest import h3gen
+
+PLUGIN = '''
+import dataclasses, json
+from h3gen.plugins.hookspecs import hookimpl
+from h3gen.stages.mux_stage import PyAVMux
+
+
+@dataclasses.dataclass
+class SidecarConfig:
+    crf: int = 18
+    note: str = ""
+
+
+class SidecarMux(PyAVMux):
+    """Writes the MP4 as usual plus a JSON sidecar, so the test can see the plugin ran."""
+    kind, name = "mux", "sidecar"
+    Config = SidecarConfig
+
+    def run(self, clip):
+        clip = super().run(clip)
+        clip.path.with_suffix(".json").write_text(json.dumps({"note": self.config.note}))
+        return clip
+
+
+@hookimpl
+def h3gen_register_stages(register):
+    register(SidecarMux)
+'''
+
+
+def install_plugin(site):
+    """What `pip install` leaves behind for a package with an `h3gen` entry point."""
+    (site / "h3gen_sidecar.py").write_text(PLUGIN)
+    info = site / "h3gen_sidecar-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: h3gen-sidecar\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[h3gen]\nsidecar = h3gen_sidecar\n")
+    return {"PYTHONPATH": str(site)}
+
+
+def test_entry_point_plugin_stage_is_listed_and_used_from_a_preset(tmp_path, prompts_file):
+    site = tmp_path / "site"
+    site.mkdir()
+    env = install_plugin(site)
+    listed = h3gen("plugins", env=env, check_code=0).stdout
+    assert any(line.split()[:3] == ["mux", "sidecar", "sidecar"] for line in listed.splitlines())
+    assert any(line.split()[:3] == ["sampler", "euler", "h3gen"] for line in listed.splitlines())
+    preset = tmp_path / "with-sidecar.toml"
+    preset.write_text(textwrap.dedent("""\
+        version = 1
+        [request]
+        width = 32
+        height = 32
+        [runtime]
+        dtype = "float32"
+        [encode]
+        use = "qwen3vl"
+        [sampler]
+        use = "euler"
+        steps = 3
+        [vae]
+        use = "diffusers"
+        [quant]
+        use = "none"
+        [mux]
+        use = "sidecar"
+        note = "from the plugin"
+        """))
+    out = tmp_path / "out"
+    h3gen("render", prompts_file('{"id": "c", "prompt": "x"}\n'), "-o", out, "--preset", preset, env=env,
+          check_code=0)
+    assert (out / "c.mp4").stat().st_size > 0
+    assert (out / "c.json").read_text() == '{"note": "from the plugin"}'
+
+
+def test_load_plugins_variable_restricts_plugins(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    env = {**install_plugin(site), "H3GEN_LOAD_PLUGINS": "other"}
+    assert "sidecar" not in h3gen("plugins", env=env, check_code=0).stdout
+
+
+def test_broken_plugin_is_reported_and_skipped(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    env = install_plugin(site)
+    (site / "h3gen_sidecar.py").write_text("raise ImportError('no such dependency')\n")
+    result = h3gen("plugins", env=env, check_code=0)
+    assert "plugin 'sidecar' failed to load: no such dependency" in result.stderr
+    assert "euler" in result.stdout
