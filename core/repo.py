@@ -48,6 +48,18 @@ class ModelRepo:
     def path(self, component: str) -> Path:
         return self.root / component
 
+    def load(self, component: str, cls, **kwargs):
+        """`cls.from_pretrained` on one component folder: local files, safetensors, no remote code."""
+        safe = dict(local_files_only=True, trust_remote_code=False) if component in CONFIG_ONLY else dict(
+            local_files_only=True, use_safetensors=True)
+        return load_component(component, cls.from_pretrained, self.path(component), **safe, **kwargs)
+
+    def text_encoder_config(self):
+        from transformers import AutoConfig
+
+        return load_component("text_encoder config", AutoConfig.from_pretrained, self.path("text_encoder"),
+                              local_files_only=True)
+
     def _check(self, name: str) -> None:
         folder = self.root / name
         if not folder.is_dir():

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from h3gen.errors import ClipError
-from h3gen.repo import load_component
+from h3gen.errors import ClipError, ModelError
 from h3gen.stages.base import Stage
 
 TEXT_TAG = 1  # the AdaLN table's modality tag of a text row: a checkpoint contract
@@ -23,24 +22,19 @@ class Qwen3VLEncoder(Stage):
     description = "Qwen3-VL text encoder (transformers), truncated after the layer H3 reads"
 
     def load(self, repo):
-        from transformers import AutoConfig, Qwen2TokenizerFast, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+        from transformers import Qwen2TokenizerFast, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
-        path = repo.path("text_encoder")
-        config = load_component("text_encoder config", AutoConfig.from_pretrained, path, local_files_only=True)
+        config = repo.text_encoder_config()
         total = config.text_config.num_hidden_layers
         if total <= self.config.layer:
-            raise ClipError(f"the text encoder has {total} layers, H3 reads hidden state {self.config.layer}",
+            raise ModelError(f"the text encoder has {total} layers, H3 reads hidden state {self.config.layer}",
                             "use the repository's own text_encoder/")
         # One layer past the one H3 reads: hidden_states[layer] is then still unnormalized.
         config.text_config.num_hidden_layers = self.config.layer + 1
-        self.tokenizer = load_component("tokenizer", Qwen2TokenizerFast.from_pretrained, repo.path("tokenizer"),
-                                        local_files_only=True)
-        self.processor = load_component("processor", Qwen3VLProcessor.from_pretrained, repo.path("processor"),
-                                        local_files_only=True)
-        self.text_encoder = load_component(
-            "text_encoder", Qwen3VLForConditionalGeneration.from_pretrained, path, config=config,
-            dtype=self.runtime.dtype, use_safetensors=True, local_files_only=True, trust_remote_code=False,
-        ).to(self.runtime.device).eval()
+        self.tokenizer = repo.load("tokenizer", Qwen2TokenizerFast)
+        self.processor = repo.load("processor", Qwen3VLProcessor)
+        self.text_encoder = repo.load("text_encoder", Qwen3VLForConditionalGeneration, config=config,
+                                      dtype=self.runtime.dtype, device_map=self.runtime.device).eval()
         self.text_encoder = self.runtime.quant.transform("text_encoder", self.text_encoder)
 
     def run(self, clip):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from h3gen.repo import load_component
 from h3gen.stages.base import Stage
 
 VIDEO_TAG, AUDIO_TAG = 0, 2
@@ -55,9 +54,9 @@ class EulerSampler(Stage):
             from h3gen.errors import UsageError
 
             raise UsageError("the sigma grid needs at least 2 points", "set sampler.steps >= 2")
-        dit = load_component("transformer", MiniMaxH3Transformer3DModel.from_pretrained, repo.path("transformer"),
-                             torch_dtype=self.runtime.dtype, use_safetensors=True, local_files_only=True)
-        self.dit = self.runtime.quant.transform("dit", dit.to(self.runtime.device).eval())
+        dit = repo.load("transformer", MiniMaxH3Transformer3DModel, torch_dtype=self.runtime.dtype,
+                        device_map=self.runtime.device)
+        self.dit = self.runtime.quant.transform("dit", dit.eval())
         self.patch_size = tuple(self.dit.config.patch_size)
 
     def run(self, clip):

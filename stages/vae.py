@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from h3gen.repo import load_component
 from h3gen.stages.base import Stage
 
 # The video VAE works in ImageNet-normalized pixels.
@@ -16,15 +15,13 @@ class DiffusersVAE(Stage):
     def load(self, repo):
         from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 
-        common = dict(use_safetensors=True, local_files_only=True)
-        self.vae = load_component("vae", AutoencoderKLMiniMaxH3.from_pretrained, repo.path("vae"),
-                                  torch_dtype=self.runtime.dtype, **common).to(self.runtime.device).eval()
-        # The audio VAE is small and decodes in fp32, as the reference does.
         import torch
 
-        self.audio_vae = load_component("audio_vae", AutoencoderKLMiniMaxH3Audio.from_pretrained,
-                                        repo.path("audio_vae"), torch_dtype=torch.float32,
-                                        **common).to(self.runtime.device).eval()
+        device = self.runtime.device
+        self.vae = repo.load("vae", AutoencoderKLMiniMaxH3, torch_dtype=self.runtime.dtype, device_map=device).eval()
+        # The audio VAE is small and decodes in fp32, as the reference does.
+        self.audio_vae = repo.load("audio_vae", AutoencoderKLMiniMaxH3Audio, torch_dtype=torch.float32,
+                                   device_map=device).eval()
         self.sample_rate = self.audio_vae.config.sampling_rate
 
     def run(self, clip):
