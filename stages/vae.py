@@ -8,9 +8,9 @@ from h3gen.stages.base import Stage
 PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-class DiffusersVAE(Stage):
-    kind, name = "vae", "diffusers"
-    description = "diffusers' AutoencoderKLMiniMaxH3 (default tiling) and AutoencoderKLMiniMaxH3Audio"
+class ReferenceVAE(Stage):
+    kind, name = "vae", "reference"
+    description = "diffusers' AutoencoderKLMiniMaxH3 (default tiling) and AutoencoderKLMiniMaxH3Audio, frames to uint8 on the device"
 
     def load(self, repo):
         from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio

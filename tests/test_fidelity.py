@@ -44,3 +44,13 @@ def test_explicit_sigma_positions_are_shifted_per_modality():
     expected = torch.tensor([12 * p / (1 + 11 * p) for p in (0.999, 0.749, 0.5, 0.25, 0.0)])
     torch.testing.assert_close(video.sigmas.cpu(), expected, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(audio.sigmas[1].item(), 3 * 0.749 / (1 + 2 * 0.749), rtol=1e-6, atol=1e-7)
+
+
+def test_reference_preset_writes_the_same_mp4_as_the_diffusers_baseline(tiny_model, prompts_file, tmp_path):
+    """The whole clip, not just the latents: h3gen's stages and diffusers' blocks give the same bytes."""
+    prompts = prompts_file('{"id": "clip", "prompt": "rain on a tin roof", "seed": 42}\n')
+    h3gen("render", prompts, "-o", tmp_path / "ours", "--model", tiny_model, check_code=0)
+    h3gen("render", prompts, "-o", tmp_path / "diffusers", "--model", tiny_model, "--preset", "diffusers",
+          "--set", "request.width=32", "--set", "request.height=32", "--set", 'runtime.dtype="float32"',
+          "--set", "sampler.steps=4", check_code=0)
+    assert (tmp_path / "ours/clip.mp4").read_bytes() == (tmp_path / "diffusers/clip.mp4").read_bytes()

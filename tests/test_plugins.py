@@ -64,7 +64,7 @@ def test_entry_point_plugin_stage_is_listed_and_used_from_a_preset(tmp_path, pro
         use = "euler"
         steps = 3
         [vae]
-        use = "diffusers"
+        use = "reference"
         [quant]
         use = "none"
         [mux]

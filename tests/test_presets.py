@@ -22,7 +22,7 @@ use = "qwen3vl"
 use = "euler"
 steps = 6
 [vae]
-use = "diffusers"
+use = "reference"
 [quant]
 use = "none"
 [mux]
@@ -32,7 +32,7 @@ use = "pyav"
 
 def test_shipped_presets_resolve_with_their_contracts():
     found = registry()
-    assert {"tiny", "h3-base", "fasth3"} <= set(found.presets)
+    assert {"tiny", "h3-base", "fasth3", "diffusers"} <= set(found.presets)
     base, fast = resolve("h3-base", found), resolve("fasth3", found)
     assert forwards(base.stages["sampler"][1]) == 49
     assert forwards(fast.stages["sampler"][1]) == 4
@@ -67,7 +67,7 @@ def test_bad_presets(tmp_path, text, overrides, message):
 
 
 def test_unknown_preset_name_lists_the_available_ones():
-    with pytest.raises(UsageError, match="available: fasth3, h3-base, tiny"):
+    with pytest.raises(UsageError, match="available: diffusers, fasth3, h3-base, tiny"):
         resolve("nope", registry())
 
 

@@ -1,0 +1,115 @@
+"""diffusers' own MiniMax-H3 modular pipeline blocks, used as shipped, wrapped as h3gen stages.
+
+This is the baseline `h3gen bench` measures every preset against: default attention backend, default VAE tiling,
+diffusers' own text encoding, denoise loop and decode. The stages share h3gen's harness (timing, mux), nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from h3gen.stages.base import Stage
+
+
+def modular_pipeline(block_cls, **components):
+    pipe = block_cls().init_pipeline()
+    pipe.update_components(**components)
+    return pipe
+
+
+class DiffusersEncode(Stage):
+    kind, name = "encode", "diffusers"
+    description = "diffusers MiniMaxH3TextEncoderStep as shipped (full Qwen3-VL stack)"
+
+    def load(self, repo):
+        from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3TextEncoderStep
+        from transformers import Qwen2TokenizerFast, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+
+        text_encoder = repo.load("text_encoder", Qwen3VLForConditionalGeneration, dtype=self.runtime.dtype,
+                                 device_map=self.runtime.device).eval()
+        self.pipe = modular_pipeline(MiniMaxH3TextEncoderStep, text_encoder=text_encoder,
+                                     tokenizer=repo.load("tokenizer", Qwen2TokenizerFast),
+                                     processor=repo.load("processor", Qwen3VLProcessor))
+
+    def run(self, clip):
+        state = self.pipe(prompt=clip.request.prompt, output=["prompt_embeds", "text_token_tags"])
+        clip.prompt_embeds, clip.text_token_tags = state["prompt_embeds"], state["text_token_tags"]
+        return clip
+
+    def unload(self):
+        self.pipe = None
+
+
+@dataclasses.dataclass
+class DiffusersSamplerConfig:
+    steps: int = 50
+
+
+class DiffusersSampler(Stage):
+    kind, name = "sampler", "diffusers"
+    Config = DiffusersSamplerConfig
+    description = "diffusers MiniMaxH3CoreDenoiseStep as shipped (default attention backend)"
+
+    def load(self, repo):
+        from diffusers import MiniMaxH3Scheduler, MiniMaxH3Transformer3DModel
+        from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3CoreDenoiseStep
+
+        transformer = repo.load("transformer", MiniMaxH3Transformer3DModel, torch_dtype=self.runtime.dtype,
+                                device_map=self.runtime.device).eval()
+        self.pipe = modular_pipeline(MiniMaxH3CoreDenoiseStep, transformer=transformer,
+                                     scheduler=MiniMaxH3Scheduler(shift=12.0),
+                                     audio_scheduler=MiniMaxH3Scheduler(shift=3.0))
+
+    def run(self, clip):
+        import torch
+
+        request = clip.request
+        counter = self.pipe.transformer.register_forward_hook(
+            lambda *_: self.runtime.on_step(clip, counter.calls.__setitem__(0, counter.calls[0] + 1) or
+                                            counter.calls[0], self.config.steps - 1))
+        counter.calls = [0]
+        try:
+            state = self.pipe(prompt_embeds=clip.prompt_embeds, text_token_tags=clip.text_token_tags,
+                              height=request.height, width=request.width, num_frames=request.frames,
+                              num_inference_steps=self.config.steps,
+                              generator=torch.Generator("cpu").manual_seed(request.seed),
+                              output=["latents", "audio_latents"])
+        finally:
+            counter.remove()
+        clip.video_latents, clip.audio_latents = state["latents"], state["audio_latents"]
+        clip.notes["forwards"] = counter.calls[0]
+        return clip
+
+    def unload(self):
+        self.pipe = None
+
+
+class DiffusersDecode(Stage):
+    kind, name = "vae", "diffusers"
+    description = "diffusers MiniMaxH3DecodeStep as shipped (default VAE tiling)"
+
+    def load(self, repo):
+        import torch
+        from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+        from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3DecodeStep
+
+        device = self.runtime.device
+        self.pipe = modular_pipeline(
+            MiniMaxH3DecodeStep,
+            vae=repo.load("vae", AutoencoderKLMiniMaxH3, torch_dtype=self.runtime.dtype, device_map=device).eval(),
+            audio_vae=repo.load("audio_vae", AutoencoderKLMiniMaxH3Audio, torch_dtype=torch.float32,
+                                device_map=device).eval())
+
+    def run(self, clip):
+        import numpy as np
+
+        state = self.pipe(latents=clip.video_latents, audio_latents=clip.audio_latents, output_type="np",
+                          output=["videos", "audio", "sampling_rate"])
+        # diffusers hands back float frames in [0, 1] on the host; the encoder wants uint8.
+        clip.frames = (np.asarray(state["videos"][0]) * 255).round().astype(np.uint8)
+        clip.audio = state["audio"][0].cpu().numpy()
+        clip.notes["sample_rate"] = state["sampling_rate"]
+        return clip
+
+    def unload(self):
+        self.pipe = None
