@@ -22,6 +22,19 @@ def frames_for_duration(seconds: float) -> int:
     return frames
 
 
+AUDIO_LATENTS_PER_SECOND = 40
+VIDEO_LATENT_CHANNELS, AUDIO_LATENT_CHANNELS, AUDIO_CHANNELS = 24, 32, 2
+
+
+def latent_frames(frames: int) -> int:
+    """17n+5 frames encode to 5n+2 latent frames."""
+    return (frames - 5) // 17 * 5 + 2
+
+
+def audio_latents(frames: int) -> int:
+    return int(round(frames / FPS * AUDIO_LATENTS_PER_SECOND))
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     index: int
@@ -36,6 +49,14 @@ class Request:
     @property
     def duration(self) -> float:
         return self.frames / FPS
+
+    @property
+    def video_latent_shape(self) -> tuple[int, ...]:
+        return (1, VIDEO_LATENT_CHANNELS, latent_frames(self.frames), self.height // 16, self.width // 16)
+
+    @property
+    def audio_latent_shape(self) -> tuple[int, ...]:
+        return (AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, audio_latents(self.frames))
 
 
 @dataclasses.dataclass

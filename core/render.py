@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from h3gen.clip import Clip, Request
-from h3gen.errors import ClipError, H3genError
+from h3gen.errors import H3genError
 from h3gen.timing import StageTimer
 
 PIPELINE = ("encode", "sampler", "vae", "mux")  # quant is applied at load time by the stages that load weights
@@ -94,6 +94,8 @@ class Renderer:
             error = "out of GPU memory (try an FP8 preset, fewer frames or a smaller size)"
         except OSError as e:
             error = f"cannot write {clip.path}: {e.strerror or e}"
+        except Exception as e:  # a faulty stage costs its clip, not the batch
+            error = f"{type(e).__name__} in a stage: {e}"
         finally:
             clip.frames = clip.audio = None
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0

@@ -54,6 +54,9 @@ class ModelRepo:
             local_files_only=True, use_safetensors=True)
         return load_component(component, cls.from_pretrained, self.path(component), **safe, **kwargs)
 
+    def text_dim(self) -> int:
+        return json.loads((self.path("transformer") / "config.json").read_text()).get("text_dim", 5120)
+
     def text_encoder_config(self):
         from transformers import AutoConfig
 

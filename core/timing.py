@@ -12,7 +12,8 @@ class StageTimer:
         self.on_stage = on_stage or (lambda clip, kind, seconds: None)
 
     @contextlib.contextmanager
-    def measure(self, clip, kind: str):
+    def measure(self, clip, kind: str, report: bool = True):
+        """Add the time of the block to `clip.seconds[kind]`; `report=False` for parts of a reported stage."""
         if self.cuda:
             import torch
 
@@ -27,4 +28,5 @@ class StageTimer:
             yield
             seconds = time.perf_counter() - began
         clip.seconds[kind] = clip.seconds.get(kind, 0.0) + seconds
-        self.on_stage(clip, kind, seconds)
+        if report:
+            self.on_stage(clip, kind, seconds)

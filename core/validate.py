@@ -77,20 +77,20 @@ class _PixelStats:
 
     def __init__(self) -> None:
         self.frames = self.count = 0
-        self.total = self.squares = np.zeros(3, dtype=object)
+        self.total = np.zeros(3, np.int64)
+        self.squares = np.zeros(3, np.int64)
 
     def add(self, frame: av.VideoFrame) -> None:
         pixels = frame.to_ndarray(format="rgb24").reshape(-1, 3).astype(np.int64)
         self.frames += 1
         self.count += len(pixels)
-        self.total = self.total + pixels.sum(axis=0).astype(object)
-        self.squares = self.squares + np.square(pixels).sum(axis=0).astype(object)
+        self.total += pixels.sum(axis=0)
+        self.squares += np.square(pixels).sum(axis=0)
 
     def variance(self) -> float:
-        if not self.count:
-            return 0.0
-        spread = self.count * self.squares - self.total * self.total
-        return float(spread.sum()) / self.count**2
+        n = self.count
+        spread = sum(n * int(sq) - int(t) ** 2 for t, sq in zip(self.total, self.squares))
+        return spread / n**2 if n else 0.0
 
 
 class _SoundStats:

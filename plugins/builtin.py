@@ -9,7 +9,7 @@ from h3gen.plugins.hookspecs import hookimpl
 def h3gen_register_stages(register):
     from h3gen.stages.diffusers_baseline import DiffusersDecode, DiffusersEncode, DiffusersSampler
     from h3gen.stages.encode import Qwen3VLEncoder
-    from h3gen.stages.mux_stage import PyAVMux
+    from h3gen.stages.mux import PyAVMux
     from h3gen.stages.quant import NoQuant
     from h3gen.stages.sampler import EulerSampler
     from h3gen.stages.vae import ReferenceVAE

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from h3gen.clip import AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
 from h3gen.stages.base import Stage
 
 VIDEO_TAG, AUDIO_TAG = 0, 2
-AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS = 2, 32, 24
-AUDIO_LATENTS_PER_SECOND, FPS = 40, 24
 
 
 @dataclasses.dataclass
@@ -72,11 +71,9 @@ class EulerSampler(Stage):
     def layout(self, clip) -> dict:
         from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
 
-        request = clip.request
-        latent_frames = (request.frames - 5) // 17 * 5 + 2
-        shape = dict(latent_frames=latent_frames, latent_height=request.height // 16,
-                     latent_width=request.width // 16,
-                     audio_latents=int(round(request.frames / FPS * AUDIO_LATENTS_PER_SECOND)))
+        _, _, frames, height, width = clip.request.video_latent_shape
+        shape = dict(latent_frames=frames, latent_height=height, latent_width=width,
+                     audio_latents=clip.request.audio_latent_shape[-1])
         position_ids, token_tags, video_indices, audio_indices, text_indices, _, _ = (
             MiniMaxH3PrepareLayoutStep.build_packed_sequence(
                 clip.text_token_tags, shape["latent_frames"], shape["latent_height"], shape["latent_width"],
@@ -91,8 +88,7 @@ class EulerSampler(Stage):
         from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
 
         generator = torch.Generator("cpu").manual_seed(clip.request.seed)
-        video = torch.randn((1, VIDEO_LATENT_CHANNELS, layout["latent_frames"], layout["latent_height"],
-                             layout["latent_width"]), generator=generator, dtype=torch.float32)
+        video = torch.randn(clip.request.video_latent_shape, generator=generator, dtype=torch.float32)
         audio_rows = torch.randn((layout["audio_latents"] * AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS),
                                  generator=generator, dtype=torch.float32)
         device = self.runtime.device

@@ -27,9 +27,14 @@ class ReferenceVAE(Stage):
     def run(self, clip):
         import torch
 
+        measure = self.runtime.timer.measure
         with torch.inference_mode():
-            clip.frames = self.decode_video(clip.video_latents)
-            clip.audio = self.decode_audio(clip.audio_latents)
+            with measure(clip, "vae_video", report=False):
+                frames = self.decode_video(clip.video_latents)
+            with measure(clip, "vae_audio", report=False):
+                audio = self.decode_audio(clip.audio_latents)
+            with measure(clip, "transfer", report=False):
+                clip.frames, clip.audio = frames.cpu().numpy(), audio.cpu().numpy()
         clip.notes["sample_rate"] = self.sample_rate
         return clip
 
@@ -44,8 +49,7 @@ class ReferenceVAE(Stage):
         pixel_std = torch.tensor(PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
         video = (video.float() * pixel_std + pixel_mean).clamp(0, 1)
         # Frames become uint8 once, on the device, in the (T, H, W, RGB) layout the encoder reads.
-        frames = (video[0] * 255).round().to(torch.uint8).permute(1, 2, 3, 0)
-        return frames.cpu().numpy()
+        return (video[0] * 255).round().to(torch.uint8).permute(1, 2, 3, 0)
 
     def decode_audio(self, latents):
         import torch
@@ -54,7 +58,7 @@ class ReferenceVAE(Stage):
         mean = torch.tensor(config.latents_mean, device=device).view(1, -1, 1)
         std = torch.tensor(config.latents_std, device=device).view(1, -1, 1)
         audio = self.audio_vae.decode(latents.float() * std + mean, return_dict=False)[0]
-        return audio.float()[:, 0].cpu().numpy()
+        return audio.float()[:, 0]
 
     def unload(self):
         self.vae = self.audio_vae = None

@@ -7,12 +7,11 @@ from conftest import h3gen
 PLUGIN = '''
 import dataclasses, json
 from h3gen.plugins.hookspecs import hookimpl
-from h3gen.stages.mux_stage import PyAVMux
+from h3gen.stages.mux import PyAVMux, PyAVMuxConfig
 
 
 @dataclasses.dataclass
-class SidecarConfig:
-    crf: int = 18
+class SidecarConfig(PyAVMuxConfig):
     note: str = ""
 
 

@@ -1,0 +1,77 @@
+"""Full-size MiniMax-H3 components with random weights, built directly on the device.
+
+Real weights cannot be had everywhere a benchmark runs; timing does not depend on weight values, only on
+shapes and dtypes. Modules are constructed under the device and the target dtype, so no copy ever sits in host
+memory, and initialized by their own init (random, never zeros). The tokenizer and processor come from the tiny
+model: a benchmark fixes the token count, not the text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+# Qwen3-VL-32B's text stack: what MiniMax-H3 conditions on (hidden size 5120 = the DiT's text_dim).
+QWEN3VL_32B_TEXT = dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                        num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=5000000.0,
+                        rope_scaling={"rope_type": "default", "mrope_section": [24, 20, 20],
+                                      "mrope_interleaved": True})
+QWEN3VL_32B_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=5120,
+                          patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                          deepstack_visual_indexes=[8, 16, 24])
+
+
+@contextlib.contextmanager
+def built_on(device, dtype):
+    import torch
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class FullSizeRandom:
+    """Stands in for a `ModelRepo`: same `load` interface, full-size random components."""
+
+    def __init__(self, tiny_repo, seed: int = 1101):
+        self.tiny_repo, self.seed = tiny_repo, seed
+        self.root = "full-size random weights"
+
+    def text_dim(self) -> int:
+        return QWEN3VL_32B_TEXT["hidden_size"]
+
+    def text_encoder_config(self):
+        from transformers import Qwen2TokenizerFast, Qwen3VLConfig
+
+        tokenizer = self.tiny_repo.load("tokenizer", Qwen2TokenizerFast)
+        ids = {n: tokenizer.convert_tokens_to_ids(f"<|{n}|>") for n in ("image_pad", "video_pad", "vision_start",
+                                                                          "vision_end")}
+        return Qwen3VLConfig(text_config=dict(QWEN3VL_32B_TEXT), vision_config=dict(QWEN3VL_32B_VISION),
+                             image_token_id=ids["image_pad"], video_token_id=ids["video_pad"],
+                             vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"])
+
+    def load(self, component: str, cls, torch_dtype=None, dtype=None, device_map="cpu", config=None, **_):
+        import torch
+
+        if component in ("tokenizer", "processor"):
+            return self.tiny_repo.load(component, cls)
+        torch.manual_seed(self.seed)
+        dtype = torch_dtype or dtype or torch.bfloat16
+        with built_on(device_map, dtype):
+            if component == "text_encoder":
+                return cls(config or self.text_encoder_config())
+            if component == "audio_vae":
+                model = cls(latents_mean=[0.1] * 32, latents_std=[1.1] * 32)
+            elif component == "vae":
+                model = cls(latents_mean=[0.1] * 24, latents_std=[1.1] * 24)
+            else:
+                model = cls()
+        # The checkpoint's fp32 islands (patch projections, time embedder, heads) stay fp32, as when loading.
+        keep_fp32 = set(getattr(cls, "_keep_in_fp32_modules", None) or ())
+        for name, module in model.named_children():
+            if name in keep_fp32:
+                module.float()
+        return model

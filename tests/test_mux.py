@@ -1,0 +1,127 @@
+import errno
+
+import numpy as np
+import pytest
+
+from h3gen.stages import mux
+from h3gen.stages.mux import write_mp4
+from h3gen.validate import probe_clip, validate_clip
+
+FRAMES, SIZE, FPS, RATE = 124, 32, 24, 32000
+
+
+def moving_frames(frames: int = FRAMES) -> np.ndarray:
+    rng = np.random.default_rng(7)
+    t, y, x = np.meshgrid(np.arange(frames), np.arange(SIZE), np.arange(SIZE), indexing="ij")
+    ramp = (x * 6 + y * 2 + t * 5) % 256
+    noise = rng.integers(0, 32, (frames, SIZE, SIZE))
+    return np.stack([ramp, 255 - ramp, noise * 4], axis=-1).astype(np.uint8)
+
+
+def soundtrack(seconds: float = FRAMES / FPS) -> np.ndarray:
+    t = np.arange(round(seconds * RATE)) / RATE
+    left, right = np.sin(2 * np.pi * 440 * t), np.sin(2 * np.pi * 660 * t)
+    return (0.5 * np.stack([left, right])).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    path = tmp_path_factory.mktemp("clip") / "clip.mp4"
+    write_mp4(path, moving_frames(), soundtrack())
+    return path
+
+
+def test_valid_clip_has_no_problems(clip):
+    assert validate_clip(clip, expected_frames=FRAMES) == []
+    info = probe_clip(clip)
+    assert (info.frames, info.width, info.height, info.fps) == (FRAMES, SIZE, SIZE, FPS)
+    assert (info.video_codec, info.audio_codec) == ("h264", "aac")
+    assert (info.audio_channels, info.sample_rate) == (2, RATE)
+    assert info.audio_duration == pytest.approx(info.video_duration, abs=0.1)
+
+
+def test_only_the_finished_clip_is_left(clip):
+    assert [p.name for p in clip.parent.iterdir()] == ["clip.mp4"]
+
+
+def test_identical_inputs_give_identical_bytes(tmp_path):
+    first, second = tmp_path / "first.mp4", tmp_path / "second.mp4"
+    write_mp4(first, moving_frames(), soundtrack())
+    write_mp4(second, moving_frames(), soundtrack())
+    data = first.read_bytes()
+    assert data == second.read_bytes()
+    mvhd = data.index(b"mvhd")
+    assert data[mvhd + 8 : mvhd + 16] == bytes(8), "creation/modification time must be zero"
+    assert b"Lavf" not in data
+
+
+def test_constant_video_fails(tmp_path):
+    path = tmp_path / "grey.mp4"
+    write_mp4(path, np.full((FRAMES, SIZE, SIZE, 3), 128, np.uint8), soundtrack())
+    problems = validate_clip(path, expected_frames=FRAMES)
+    assert problems == ["video is constant (zero pixel variance)"]
+
+
+def test_silent_audio_fails(tmp_path):
+    path = tmp_path / "silent.mp4"
+    write_mp4(path, moving_frames(), np.zeros_like(soundtrack()))
+    (problem,) = validate_clip(path, expected_frames=FRAMES)
+    assert problem.startswith("audio is silent")
+
+
+def test_wrong_frame_count_fails(clip):
+    assert validate_clip(clip, expected_frames=100) == ["video has 124 frames, expected 100"]
+
+
+def test_audio_shorter_than_video_fails(tmp_path):
+    path = tmp_path / "short.mp4"
+    write_mp4(path, moving_frames(), soundtrack(seconds=2.0))
+    (problem,) = validate_clip(path)
+    assert problem.startswith("audio lasts 2.0")
+
+
+def test_loud_audio_is_clipped_not_rejected(tmp_path):
+    path = tmp_path / "loud.mp4"
+    write_mp4(path, moving_frames(24), 4 * soundtrack(seconds=1.0))
+    assert validate_clip(path, expected_frames=24) == []
+
+
+def test_failure_mid_write_leaves_no_file(tmp_path, monkeypatch):
+    def broken_audio(*args):
+        raise RuntimeError("encoder died")
+
+    monkeypatch.setattr(mux, "_encode_audio", broken_audio)
+    with pytest.raises(RuntimeError, match="encoder died"):
+        write_mp4(tmp_path / "clip.mp4", moving_frames(), soundtrack())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unencodable_input_leaves_no_file(tmp_path):
+    with pytest.raises(ValueError):
+        write_mp4(tmp_path / "clip.mp4", np.zeros((4, SIZE, SIZE), np.float32), soundtrack())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_full_propagates_as_is(tmp_path, monkeypatch):
+    disk_full = OSError(errno.ENOSPC, "No space left on device")
+
+    def full_disk(path):
+        raise disk_full
+
+    monkeypatch.setattr(mux, "_fsync", full_disk)
+    with pytest.raises(OSError) as raised:
+        write_mp4(tmp_path / "clip.mp4", moving_frames(24), soundtrack(seconds=1.0))
+    assert raised.value is disk_full
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_corrupt_file_is_a_problem(tmp_path):
+    path = tmp_path / "corrupt.mp4"
+    path.write_bytes(np.random.default_rng(3).bytes(4096))
+    (problem,) = validate_clip(path)
+    assert problem.startswith("cannot read")
+
+
+def test_missing_file_is_a_problem(tmp_path):
+    (problem,) = validate_clip(tmp_path / "missing.mp4")
+    assert problem.startswith("cannot read")
