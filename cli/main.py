@@ -61,6 +61,33 @@ def render(
 
 
 @app.command()
+def bench(
+    presets: Annotated[Optional[list[str]], typer.Option("--preset", help="Preset to measure (repeatable).")] = None,
+    baseline: Annotated[str, typer.Option("--baseline", help="Baseline preset; 'none' for no baseline.")] = "diffusers",
+    durations: Annotated[str, typer.Option("--durations", help="Media seconds, comma-separated (5, 10, 15).")] = "10",
+    size: Annotated[str, typer.Option("--size", help="WIDTHxHEIGHT.")] = "1344x768",
+    repeat: Annotated[int, typer.Option("--repeat", min=1, help="Timed runs per stage.")] = 3,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed runs per stage first.")] = 1,
+    random_weights: Annotated[Optional[str], typer.Option("--random-weights",
+                                                          help="full (real sizes, random) or tiny.")] = None,
+    model: Annotated[Optional[Path], typer.Option("--model", envvar="H3GEN_MODEL", help="Model directory.")] = None,
+    stages: Annotated[str, typer.Option("--stages", help="Stages to time: encode,dit,vae,mux.")] = "encode,dit,vae,mux",
+    forwards: Annotated[Optional[int], typer.Option("--forwards", min=1,
+                                                    help="Time K DiT forwards and scale to the preset's count.")] = None,
+    text_tokens: Annotated[int, typer.Option("--text-tokens", min=1, help="Prompt length in tokens.")] = 256,
+    output: Annotated[Path, typer.Option("-o", "--output", help="Results directory.")] = Path("bench/results"),
+):
+    """Time presets against the diffusers baseline, stage by stage; write JSON, a markdown table and a chart."""
+    from h3gen.cli.bench import run_bench_command
+
+    try:
+        run_bench_command(presets or ["h3-base"], baseline, durations, size, repeat, warmup, random_weights, model,
+                          stages, forwards, text_tokens, output)
+    except H3genError as e:
+        fail(e)
+
+
+@app.command()
 def validate(
     files: Annotated[list[Path], typer.Argument(help="MP4 files to check.")],
     frames: Annotated[Optional[int], typer.Option("--frames", help="Expected frame count.")] = None,

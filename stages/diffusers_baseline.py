@@ -14,6 +14,7 @@ from h3gen.stages.base import Stage
 def modular_pipeline(block_cls, **components):
     pipe = block_cls().init_pipeline()
     pipe.update_components(**components)
+    pipe.set_progress_bar_config(disable=True)
     return pipe
 
 

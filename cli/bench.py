@@ -1,0 +1,67 @@
+"""`h3gen bench`: parse the plan, pick the weights, run, write the results."""
+
+from __future__ import annotations
+
+from h3gen.errors import UsageError
+
+STAGES = ("encode", "dit", "vae", "mux")
+
+
+def parse_plan(presets, baseline, durations, size, repeat, warmup, stages, forwards, text_tokens):
+    from h3gen.bench import BenchPlan
+
+    try:
+        seconds = [float(d) for d in durations.split(",") if d.strip()]
+        width, height = (int(v) for v in size.lower().split("x"))
+    except ValueError:
+        raise UsageError(f"cannot read --durations {durations!r} or --size {size!r}",
+                         "e.g. --durations 5,10,15 --size 1344x768") from None
+    chosen = tuple(s.strip() for s in stages.split(",") if s.strip())
+    unknown = set(chosen) - set(STAGES)
+    if unknown:
+        raise UsageError(f"unknown stage '{sorted(unknown)[0]}' in --stages", f"choose from {','.join(STAGES)}")
+    return BenchPlan(presets=list(presets), baseline=None if baseline == "none" else baseline, durations=seconds,
+                     width=width, height=height, repeat=repeat, warmup=warmup, stages=chosen, forwards=forwards,
+                     text_tokens=text_tokens)
+
+
+def weights_source(random_weights, model):
+    from h3gen.repo import ModelRepo
+    from h3gen.tiny import ensure_tiny_model
+
+    if random_weights not in (None, "full", "tiny"):
+        raise UsageError(f"--random-weights {random_weights!r}", "use full or tiny")
+    if random_weights == "full":
+        from h3gen.random_weights import FullSizeRandom
+
+        return FullSizeRandom(ModelRepo(ensure_tiny_model()))
+    if random_weights == "tiny" or model is None:
+        return ModelRepo(ensure_tiny_model())
+    return ModelRepo(model)
+
+
+def run_bench_command(presets, baseline, durations, size, repeat, warmup, random_weights, model, stages, forwards,
+                      text_tokens, output):
+    import sys
+
+    from h3gen.bench import run_bench
+    from h3gen.bench_report import write_results
+    from h3gen.plugins.manager import registry
+    from h3gen.preset import resolve
+    from h3gen.quiet import quiet_libraries
+
+    plan = parse_plan(presets, baseline, durations, size, repeat, warmup, stages, forwards, text_tokens)
+    found = registry()
+    for name in plan.presets + ([plan.baseline] if plan.baseline else []):
+        resolve(name, found)  # a typo fails now, not after the first preset's minutes
+    quiet_libraries()
+    source = weights_source(random_weights, model)
+
+    def say(text):
+        print(text, file=sys.stderr, flush=True)
+
+    records = run_bench(plan, found, source, random_weights, say)
+    paths = write_results(records, output)
+    say(paths["md"].read_text())
+    for path in paths.values():
+        print(path)

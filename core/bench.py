@@ -1,0 +1,209 @@
+"""`h3gen bench`: every preset and the diffusers baseline through the same harness, in one run, on one device.
+
+Stages run one at a time (load, warm up, time `repeat` runs, unload) so components that do not fit in memory
+together can still be measured; end to end is the sum of the stage times of each repeat. With `forwards=K`,
+K DiT forwards are timed and the DiT total is scaled to the preset's own forward count; both are reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import tempfile
+from pathlib import Path
+
+from h3gen.clip import AUDIO_CHANNELS, Clip, Request
+from h3gen.render import PIPELINE, Runtime, pick_device
+from h3gen.timing import StageTimer
+
+SAMPLES_PER_AUDIO_LATENT = 800
+RECORD_STAGES = ("encode", "dit", "vae_video", "vae_audio", "transfer", "mux", "e2e")
+
+
+def bench_frames(seconds: float) -> int:
+    """5 / 10 / 15 s -> 124 / 243 / 362 frames: the nearest 17n+5."""
+    return 17 * round((seconds * 24 - 5) / 17) + 5
+
+
+@dataclasses.dataclass
+class BenchPlan:
+    presets: list[str]
+    baseline: str | None = "diffusers"
+    durations: list[float] = dataclasses.field(default_factory=lambda: [10.0])
+    width: int = 1344
+    height: int = 768
+    repeat: int = 3
+    warmup: int = 1
+    stages: tuple[str, ...] = ("encode", "dit", "vae", "mux")
+    forwards: int | None = None
+    text_tokens: int = 256
+    seed: int = 1101
+
+
+def forward_overrides(preset, forwards: int | None) -> list[str]:
+    """Overrides that make the sampler run `forwards` forwards (per-forward time does not depend on sigma)."""
+    if not forwards:
+        return []
+    overrides = [f"sampler.steps={forwards + 1}"]
+    if hasattr(preset.stages["sampler"][1], "sigma_positions"):
+        overrides.append("sampler.sigma_positions=[]")
+    return overrides
+
+
+def preset_forwards(preset) -> int:
+    from h3gen.stages.sampler import forwards
+
+    config = preset.stages["sampler"][1]
+    return forwards(config) if hasattr(config, "sigma_positions") else config.steps - 1
+
+
+class StageBench:
+    """Times one preset at one request, stage by stage."""
+
+    def __init__(self, preset, registry, source, plan: BenchPlan, request: Request, workdir: Path):
+        import torch
+
+        self.plan, self.source, self.request = plan, source, request
+        device = pick_device(preset.runtime["device"])
+        self.runtime = Runtime(device, getattr(torch, preset.runtime["dtype"]), StageTimer(device))
+        self.stages = {kind: registry.stage(kind, name)(config, self.runtime)
+                       for kind, (name, config) in preset.stages.items()}
+        self.runtime.quant = self.stages["quant"]
+        self.stages["quant"].load(source)
+        self.clip = Clip(request=request, path=workdir / "bench.mp4", preset=preset.name)
+        self.peaks: dict[str, float] = {}
+        self.forwards_run = 0
+
+    def run(self) -> list[dict[str, float]]:
+        """Per repeat, the seconds of every stage and part of a stage that ran."""
+        runs = [{} for _ in range(self.plan.repeat)]
+        for kind in PIPELINE:
+            wanted = "dit" if kind == "sampler" else kind
+            if wanted not in self.plan.stages:
+                self.stand_in(kind)
+                continue
+            for index, seconds in enumerate(self.time_stage(kind)):
+                runs[index].update(seconds)
+        return runs
+
+    def time_stage(self, kind: str) -> list[dict[str, float]]:
+        import torch
+
+        stage = self.stages[kind]
+        stage.load(self.source)
+        cuda = self.runtime.device.startswith("cuda")
+        try:
+            for _ in range(self.plan.warmup):
+                stage(dataclasses.replace(self.clip, seconds={}, notes=dict(self.clip.notes)))
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            timed = []
+            for _ in range(self.plan.repeat):
+                clip = stage(dataclasses.replace(self.clip, seconds={}, notes=dict(self.clip.notes)))
+                timed.append(clip.seconds)
+            self.clip = clip
+            self.forwards_run = clip.notes.get("forwards", self.forwards_run)
+            self.peaks[kind] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+        finally:
+            stage.unload()
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        return timed
+
+    def stand_in(self, kind: str) -> None:
+        """Random (never zero) inputs for the next stage when this one is not being measured."""
+        import numpy as np
+        import torch
+
+        device, request = self.runtime.device, self.request
+        generator = torch.Generator("cpu").manual_seed(self.plan.seed)
+        if kind == "encode":
+            tokens = self.plan.text_tokens
+            self.clip.prompt_embeds = torch.randn((1, tokens, self.source.text_dim()), generator=generator).to(
+                device, self.runtime.dtype)
+            self.clip.text_token_tags = torch.full((tokens,), 1, dtype=torch.long)
+        elif kind == "sampler":
+            self.clip.video_latents = torch.randn(request.video_latent_shape, generator=generator).to(device)
+            self.clip.audio_latents = torch.randn(request.audio_latent_shape, generator=generator).to(device)
+        elif kind == "vae":
+            rng = np.random.default_rng(self.plan.seed)
+            self.clip.frames = rng.integers(0, 256, (request.frames, request.height, request.width, 3), np.uint8)
+            samples = request.audio_latent_shape[-1] * SAMPLES_PER_AUDIO_LATENT
+            self.clip.audio = rng.uniform(-0.5, 0.5, (AUDIO_CHANNELS, samples)).astype(np.float32)
+
+
+def summarize(values: list[float]) -> tuple[float, float]:
+    ordered = sorted(values)
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    return statistics.median(ordered), p95
+
+
+def records_for(name, baseline, request, runs, forwards_run, full_forwards, peaks, common) -> list[dict]:
+    duration = request.duration
+    per_stage: dict[str, list[float]] = {}
+    for seconds in runs:
+        if "sampler" in seconds and forwards_run:
+            seconds["dit"] = seconds["sampler"] / forwards_run * full_forwards
+        parts = [seconds.get(k, 0.0) for k in ("encode", "dit", "vae", "mux")]
+        seconds["e2e"] = sum(parts)
+        for stage in RECORD_STAGES:
+            if stage in seconds:
+                per_stage.setdefault(stage, []).append(seconds[stage])
+    records = []
+    for stage, values in per_stage.items():
+        median, p95 = summarize(values)
+        record = dict(common, preset=name, baseline=baseline, duration_s=round(duration, 4), frames=request.frames,
+                      size=f"{request.width}x{request.height}", stage=stage, median_s=round(median, 4),
+                      p95_s=round(p95, 4), repeats=len(values), per_forward_s=None, forwards=None,
+                      peak_gib=round(max(peaks.values(), default=0.0) if stage == "e2e" else
+                                     peaks.get({"dit": "sampler", "vae_video": "vae", "vae_audio": "vae",
+                                                "transfer": "vae"}.get(stage, stage), 0.0), 3),
+                      rtf=round(median / duration, 4) if stage == "e2e" else None)
+        if stage == "dit":
+            record.update(per_forward_s=round(median / full_forwards, 4), forwards=full_forwards,
+                          notes=f"{forwards_run} forwards timed, scaled to {full_forwards}")
+        records.append(record)
+    return records
+
+
+def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say=print) -> list[dict]:
+    from h3gen.preset import resolve
+
+    common = dict(gpus=1, layout="single", random_weights=random_weights, notes="")
+    names = [(plan.baseline, True)] if plan.baseline else []
+    names += [(name, False) for name in plan.presets]
+    records = []
+    prompt = " ".join(["a"] * plan.text_tokens)
+    with tempfile.TemporaryDirectory(prefix="h3gen-bench-") as workdir:
+        for seconds in plan.durations:
+            request = Request(index=0, prompt=prompt, seed=plan.seed, width=plan.width, height=plan.height,
+                              frames=bench_frames(seconds), id="bench")
+            for name, baseline in names:
+                preset = resolve(name, registry)
+                full_forwards = preset_forwards(preset)
+                preset = resolve(name, registry, forward_overrides(preset, plan.forwards))
+                say(f"bench: {name} at {seconds:g} s ({request.frames} frames, {plan.width}x{plan.height})")
+                try:
+                    bench = StageBench(preset, registry, source, plan, request, Path(workdir))
+                    runs = bench.run()
+                except Exception as e:  # one preset failing must not lose the others' numbers
+                    say(f"bench: {name} at {seconds:g} s failed: {type(e).__name__}: {str(e)[:300]}")
+                    records.append(dict(common, preset=name, baseline=baseline, duration_s=request.duration,
+                                        frames=request.frames, size=f"{plan.width}x{plan.height}", stage="e2e",
+                                        median_s=None, p95_s=None, repeats=0, per_forward_s=None, forwards=None,
+                                        peak_gib=None, rtf=None, notes=f"failed: {type(e).__name__}: {e}"[:500]))
+                    continue
+                records += records_for(name, baseline, request, runs, bench.forwards_run, full_forwards,
+                                       bench.peaks, common)
+    add_ratios(records)
+    return records
+
+
+def add_ratios(records: list[dict]) -> None:
+    """`vs_baseline`: the baseline's median over this one's (above 1 = faster than the baseline)."""
+    base = {(r["duration_s"], r["stage"]): r["median_s"] for r in records if r["baseline"] and r["median_s"]}
+    for r in records:
+        reference = base.get((r["duration_s"], r["stage"]))
+        r["vs_baseline"] = round(reference / r["median_s"], 3) if reference and r["median_s"] else None

@@ -1,0 +1,97 @@
+"""What `h3gen bench` writes: a JSON file with a stable shape, a markdown table and a per-stage chart."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+from h3gen import __version__
+
+TABLE_STAGES = ("encode", "dit", "vae_video", "vae_audio", "transfer", "mux", "e2e")
+CHART_STAGES = ("encode", "dit", "vae_video", "vae_audio", "transfer", "mux")
+
+
+def _command(*args) -> str | None:
+    try:
+        return subprocess.run(args, capture_output=True, text=True, timeout=10, check=True).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment() -> dict:
+    import diffusers
+    import torch
+    import transformers
+
+    cuda = torch.cuda.is_available()
+    return {
+        "device": {"name": torch.cuda.get_device_name(0) if cuda else f"CPU {platform.processor() or platform.machine()}",
+                   "driver": _command("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader") if cuda else None,
+                   "cuda": torch.version.cuda, "count": torch.cuda.device_count() if cuda else 0},
+        "versions": {"h3gen": __version__, "torch": torch.__version__, "diffusers": diffusers.__version__,
+                     "transformers": transformers.__version__, "python": platform.python_version()},
+        "commit": _command("git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "HEAD"),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def markdown(result: dict) -> str:
+    device = result["device"]
+    lines = [f"Device: {device['name']} (driver {device['driver']}, CUDA {device['cuda']}); "
+             f"torch {result['versions']['torch']}, diffusers {result['versions']['diffusers']}; "
+             f"commit {str(result['commit'])[:10]}; {result['created']}", "",
+             "| preset | media s | stage | median s | p95 s | per forward s | forwards | peak GiB | RTF | vs baseline |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    order = {stage: i for i, stage in enumerate(TABLE_STAGES)}
+    for r in sorted(result["records"], key=lambda r: (r["duration_s"], not r["baseline"], r["preset"],
+                                                      order.get(r["stage"], 99))):
+        cells = [r["preset"] + (" (baseline)" if r["baseline"] else ""), f"{r['duration_s']:.2f}", r["stage"]]
+        cells += [_fmt(r.get(k)) for k in ("median_s", "p95_s", "per_forward_s", "forwards", "peak_gib", "rtf")]
+        cells.append(f"{r['vs_baseline']:.2f}x" if r.get("vs_baseline") else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    notes = sorted({f"{r['preset']}: {r['notes']}" for r in result["records"] if r.get("notes")})
+    return "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n"
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def chart(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["duration_s"], r["preset"], r["baseline"]) for r in result["records"]},
+                    key=lambda g: (g[0], not g[2], g[1]))
+    medians = {(r["duration_s"], r["preset"], r["stage"]): r["median_s"] or 0.0 for r in result["records"]}
+    labels = [f"{preset}\n{duration:.1f} s" for duration, preset, _ in groups]
+    figure, axes = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4.5))
+    bottoms = [0.0] * len(groups)
+    for stage in CHART_STAGES:
+        heights = [medians.get((d, p, stage), 0.0) for d, p, _ in groups]
+        axes.bar(labels, heights, bottom=bottoms, label=stage)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    axes.set_ylabel("seconds per clip (median)")
+    axes.set_title(f"h3gen bench on {result['device']['name']}")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write_results(records: list[dict], out_dir: Path, stem: str | None = None) -> dict[str, Path]:
+    result = {**environment(), "records": records}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = stem or result["created"].replace(":", "").replace("+0000", "Z")
+    paths = {ext: out_dir / f"{stem}.{ext}" for ext in ("json", "md", "png")}
+    paths["json"].write_text(json.dumps(result, indent=1) + "\n")
+    paths["md"].write_text(markdown(result))
+    chart(result, paths["png"])
+    return paths

@@ -1,0 +1,43 @@
+"""`h3gen bench` on the CPU with the tiny model: the same code path the GPU benchmark runs."""
+
+import json
+
+from conftest import h3gen
+
+RECORD_KEYS = {"preset", "baseline", "duration_s", "frames", "size", "stage", "median_s", "p95_s", "repeats",
+               "per_forward_s", "forwards", "peak_gib", "rtf", "gpus", "layout", "random_weights", "notes",
+               "vs_baseline"}
+
+
+def test_bench_tiny_writes_json_table_and_chart(tmp_path):
+    result = h3gen("bench", "--preset", "tiny", "--preset", "fasth3", "--durations", "5", "--size", "32x32",
+                   "--repeat", "2", "--random-weights", "tiny", "--forwards", "2", "-o", tmp_path, check_code=0)
+    paths = result.stdout.split()
+    assert [p.rsplit(".", 1)[1] for p in paths] == ["json", "md", "png"]
+    data = json.loads(open(paths[0]).read())
+    assert {"device", "versions", "commit", "created", "records"} <= set(data)
+    assert all(set(r) == RECORD_KEYS for r in data["records"])
+    by = {(r["preset"], r["stage"]): r for r in data["records"]}
+    assert set(s for p, s in by if p == "tiny") == {"encode", "dit", "vae_video", "vae_audio", "transfer", "mux", "e2e"}
+    assert by[("diffusers", "dit")]["baseline"] and by[("diffusers", "dit")]["forwards"] == 49
+    assert by[("fasth3", "dit")]["forwards"] == 4 and by[("tiny", "dit")]["forwards"] == 3
+    dit = by[("fasth3", "dit")]
+    assert abs(dit["median_s"] - 4 * dit["per_forward_s"]) < 1e-3
+    assert "2 forwards timed, scaled to 4" in dit["notes"]
+    e2e = by[("tiny", "e2e")]
+    assert e2e["rtf"] == round(e2e["median_s"] / e2e["duration_s"], 4) and e2e["repeats"] == 2
+    assert by[("diffusers", "e2e")]["vs_baseline"] == 1.0
+    assert "| tiny | 5.17 | dit |" in open(paths[1]).read()
+    assert open(paths[2], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_stage_subset_uses_random_stand_ins(tmp_path):
+    result = h3gen("bench", "--preset", "tiny", "--baseline", "none", "--durations", "5", "--size", "32x32",
+                   "--repeat", "1", "--warmup", "0", "--stages", "vae,mux", "-o", tmp_path, check_code=0)
+    data = json.loads(open(result.stdout.split()[0]).read())
+    assert {r["stage"] for r in data["records"]} == {"vae_video", "vae_audio", "transfer", "mux", "e2e"}
+
+
+def test_bench_rejects_unknown_stage(tmp_path):
+    result = h3gen("bench", "--stages", "dit,paint", "-o", tmp_path)
+    assert result.returncode == 2 and "unknown stage 'paint'" in result.stderr
