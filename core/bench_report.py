@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -33,7 +34,8 @@ def environment() -> dict:
                    "cuda": torch.version.cuda, "count": torch.cuda.device_count() if cuda else 0},
         "versions": {"h3gen": __version__, "torch": torch.__version__, "diffusers": diffusers.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
-        "commit": _command("git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "HEAD"),
+        "commit": os.environ.get("H3GEN_COMMIT") or _command("git", "-C", str(Path(__file__).resolve().parent),
+                                                             "rev-parse", "HEAD"),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
