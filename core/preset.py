@@ -18,6 +18,7 @@ KNOWN_VERSIONS = (1,)
 REQUEST_DEFAULTS = {"width": 1344, "height": 768, "duration": 5.0}
 RUNTIME_DEFAULTS = {"device": "auto", "dtype": "bfloat16"}
 TOP_LEVEL = {"version", "description"}
+DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclasses.dataclass
@@ -56,7 +57,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     key, sep, raw = text.partition("=")
     section, dot, field = key.strip().partition(".")
     if not sep or not dot or not field:
-        raise UsageError(f"--set '{text}' is not section.key=value", "e.g. --set sampler.steps=8")
+        raise UsageError(f"--set {text!r} is not section.key=value", "e.g. --set sampler.steps=8")
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
@@ -69,11 +70,10 @@ def resolve(name_or_file: str, registry, overrides: list[str] = ()) -> Preset:
     where = f"preset {name}"
     sources = {}
     for section, field, value in map(parse_override, overrides):
-        target = data.setdefault(section, {}) if section in STAGE_KINDS + ("request", "runtime") else None
-        if target is None:
-            raise UsageError(f"--set {section}.{field}: unknown section '{section}'",
+        if section not in STAGE_KINDS + ("request", "runtime"):
+            raise UsageError(f"--set {section}.{field}: unknown section {section!r}",
                              f"sections: {', '.join(STAGE_KINDS + ('request', 'runtime'))}")
-        target[field] = value
+        _table(data.setdefault(section, {}), section, where)[field] = value
         sources[f"{section}.{field}"] = "--set"
     version = data.get("version")
     if version not in KNOWN_VERSIONS:
@@ -85,12 +85,28 @@ def resolve(name_or_file: str, registry, overrides: list[str] = ()) -> Preset:
                          f"allowed: {', '.join(sorted(TOP_LEVEL | set(STAGE_KINDS) | {'request', 'runtime'}))}")
     request = _section(data, "request", REQUEST_DEFAULTS, where, sources)
     runtime = _section(data, "runtime", RUNTIME_DEFAULTS, where, sources)
+    _check_runtime(runtime, where)
     stages = {kind: _stage(kind, data, registry, where, sources) for kind in STAGE_KINDS}
     return Preset(name, version, str(data.get("description", "")), request, runtime, stages, sources)
 
 
+def _table(value, section: str, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise UsageError(f"{where}: {section} must be a table, got {value!r:.40}", f"write it as [{section}]")
+    return value
+
+
+def _check_runtime(runtime: dict, where: str) -> None:
+    device, dtype = runtime["device"], runtime["dtype"]
+    if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise UsageError(f"{where} [runtime] device {device!r} is not one h3gen runs on",
+                         "use auto, cpu, cuda or cuda:N")
+    if dtype not in DTYPES:
+        raise UsageError(f"{where} [runtime] dtype {dtype!r} is not supported", f"use one of {', '.join(DTYPES)}")
+
+
 def _section(data: dict, section: str, defaults: dict, where: str, sources: dict) -> dict:
-    values = dict(data.get(section, {}))
+    values = dict(_table(data.get(section, {}), section, where))
     for key, value in values.items():
         if key not in defaults:
             raise UsageError(f"unknown key '{key}' in {where} [{section}]", f"allowed keys: {', '.join(defaults)}")
@@ -105,7 +121,7 @@ def _section(data: dict, section: str, defaults: dict, where: str, sources: dict
 
 
 def _stage(kind: str, data: dict, registry, where: str, sources: dict):
-    section = dict(data.get(kind, {}))
+    section = dict(_table(data.get(kind, {}), kind, where))
     name = section.pop("use", None)
     if not isinstance(name, str):
         raise UsageError(f"{where}: [{kind}] needs use = \"<registered name>\"",

@@ -58,9 +58,9 @@ def _parse_line(line: str, where: str) -> dict:
         raise UsageError(f"{where}: a JSON line must be an object", 'e.g. {"prompt": "..."}')
     for key, value in fields.items():
         if key not in FIELDS:
-            raise UsageError(f"{where}: unknown field '{key}'", f"allowed fields: {', '.join(FIELDS)}")
+            raise UsageError(f"{where}: unknown field {key!r}", f"allowed fields: {', '.join(FIELDS)}")
         if not isinstance(value, FIELDS[key]) or isinstance(value, bool):
-            raise UsageError(f"{where}: field '{key}' has the wrong type ({value!r})", "see the README for each field's type")
+            raise UsageError(f"{where}: field '{key}' has the wrong type ({_short(value)})", "see the README for each field's type")
     if not str(fields.get("prompt", "")).strip():
         raise UsageError(f"{where}: missing or empty 'prompt'", 'every JSON line needs {"prompt": "..."}')
     return fields
@@ -75,7 +75,7 @@ def _request(fields: dict, index: int, line: int, base_seed: int, defaults: dict
     check_size(width, height, where)
     clip_id = fields.get("id")
     if clip_id is not None and not SAFE_ID.match(clip_id):
-        raise UsageError(f"{where}: id '{clip_id}' is not a plain file name",
+        raise UsageError(f"{where}: id {_short(clip_id)} is not a plain file name",
                          "use letters, digits, '.', '_' and '-' only, not starting with '.'")
     seed = int(fields.get("seed", base_seed + index))
     if not 0 <= seed < 2**63:
@@ -91,3 +91,9 @@ def check_size(width: int, height: int, where: str) -> None:
     if not MIN_ASPECT <= width / height <= MAX_ASPECT:
         raise UsageError(f"{where}: aspect ratio {width}x{height} is outside H3's 1:4 to 4:1",
                          "choose a less extreme width/height")
+
+
+def _short(value) -> str:
+    """A value for an error message: one line, not too long."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
