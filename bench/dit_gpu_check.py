@@ -1,0 +1,373 @@
+"""Full-size MiniMax-H3 DiT on one GPU: diffusers' forward against h3gen's FastH3Transformer, random weights.
+
+Usage (diffusers importable, e.g. on PYTHONPATH; h3gen is imported from this checkout if not installed):
+    python3 bench/dit_gpu_check.py [PHASES] [--only=NAME,...] [--tiny]
+PHASES, comma separated (default all): kernels (Triton kernels vs torch references, full-size shapes),
+attn (attention alone per backend), ref (diffusers as shipped and with SDPA forced to cuDNN), fast (the fast
+model, built from the reference's weights, per switch combination; accuracy needs `ref` in the same run).
+--only keeps those forward variants (reference and fast, as named in the printed table).
+--tiny runs a small config on the CPU as a dry run. Results: $OUT/dit_gpu_check.json (written as it goes).
+On a machine without diffusers: `pip install --no-deps --target /tmp/site diffusers==0.42.1 importlib_metadata`
+from carried wheels and put /tmp/site on PYTHONPATH; flash-attn-4 (optional) likewise, plus
+<target>/nvidia_cutlass_dsl/dsl_packages on PYTHONPATH. All phases take about 4 minutes on one H200.
+"""
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = Path(os.environ.get("OUT", "."))
+TINY = "--tiny" in sys.argv
+ONLY = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), None)
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+PHASES = args[0].split(",") if args else ["kernels", "attn", "ref", "fast"]
+DEVICE = torch.device("cpu" if TINY else "cuda")
+TINY_CONFIG = dict(num_attention_heads=2, attention_head_dim=128, hidden_size=64, num_layers=3, num_refiner_layers=1,
+                   ffn_dim=128, text_dim=32, freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=32)
+# 10 s, 1344x768, 243 frames: video latents (1, 24, 72, 48, 84), 405 audio latents x 2 channels, 256 text tokens.
+LAYOUT = dict(text=8, frames=3, height=4, width=6, audio=5) if TINY else dict(text=256, frames=72, height=48,
+                                                                              width=84, audio=405)
+results = {}
+BLOCK_IO = {}  # block index -> (input, output) of diffusers' block, for per-block parity free of depth amplification
+
+
+def import_h3gen():
+    try:
+        import h3gen.stages.fast_dit  # noqa: F401
+        return
+    except ImportError:
+        pass
+    for name, folder in (("h3gen", "core"), ("h3gen.kernels", "kernels"), ("h3gen.stages", "stages")):
+        spec = importlib.util.spec_from_file_location(name, ROOT / folder / "__init__.py",
+                                                      submodule_search_locations=[str(ROOT / folder)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+
+
+def log(key, value):
+    results[key] = value
+    print(f"[{time.strftime('%H:%M:%S')}] {key}: {json.dumps(value)}", flush=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "dit_gpu_check.json").write_text(json.dumps(results, indent=1))
+
+
+def sync():
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn):
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - start
+
+
+def gib(n_bytes):
+    return round(n_bytes / 2**30, 2)
+
+
+def peak_reset():
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib():
+    return gib(torch.cuda.max_memory_allocated()) if DEVICE.type == "cuda" else None
+
+
+def similarity(actual, expected):
+    a, e = actual.float().flatten(), expected.float().flatten()
+    return float((a - e).norm() / e.norm()), float(torch.nn.functional.cosine_similarity(a, e, dim=0))
+
+
+def compare(actual, expected):
+    """Relative L2 error and cosine similarity of (video, audio) velocities, both flattened together."""
+    rel_err, cos = similarity(torch.cat([t.flatten() for t in actual]), torch.cat([t.flatten() for t in expected]))
+    return dict(rel_err=rel_err, cos=cos, video_rel_err=similarity(actual[0], expected[0])[0],
+                audio_rel_err=similarity(actual[1], expected[1])[0])
+
+
+def forward_flop(config, seq_len):
+    inner = config["num_attention_heads"] * config["attention_head_dim"]
+    hidden, ffn, layers = config["hidden_size"], config["ffn_dim"], config["num_layers"]
+    linear = layers * 2 * seq_len * (hidden * inner * 4 + 3 * hidden * ffn)
+    return linear + layers * 4 * seq_len * seq_len * inner
+
+
+def schedule_timesteps(steps=50, video_shift=12.0, audio_shift=3.0):
+    """t = 1 - sigma for every forward of a shifted rectified-flow schedule (terminal point excluded)."""
+    sigma = torch.linspace(1.0, 0.0, steps)[:-1]
+    shifted = lambda s: s * sigma / (1 + (s - 1) * sigma)
+    return 1 - shifted(video_shift), 1 - shifted(audio_shift)
+
+
+def layout_inputs(config, step=10):
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import (MiniMaxH3PrepareLayoutStep,
+                                                                       MiniMaxH3SetTimestepsStep)
+    n = LAYOUT
+    positions, tags, video_idx, audio_idx, text_idx, cond_video, cond_audio = (
+        MiniMaxH3PrepareLayoutStep.build_packed_sequence(torch.ones(n["text"], dtype=torch.long), n["frames"],
+                                                         n["height"], n["width"], n["audio"], (1, 2, 2), 2, 2, 0, ()))
+    video_t, audio_t = schedule_timesteps()
+    timestep, timestep_indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
+        video_idx, audio_idx, cond_video, cond_audio, n["text"], float(video_t[step]), float(audio_t[step]), 1.0, 1.0)
+    g = torch.Generator(DEVICE).manual_seed(0)
+    patch_dim = config["in_channels"] * 4
+    inputs = dict(
+        hidden_states=torch.randn(1, video_idx.numel(), patch_dim, device=DEVICE, generator=g),
+        audio_hidden_states=torch.randn(1, audio_idx.numel(), config["audio_in_channels"], device=DEVICE, generator=g),
+        encoder_hidden_states=torch.randn(1, n["text"], config["text_dim"], device=DEVICE, generator=g,
+                                          dtype=torch.bfloat16),
+        timestep=timestep, timestep_indices=timestep_indices, token_tags=tags, position_ids=positions.float(),
+        video_indices=video_idx, audio_indices=audio_idx, text_indices=text_idx)
+    return {k: v.to(DEVICE) for k, v in inputs.items()}, torch.cat([video_t, audio_t, torch.ones(1)])
+
+
+def random_reference(config):
+    """diffusers' model at `config`, bf16 with the fp32 modules fp32, normal random weights (no zeros anywhere)."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from h3gen.stages.fast_dit_blocks import rotary_inv_freq
+    from h3gen.stages.fast_dit_checkpoint import is_fp32_key
+
+    with torch.device("meta"):
+        model = MiniMaxH3Transformer3DModel(**config)
+    g = torch.Generator(DEVICE).manual_seed(1234)
+    # Parameter by parameter straight from meta: `to_empty` would first allocate every weight in fp32 (123 GiB).
+    for module_name, module in model.named_modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            full_name = f"{module_name}.{name}" if module_name else name
+            dtype = torch.float32 if is_fp32_key(full_name) else torch.bfloat16
+            data = torch.empty(param.shape, device=DEVICE, dtype=dtype)
+            is_norm_weight = "norm" in full_name and param.ndim == 1
+            data.normal_(1.0 if is_norm_weight else 0.0, 0.1 if is_norm_weight else 0.02, generator=g)
+            module._parameters[name] = torch.nn.Parameter(data, requires_grad=False)
+    model.rope.inv_freq = rotary_inv_freq(model.rope.rope_freq_dim, model.config.rope_theta).to(DEVICE)
+    return model.eval().requires_grad_(False)
+
+
+def warm_then_time(model, inputs, call, capture=None):
+    """One forward through the first two blocks (JIT, autotune, compile), then one timed full forward.
+    With `capture` (a dict), the warm-up records each of those blocks' input and output for `block_parity`."""
+    blocks = model.transformer_blocks
+    model.transformer_blocks = blocks[:2]
+    hooks = []
+    if capture is not None:
+        for index, block in enumerate(model.transformer_blocks):
+            record = lambda module, args, out, index=index: capture.__setitem__(index, (args[0].clone(), out.clone()))
+            hooks.append(block.register_forward_hook(record))
+    try:
+        timed(lambda: call(model, inputs))
+    finally:
+        model.transformer_blocks = blocks
+        for hook in hooks:
+            hook.remove()
+    peak_reset()
+    out, seconds = timed(lambda: call(model, inputs))
+    return out, seconds
+
+
+def phase_kernels():
+    from h3gen.kernels import gated_residual, qk_norm_rope, rmsnorm_modulate, swiglu
+    from h3gen.stages.fast_dit_blocks import rotary_angles, rotary_inv_freq
+
+    def bench(fn):
+        fn()
+        _, seconds = timed(lambda: [fn() for _ in range(5)])
+        return round(seconds / 5 * 1e3, 3)
+
+    hidden, heads, seq_len = (64, 2, 40) if TINY else (5376, 56, 73642)
+    g = torch.Generator(DEVICE).manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, device=DEVICE, generator=g).to(torch.bfloat16)
+    x, y = rnd(1, seq_len, hidden), rnd(1, seq_len, hidden)
+    weight = 1 + 0.1 * rnd(hidden)
+    table, rows = 0.5 * rnd(6, 6 * hidden), torch.randint(0, 6, (seq_len,), device=DEVICE)
+    cos, sin = rotary_angles(torch.randint(0, 300, (seq_len, 3), device=DEVICE), rotary_inv_freq(16, 1e4).to(DEVICE))
+    qkv = rnd(1, seq_len, 3 * heads * 128)
+    cases = {
+        "rmsnorm_modulate": (rmsnorm_modulate, (x, weight, 1e-5, table, rows, 3, 4)),
+        "gated_residual": (gated_residual, (x, y, table, rows, 5)),
+        "swiglu": (swiglu, (rnd(1, seq_len, 2 * (128 if TINY else 14336)),)),
+        "qk_norm_rope": (qk_norm_rope, (qkv, heads, 1 + 0.1 * rnd(128), 1 + 0.1 * rnd(128), 1e-5, cos, sin)),
+    }
+    for name, (module, case_args) in cases.items():
+        fast, ref = getattr(module, name), getattr(module, f"{name}_reference")
+        actual, expected = fast(*case_args), ref(*case_args)
+        actual, expected = (actual, expected) if isinstance(actual, tuple) else ((actual,), (expected,))
+        err = max(float((a.float() - e.float()).abs().max() / e.float().abs().max()) for a, e in zip(actual, expected))
+        differing = sum(int((a != e).sum()) for a, e in zip(actual, expected)) / sum(e.numel() for e in expected)
+        log(f"kernel_{name}", dict(max_rel_err=err, differing_fraction=differing, triton_ms=bench(lambda: fast(*case_args)),
+                                   torch_ms=bench(lambda: ref(*case_args))))
+
+
+def phase_attention():
+    from h3gen.kernels.attention import BACKENDS, attention, attention_backend
+
+    seq_len = 300 if TINY else 73642
+    q, k, v = torch.randn(3, 1, seq_len, 56, 128, device=DEVICE, dtype=torch.bfloat16).unbind(0)
+    log("attention_auto_backend", attention_backend(DEVICE))
+    expected = None
+    for name in BACKENDS:
+        if TINY and name != "sdpa":
+            continue
+        try:
+            out, first = timed(lambda: attention(q, k, v, name))
+            _, seconds = timed(lambda: attention(q, k, v, name))
+            expected = out if expected is None else expected
+            log(f"attention_{name}", dict(seconds=round(seconds, 4), first_call_s=round(first, 2),
+                                          tflops=round(4 * seq_len**2 * 56 * 128 / seconds / 1e12, 1),
+                                          rel_err_vs_first=float((out.float() - expected.float()).norm()
+                                                                 / expected.float().norm())))
+        except Exception as exc:  # an optional backend may be missing on this machine
+            log(f"attention_{name}_error", repr(exc)[:300])
+
+
+def run_reference(config, inputs, time_forwards):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = random_reference(config)
+    log("reference_params_B", round(sum(p.numel() for p in model.parameters()) / 1e9, 2))
+    log("reference_weights_GiB", gib(sum(p.numel() * p.element_size() for p in model.parameters())))
+    flop = forward_flop(config, inputs["position_ids"].shape[0])
+    outputs = {}
+    if not time_forwards:
+        return model, outputs
+    variants = [("diffusers", None)] if TINY else [("diffusers", None), ("diffusers_cudnn", SDPBackend.CUDNN_ATTENTION)]
+    for name, backend in variants:
+        if ONLY and name not in ONLY:
+            continue
+        def call(m, kw, backend=backend):
+            if backend is None:
+                return m(**kw, return_dict=False)
+            with sdpa_kernel([backend]):
+                return m(**kw, return_dict=False)
+        with torch.no_grad():
+            out, seconds = warm_then_time(model, inputs, call, BLOCK_IO if name == "diffusers" else None)
+        outputs[name] = out
+        row = dict(seconds=round(seconds, 2), tflops=round(flop / seconds / 1e12, 1), peak_GiB=peak_gib(),
+                   weights_GiB=results["reference_weights_GiB"], attention="sdpa-cudnn" if backend else "sdpa")
+        if name != "diffusers" and "diffusers" in outputs:
+            row.update(compare(out, outputs["diffusers"]))
+        log(name, row)
+    return model, outputs
+
+
+def run_fast(config, inputs, schedule, reference, outputs):
+    from h3gen.stages.fast_dit import FastH3Transformer
+
+    flop = forward_flop(config, inputs["position_ids"].shape[0])
+    model, seconds = timed(lambda: FastH3Transformer.from_reference(reference, use_triton=False, adaln_table=False))
+    peak_reset()
+    log("fast_from_reference_s", round(seconds, 1))
+    cudnn = "sdpa" if TINY else "sdpa-cudnn"
+    try:
+        import flash_attn.cute  # noqa: F401
+        fa4 = "sdpa" if TINY else "flash-attn-4"
+    except Exception as exc:
+        log("flash_attn_4_unavailable", repr(exc)[:200])
+        fa4 = None
+    variants = [("fused", dict(use_triton=False, adaln_table=False, attention_backend=cudnn)),
+                ("fused+triton", dict(use_triton=True, adaln_table=False, attention_backend=cudnn)),
+                "precompute",
+                ("fused+triton+table", dict(use_triton=True, adaln_table=True, attention_backend=cudnn))]
+    if fa4:
+        variants.append(("fused+triton+table+fa4", dict(use_triton=True, attention_backend=fa4)))
+    best_attention = fa4 or cudnn
+    if not TINY:  # inductor on the CPU needs a C++ toolchain; the dry run skips compilation
+        variants += [("compile+table", dict(use_triton=False, compile_blocks=True, attention_backend=best_attention)),
+                     ("compile+triton+table", dict(use_triton=True, attention_backend=best_attention))]
+    for variant in variants:
+        if variant == "precompute":
+            _, seconds = timed(lambda: model.precompute_adaln(schedule))
+            log("adaln_precompute", dict(seconds=round(seconds, 2), timesteps=int(model.adaln_timesteps.numel()),
+                                         weights_GiB=gib(model.resident_bytes()),
+                                         table_GiB=gib(sum(b.adaln_table.numel() * 2 for b in model.transformer_blocks))))
+            continue
+        name, switches = variant
+        if ONLY and name not in ONLY:
+            if switches.get("compile_blocks"):  # later variants assume the blocks are compiled
+                model.configure(compile_blocks=True)
+            continue
+        try:
+            model.configure(**switches)
+            out, seconds = warm_then_time(model, inputs, lambda m, kw: m(**kw))
+            row = dict(seconds=round(seconds, 2), tflops=round(flop / seconds / 1e12, 1), peak_GiB=peak_gib(),
+                       weights_GiB=gib(model.resident_bytes()), attention=model.attention_backend_name())
+            row.update(block_parity(model, inputs))
+            for ref_name, ref_out in outputs.items():
+                row.update({f"{k}_vs_{ref_name}": v for k, v in compare(out, ref_out).items()
+                            if k in ("rel_err", "cos") or ref_name == "diffusers"})
+            log(name, row)
+        except Exception as exc:
+            import traceback
+            traceback.print_exc()
+            log(f"{name}_error", repr(exc)[:400])
+
+
+def block_parity(model, inputs):
+    """Each captured diffusers block against the fast model's block on the same input."""
+    from h3gen.stages.fast_dit_blocks import rotary_angles
+
+    index, from_table = model.adaln_index(inputs["timestep"], inputs["timestep_indices"], inputs["token_tags"])
+    cos, sin = rotary_angles(inputs["position_ids"], model.rope_inv_freq)
+    temb = model.time_embedder(inputs["timestep"])
+    row = {}
+    for k, (hidden, expected) in BLOCK_IO.items():
+        block = model.transformer_blocks[k]
+        out = block(hidden, block.adaln_table if from_table else block.adaln_rows(temb), index, cos, sin)
+        row[f"block{k}_rel_err"], row[f"block{k}_cos"] = similarity(out, expected)
+    return row
+
+
+def print_table():
+    print(f"\n{'variant':28s} {'s/fwd':>7s} {'TFLOP/s':>8s} {'attention':>13s} {'peak GiB':>9s} {'weights':>8s} "
+          f"{'rel err':>9s} {'cos':>9s}", flush=True)
+    for name, row in results.items():
+        if isinstance(row, dict) and "seconds" in row and "tflops" in row and "peak_GiB" in row:
+            rel = row.get("rel_err_vs_diffusers", row.get("rel_err", float("nan")))
+            cos = row.get("cos_vs_diffusers", row.get("cos", float("nan")))
+            print(f"{name:28s} {row['seconds']:7.2f} {row['tflops']:8.1f} {row['attention']:>13s} "
+                  f"{str(row['peak_GiB']):>9s} {row['weights_GiB']:8.2f} {rel:9.2e} {cos:9.6f}", flush=True)
+
+
+def main():
+    import_h3gen()
+    log("device", torch.cuda.get_device_name(0) if DEVICE.type == "cuda" else "cpu")
+    log("versions", dict(torch=torch.__version__, triton=__import__("triton").__version__,
+                         diffusers=__import__("diffusers").__version__))
+    import inspect
+
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    config = {k: p.default for k, p in inspect.signature(MiniMaxH3Transformer3DModel.__init__).parameters.items()
+              if p.default is not inspect.Parameter.empty}
+    config.update(TINY_CONFIG if TINY else {})
+    torch.set_grad_enabled(False)
+    if "kernels" in PHASES:
+        phase_kernels()
+    if "attn" in PHASES:
+        phase_attention()
+    inputs, schedule = layout_inputs(config)
+    log("seq_len", int(inputs["position_ids"].shape[0]))
+    log("forward_pflop", round(forward_flop(config, inputs["position_ids"].shape[0]) / 1e15, 3))
+    if "ref" in PHASES or "fast" in PHASES:
+        reference, outputs = run_reference(config, inputs, time_forwards="ref" in PHASES)
+    if "fast" in PHASES:
+        run_fast(config, inputs, schedule, reference, outputs)
+    print_table()
+    print("DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""RMSNorm followed by AdaLN modulation, with the modulation rows gathered per packed row."""
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+def rmsnorm_modulate_reference(x, weight, eps, modulation=None, row_index=None, shift_chunk=0, scale_chunk=1):
+    """`x` (..., seq_len, hidden); `modulation` (rows, n_chunks * hidden); `row_index` (seq_len,) into it."""
+    hidden = x.shape[-1]
+    out = F.rms_norm(x, (hidden,), weight, eps)
+    if modulation is None:
+        return out
+    shift = modulation[:, shift_chunk * hidden:(shift_chunk + 1) * hidden].index_select(0, row_index)
+    scale = modulation[:, scale_chunk * hidden:(scale_chunk + 1) * hidden].index_select(0, row_index)
+    return out * (1.0 + scale) + shift
+
+
+@triton.jit
+def _rmsnorm_modulate_kernel(x_ptr, weight_ptr, modulation_ptr, row_index_ptr, out_ptr,
+                             seq_len, hidden, modulation_stride, shift_offset, scale_offset, eps,
+                             HAS_MODULATION: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    out = x * rstd * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_MODULATION:
+        # Round where the reference's separate ops round (norm output, 1 + scale, product): tracking diffusers'
+        # bf16 result matters more than being more precise than it.
+        dtype = out_ptr.dtype.element_ty
+        table_row = tl.load(row_index_ptr + row % seq_len).to(tl.int64)
+        base = modulation_ptr + table_row * modulation_stride
+        shift = tl.load(base + shift_offset + cols, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(base + scale_offset + cols, mask=mask, other=0.0).to(tl.float32)
+        out = out.to(dtype).to(tl.float32) * (1.0 + scale).to(dtype).to(tl.float32)
+        out = out.to(dtype).to(tl.float32) + shift
+    tl.store(out_ptr + row * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rmsnorm_modulate_triton(x, weight, eps, modulation=None, row_index=None, shift_chunk=0, scale_chunk=1):
+    x = x.contiguous()
+    hidden, seq_len = x.shape[-1], x.shape[-2]
+    out = torch.empty_like(x)
+    has_modulation = modulation is not None
+    if not has_modulation:
+        modulation, row_index = weight, weight  # never read
+    else:
+        assert modulation.stride(-1) == 1 and row_index.numel() == seq_len
+    block = triton.next_power_of_2(hidden)
+    _rmsnorm_modulate_kernel[(x.numel() // hidden,)](
+        x, weight, modulation, row_index, out,
+        seq_len, hidden, modulation.stride(0), shift_chunk * hidden, scale_chunk * hidden, eps,
+        HAS_MODULATION=has_modulation, BLOCK=block, num_warps=min(16, max(1, block // 512)))
+    return out
+
+
+def rmsnorm_modulate(x, weight, eps, modulation=None, row_index=None, shift_chunk=0, scale_chunk=1):
+    fn = rmsnorm_modulate_triton if x.is_cuda else rmsnorm_modulate_reference
+    return fn(x, weight, eps, modulation, row_index, shift_chunk, scale_chunk)

@@ -1,0 +1,210 @@
+"""h3gen's MiniMax-H3 DiT: the diffusers checkpoint and forward contract, with fused weights and fast kernels.
+
+Switches, each measurable on its own: `use_triton` (fused norm/modulate, QK-norm+RoPE, SwiGLU, gated residual),
+`adaln_table` (modulation rows read from tables built by `precompute_adaln`), `compile_blocks` (regional
+torch.compile of each block), `attention_backend` ("auto" or a name from `h3gen.kernels.attention.BACKENDS`).
+"""
+import torch
+import torch.nn as nn
+
+from h3gen.kernels.attention import attention_backend as attention_backend_name
+from h3gen.stages.fast_dit_blocks import (MODALITIES, REFERENCE_OPS, TRITON_OPS, H3Block, OutputNorm, RefinerBlock,
+                                          TimeEmbedding, rotary_angles, rotary_inv_freq)
+from h3gen.stages.fast_dit_checkpoint import H3DiTConfig, SafetensorsCheckpoint, fuse, is_fp32_key, read_config
+
+# Timesteps are unscaled in [0, 1] and the highest sinusoid frequency is 1, so a 1e-6 mismatch moves the embedding
+# by at most 1e-6: far below bf16 resolution. Anything further apart is a different noise level.
+ADALN_TIMESTEP_TOLERANCE = 1e-6
+
+
+class FastH3Transformer(nn.Module):
+    # Loads a diffusers `transformer/` folder itself (safetensors only); weight sources call `from_pretrained`
+    # with h3gen's own arguments, or `from_reference` to take over a diffusers module.
+    h3gen_loader = True
+
+    def __init__(self, config: H3DiTConfig, use_triton=True, adaln_table=True, compile_blocks=False,
+                 attention_backend="auto"):
+        super().__init__()
+        self.config = cfg = config
+        self.proj_in = nn.Linear(cfg.video_patch_dim, cfg.hidden_size)
+        self.audio_proj_in = nn.Linear(cfg.audio_in_channels, cfg.hidden_size)
+        self.context_embedder = nn.Linear(cfg.text_dim, cfg.hidden_size)
+        self.time_embedder = TimeEmbedding(cfg.freq_dim, cfg.time_embed_hidden_dim, cfg.time_embed_dim)
+        self.token_refiner = nn.Module()
+        self.token_refiner.refiner_blocks = nn.ModuleList(RefinerBlock(cfg) for _ in range(cfg.num_refiner_layers))
+        self.token_refiner.final_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.final_norm_eps)
+        self.transformer_blocks = nn.ModuleList(H3Block(cfg) for _ in range(cfg.num_layers))
+        self.norm_out = OutputNorm(cfg)
+        self.proj_out = nn.Linear(cfg.hidden_size, cfg.video_patch_dim)
+        self.audio_proj_out = nn.Linear(cfg.hidden_size, cfg.audio_in_channels)
+        self.register_buffer("adaln_timesteps", None, persistent=False)
+        self.compile_blocks = False
+        self.configure(use_triton, adaln_table, compile_blocks, attention_backend)
+
+    def configure(self, use_triton=None, adaln_table=None, compile_blocks=None, attention_backend=None):
+        """Flip switches on a built model (None keeps a switch as it is); regional compilation cannot be undone."""
+        if use_triton is not None:
+            self.use_triton = use_triton
+            self.ops = TRITON_OPS if use_triton else REFERENCE_OPS
+        if adaln_table is not None:
+            self.adaln_table = adaln_table
+        if attention_backend is not None:
+            attention_backend_name("cpu", attention_backend)  # rejects unknown names early
+            self.attention_backend = attention_backend
+        for block in (*self.token_refiner.refiner_blocks, *self.transformer_blocks):
+            block.ops, block.attention_backend = self.ops, self.attention_backend
+        if compile_blocks is not None and compile_blocks != self.compile_blocks:
+            if not compile_blocks:
+                raise ValueError("compiled blocks cannot be uncompiled; build a new model with compile_blocks=False")
+            for block in self.transformer_blocks:
+                # Inductor otherwise fuses the reference ops in fp32 and skips their bf16 roundings, drifting
+                # further from diffusers' numerics.
+                block.compile(options={"emulate_precision_casts": True})
+            self.compile_blocks = True
+        return self
+
+    @classmethod
+    def from_pretrained(cls, transformer_dir, dtype=torch.bfloat16, device="cpu", adaln_timesteps=None, **switches):
+        """Load a diffusers `transformer/` folder. With `adaln_timesteps`, the AdaLN tables are built block by block
+        while loading and the `adaln_proj` weights never become resident."""
+        config = read_config(transformer_dir)
+        with torch.device("meta"):
+            model = cls(config, **switches)
+        with SafetensorsCheckpoint(transformer_dir, device) as checkpoint:
+            def read(key):
+                return checkpoint.read(key).to(torch.float32 if is_fp32_key(key) else dtype)
+            model._load(read, adaln_timesteps)
+            if checkpoint.unread:
+                raise ValueError(f"{transformer_dir} holds tensors this model does not use: {sorted(checkpoint.unread)}")
+        return model
+
+    @classmethod
+    def from_reference(cls, reference, adaln_timesteps=None, **switches):
+        """Take over an already-loaded diffusers `MiniMaxH3Transformer3DModel`. Its parameters are emptied as they are
+        fused, one block at a time, so memory never holds two full copies; the reference is unusable afterwards."""
+        config = H3DiTConfig.from_dict(dict(reference.config))
+        with torch.device("meta"):
+            model = cls(config, **switches)
+        params = dict(reference.named_parameters())
+
+        def read(key):
+            param = params[key]
+            tensor = param.data
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            return tensor
+
+        model._load(read, adaln_timesteps)
+        return model
+
+    @torch.no_grad()
+    def _load(self, read, adaln_timesteps):
+        skip_adaln = adaln_timesteps is not None
+        state = {}
+        for key in self.state_dict():
+            if not (skip_adaln and ".adaln_proj." in key):
+                state[key] = fuse(key, read)
+        self.load_state_dict(state, assign=True, strict=not skip_adaln)
+        self.requires_grad_(False)
+        device = self.proj_in.weight.device
+        self.register_buffer("rope_inv_freq", rotary_inv_freq(self.config.rope_freq_dim, self.config.rope_theta)
+                             .to(device), persistent=False)
+        if skip_adaln:
+            def adaln_weights(index):
+                prefix = f"transformer_blocks.{index}.adaln_proj."
+                return fuse(prefix + "weight", read), fuse(prefix + "bias", read)
+            self._build_adaln_tables(adaln_timesteps, adaln_weights)
+            for block in self.transformer_blocks:
+                block.adaln_proj = None
+
+    @torch.no_grad()
+    def precompute_adaln(self, timesteps, drop_weights=True):
+        """Build every block's modulation rows for `timesteps` (all values a run's schedules will use); with
+        `drop_weights`, free the `adaln_proj` weights (about 13 B of the 33 B parameters at full size)."""
+        if self.transformer_blocks[0].adaln_proj is None:
+            missing = self._missing_timesteps(torch.as_tensor(timesteps, dtype=torch.float32))
+            if missing:
+                raise ValueError(f"adaln_proj weights were already dropped; cannot add timesteps {missing}")
+            return
+        self._build_adaln_tables(timesteps, lambda i: (self.transformer_blocks[i].adaln_proj.weight,
+                                                        self.transformer_blocks[i].adaln_proj.bias))
+        if drop_weights:
+            for block in self.transformer_blocks:
+                block.adaln_proj = None
+
+    def _build_adaln_tables(self, timesteps, adaln_weights):
+        device = self.proj_in.weight.device
+        values = torch.unique(torch.as_tensor(timesteps, dtype=torch.float32).flatten()).to(device)
+        temb = self.time_embedder(values)
+        for index, block in enumerate(self.transformer_blocks):
+            weight, bias = adaln_weights(index)
+            block.adaln_table = block.adaln_rows(temb, weight, bias)
+            del weight, bias
+        self.adaln_timesteps = values
+
+    def _missing_timesteps(self, timestep):
+        if self.adaln_timesteps is None:
+            return timestep.tolist()
+        distance = (timestep.to(self.adaln_timesteps.device)[:, None] - self.adaln_timesteps[None, :]).abs()
+        return timestep[(distance.min(dim=1).values > ADALN_TIMESTEP_TOLERANCE).cpu()].tolist()
+
+    def adaln_index(self, timestep, timestep_indices, token_tags):
+        """Per packed row: its row in the modulation tensor, and whether that tensor is the precomputed table."""
+        weights_present = self.transformer_blocks[0].adaln_proj is not None
+        if self.adaln_table and self.adaln_timesteps is not None:
+            distance = (timestep.float()[:, None] - self.adaln_timesteps[None, :]).abs()
+            best, value_index = distance.min(dim=1)
+            if bool((best <= ADALN_TIMESTEP_TOLERANCE).all()):
+                return value_index[timestep_indices] * MODALITIES + token_tags, True
+            if not weights_present:
+                raise ValueError(
+                    f"timesteps {self._missing_timesteps(timestep.float())} are not in the AdaLN table (built for "
+                    f"{self.adaln_timesteps.tolist()}) and the adaln_proj weights were dropped; pass every value the "
+                    "sigma schedules will use to precompute_adaln")
+        if not weights_present:
+            raise ValueError("adaln_proj weights were dropped by precompute_adaln; use adaln_table=True")
+        return timestep_indices * MODALITIES + token_tags, False
+
+    def refine_text(self, text):
+        for block in self.token_refiner.refiner_blocks:
+            text = block(text)
+        final = self.token_refiner.final_norm
+        return self.ops.rmsnorm_modulate(text, final.weight, final.eps)
+
+    @torch.no_grad()
+    def forward(self, hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices,
+                token_tags, position_ids, video_indices, audio_indices, text_indices):
+        """Same inputs as diffusers' `MiniMaxH3Transformer3DModel.forward`; returns (video_velocity, audio_velocity)."""
+        if position_ids.ndim != 2 or position_ids.shape[-1] != 3:
+            raise ValueError(f"position_ids must be (seq_len, 3), got {list(position_ids.shape)}")
+        seq_len = position_ids.shape[0]
+        if token_tags.shape != (seq_len,) or timestep_indices.shape != (seq_len,):
+            raise ValueError(f"token_tags {list(token_tags.shape)} and timestep_indices "
+                             f"{list(timestep_indices.shape)} must both be ({seq_len},)")
+        cos, sin = rotary_angles(position_ids, self.rope_inv_freq)
+
+        video = self.proj_in(hidden_states.to(self.proj_in.weight.dtype))
+        audio = self.audio_proj_in(audio_hidden_states.to(self.audio_proj_in.weight.dtype))
+        text = self.refine_text(self.context_embedder(encoder_hidden_states.to(self.context_embedder.weight.dtype)))
+        # The text stream sets the dtype of the packed sequence.
+        packed = text.new_zeros((text.shape[0], seq_len, text.shape[-1]))
+        packed = packed.index_copy(1, text_indices, text)
+        packed = packed.index_copy(1, video_indices, video.to(text.dtype))
+        packed = packed.index_copy(1, audio_indices, audio.to(text.dtype))
+
+        temb = self.time_embedder(timestep)
+        adaln_index, from_table = self.adaln_index(timestep, timestep_indices, token_tags)
+        for block in self.transformer_blocks:
+            modulation = block.adaln_table if from_table else block.adaln_rows(temb)
+            packed = block(packed, modulation, adaln_index, cos, sin)
+
+        packed = self.norm_out(packed, temb, timestep_indices, self.ops)
+        video_out = self.proj_out(packed.index_select(1, video_indices).to(self.proj_out.weight.dtype))
+        audio_out = self.audio_proj_out(packed.index_select(1, audio_indices).to(self.audio_proj_out.weight.dtype))
+        return video_out, audio_out
+
+    def attention_backend_name(self):
+        return attention_backend_name(self.proj_in.weight.device, self.attention_backend)
+
+    def resident_bytes(self):
+        tensors = [*self.parameters(), *self.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)

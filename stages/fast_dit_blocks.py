@@ -1,0 +1,142 @@
+"""Building blocks of h3gen's MiniMax-H3 DiT: fused projections, one op set per kernel switch."""
+import math
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from h3gen.kernels.attention import attention
+from h3gen.kernels.gated_residual import gated_residual, gated_residual_reference
+from h3gen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+from h3gen.kernels.rmsnorm_modulate import rmsnorm_modulate, rmsnorm_modulate_reference
+from h3gen.kernels.swiglu import swiglu, swiglu_reference
+
+# Each packed row picks its AdaLN row by (timestep, modality): 0 video, 1 text, 2 audio.
+MODALITIES = 3
+
+REFERENCE_OPS = SimpleNamespace(rmsnorm_modulate=rmsnorm_modulate_reference, gated_residual=gated_residual_reference,
+                                qk_norm_rope=qk_norm_rope_reference, swiglu=swiglu_reference)
+TRITON_OPS = SimpleNamespace(rmsnorm_modulate=rmsnorm_modulate, gated_residual=gated_residual,
+                             qk_norm_rope=qk_norm_rope, swiglu=swiglu)
+
+
+def rotary_angles(position_ids, inv_freq):
+    """(L, 3) (t, h, w) positions -> cos, sin (L, 6 * len(inv_freq)), in diffusers' op order so fp32 is bit-equal."""
+    freqs = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq.view(1, 1, -1)
+    freqs = torch.cat(freqs.unbind(dim=1), dim=-1)
+    freqs = torch.cat((freqs, freqs), dim=-1)
+    return freqs.cos(), freqs.sin()
+
+
+def rotary_inv_freq(rope_freq_dim, rope_theta):
+    # Built on the CPU like the reference buffer: pow differs in the last ulp between devices.
+    return 1.0 / (rope_theta ** (torch.arange(0, 2 * rope_freq_dim, 2, dtype=torch.float32) / (2 * rope_freq_dim)))
+
+
+class TimeEmbedding(nn.Module):
+    """Unscaled timesteps in [0, 1] -> sinusoidal (cos, sin) features -> MLP; kept fp32 like the checkpoint."""
+
+    def __init__(self, freq_dim, hidden_dim, out_dim):
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.linear_1 = nn.Linear(freq_dim, hidden_dim)
+        self.linear_2 = nn.Linear(hidden_dim, out_dim)
+
+    def forward(self, timesteps):
+        half = self.freq_dim // 2
+        exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=timesteps.device) / half
+        angles = timesteps[:, None].float() * torch.exp(exponent)[None, :]
+        features = torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+        features = features.to(self.linear_1.weight.dtype)
+        return self.linear_2(F.silu(self.linear_1(features)))
+
+
+class FusedAttention(nn.Module):
+    def __init__(self, hidden_size, heads, head_dim, qk_norm_eps):
+        super().__init__()
+        self.heads = heads
+        self.to_qkv = nn.Linear(hidden_size, 3 * heads * head_dim, bias=False)
+        self.norm_q = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+        self.norm_k = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+        self.to_out = nn.Linear(heads * head_dim, hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, ops, backend):
+        q, k, v = ops.qk_norm_rope(self.to_qkv(x), self.heads, self.norm_q.weight, self.norm_k.weight,
+                                   self.norm_q.eps, cos, sin)
+        return self.to_out(attention(q, k, v, backend).flatten(2, 3).type_as(q))
+
+
+class SwiGLUFeedForward(nn.Module):
+    def __init__(self, hidden_size, ffn_dim):
+        super().__init__()
+        self.up_gate = nn.Linear(hidden_size, 2 * ffn_dim, bias=False)
+        self.down = nn.Linear(ffn_dim, hidden_size, bias=False)
+
+    def forward(self, x, ops):
+        return self.down(ops.swiglu(self.up_gate(x)))
+
+
+class RefinerBlock(nn.Module):
+    """Plain pre-norm block over the text rows: no AdaLN, no rotary embedding."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.attn = FusedAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.attention_head_dim, cfg.qk_norm_eps)
+        self.norm2 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.ff = SwiGLUFeedForward(cfg.hidden_size, cfg.ffn_dim)
+        self.ops, self.attention_backend = REFERENCE_OPS, "auto"
+
+    def forward(self, x):
+        ops = self.ops
+        h = ops.rmsnorm_modulate(x, self.norm1.weight, self.norm1.eps)
+        x = ops.gated_residual(x, self.attn(h, None, None, ops, self.attention_backend))
+        h = ops.rmsnorm_modulate(x, self.norm2.weight, self.norm2.eps)
+        return ops.gated_residual(x, self.ff(h, ops))
+
+
+class H3Block(nn.Module):
+    """Pre-norm self-attention + SwiGLU, both modulated by per-row AdaLN rows of `modulation`.
+
+    `modulation` is (rows, 6 * hidden) in (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp) order,
+    either computed from `temb` by `adaln_rows` or read from the precomputed `adaln_table`.
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.hidden_size = cfg.hidden_size
+        self.norm1 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.attn = FusedAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.attention_head_dim, cfg.qk_norm_eps)
+        self.norm2 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        self.ff = SwiGLUFeedForward(cfg.hidden_size, cfg.ffn_dim)
+        self.adaln_proj = nn.Linear(cfg.time_embed_dim, 6 * cfg.hidden_size * MODALITIES)
+        self.register_buffer("adaln_table", None, persistent=False)
+        self.ops, self.attention_backend = REFERENCE_OPS, "auto"
+
+    def adaln_rows(self, temb, weight=None, bias=None):
+        """(n_timesteps, time_embed_dim) fp32 -> (n_timesteps * MODALITIES, 6 * hidden) in the projection's dtype."""
+        if weight is None:
+            weight, bias = self.adaln_proj.weight, self.adaln_proj.bias
+        # silu at temb's fp32 precision, cast after: the reference rounds only the projection's input.
+        return F.linear(F.silu(temb).to(weight.dtype), weight, bias).view(-1, 6 * self.hidden_size)
+
+    def forward(self, x, modulation, adaln_index, cos, sin):
+        ops = self.ops
+        h = ops.rmsnorm_modulate(x, self.norm1.weight, self.norm1.eps, modulation, adaln_index, 0, 1)
+        x = ops.gated_residual(x, self.attn(h, cos, sin, ops, self.attention_backend), modulation, adaln_index, 2)
+        h = ops.rmsnorm_modulate(x, self.norm2.weight, self.norm2.eps, modulation, adaln_index, 3, 4)
+        return ops.gated_residual(x, self.ff(h, ops), modulation, adaln_index, 5)
+
+
+class OutputNorm(nn.Module):
+    """Final RMSNorm, shift/scale modulated per timestep (not per modality)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.final_norm_eps)
+        self.linear = nn.Linear(cfg.time_embed_dim, 2 * cfg.hidden_size)
+
+    def forward(self, x, temb, timestep_indices, ops):
+        modulation = self.linear(F.silu(temb).to(self.linear.weight.dtype))
+        return ops.rmsnorm_modulate(x, self.norm.weight, self.norm.eps, modulation, timestep_indices, 0, 1)
