@@ -51,6 +51,11 @@ def forward_overrides(preset, forwards: int | None) -> list[str]:
     return overrides
 
 
+def adapter_overrides(random_weights: str | None) -> list[str]:
+    """Random weights have no adapters to fuse; fusing happens at load, so a forward costs the same without them."""
+    return ["adapter.paths=[]"] if random_weights else []
+
+
 def preset_forwards(preset) -> int:
     from h3gen.stages.sampler import forwards
 
@@ -140,7 +145,7 @@ def summarize(values: list[float]) -> tuple[float, float]:
     return statistics.median(ordered), p95
 
 
-def records_for(name, baseline, request, runs, forwards_run, full_forwards, peaks, common) -> list[dict]:
+def records_for(name, baseline, request, runs, forwards_run, full_forwards, peaks, common, attention) -> list[dict]:
     duration = request.duration
     per_stage: dict[str, list[float]] = {}
     for seconds in runs:
@@ -163,7 +168,7 @@ def records_for(name, baseline, request, runs, forwards_run, full_forwards, peak
                       rtf=round(median / duration, 4) if stage == "e2e" else None)
         if stage == "dit":
             record.update(per_forward_s=round(median / full_forwards, 4), forwards=full_forwards,
-                          notes=f"{forwards_run} forwards timed, scaled to {full_forwards}")
+                          notes=f"{forwards_run} forwards timed, scaled to {full_forwards}; attention {attention}")
         records.append(record)
     return records
 
@@ -183,7 +188,8 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
             for name, baseline in names:
                 preset = resolve(name, registry)
                 full_forwards = preset_forwards(preset)
-                preset = resolve(name, registry, forward_overrides(preset, plan.forwards))
+                preset = resolve(name, registry, forward_overrides(preset, plan.forwards) + adapter_overrides(
+                    random_weights))
                 say(f"bench: {name} at {seconds:g} s ({request.frames} frames, {plan.width}x{plan.height})")
                 try:
                     bench = StageBench(preset, registry, source, plan, request, Path(workdir))
@@ -196,7 +202,7 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
                                         peak_gib=None, rtf=None, notes=f"failed: {type(e).__name__}: {e}"[:500]))
                     continue
                 records += records_for(name, baseline, request, runs, bench.forwards_run, full_forwards,
-                                       bench.peaks, common)
+                                       bench.peaks, common, bench.clip.notes.get("attention", "-"))
     add_ratios(records)
     return records
 

@@ -53,11 +53,17 @@ class FullSizeRandom:
                              image_token_id=ids["image_pad"], video_token_id=ids["video_pad"],
                              vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"])
 
-    def load(self, component: str, cls, torch_dtype=None, dtype=None, device_map="cpu", config=None, **_):
+    def load(self, component: str, cls, torch_dtype=None, dtype=None, device_map="cpu", config=None, **kwargs):
         import torch
 
         if component in ("tokenizer", "processor"):
             return self.tiny_repo.load(component, cls)
+        if getattr(cls, "h3gen_loader", False):
+            from diffusers import MiniMaxH3Transformer3DModel
+
+            device = kwargs.pop("device", device_map)
+            reference = self.load(component, MiniMaxH3Transformer3DModel, torch_dtype=dtype, device_map=device)
+            return cls.from_reference(reference, **kwargs)
         torch.manual_seed(self.seed)
         dtype = torch_dtype or dtype or torch.bfloat16
         with built_on(device_map, dtype):

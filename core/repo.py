@@ -50,6 +50,8 @@ class ModelRepo:
 
     def load(self, component: str, cls, **kwargs):
         """`cls.from_pretrained` on one component folder: local files, safetensors, no remote code."""
+        if getattr(cls, "h3gen_loader", False):
+            return load_component(component, cls.from_pretrained, self.path(component), **kwargs)
         safe = dict(local_files_only=True, trust_remote_code=False) if component in CONFIG_ONLY else dict(
             local_files_only=True, use_safetensors=True)
         return load_component(component, cls.from_pretrained, self.path(component), **safe, **kwargs)

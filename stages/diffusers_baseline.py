@@ -44,6 +44,24 @@ class DiffusersEncode(Stage):
 @dataclasses.dataclass
 class DiffusersSamplerConfig:
     steps: int = 50
+    sdpa_backend: str = "default"  # default (PyTorch picks), flash, cudnn, efficient, math
+
+
+def sdpa_context(backend: str):
+    """PyTorch's own choice by default; one named SDPA backend forced otherwise."""
+    import contextlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    if backend == "default":
+        return contextlib.nullcontext()
+    if backend not in backends:
+        from h3gen.errors import UsageError
+
+        raise UsageError(f"unknown sdpa_backend '{backend}'", f"choose default, {', '.join(backends)}")
+    return sdpa_kernel([backends[backend]])
 
 
 class DiffusersSampler(Stage):
@@ -64,21 +82,25 @@ class DiffusersSampler(Stage):
     def run(self, clip):
         import torch
 
-        request = clip.request
-        counter = self.pipe.transformer.register_forward_hook(
-            lambda *_: self.runtime.on_step(clip, counter.calls.__setitem__(0, counter.calls[0] + 1) or
-                                            counter.calls[0], self.config.steps - 1))
-        counter.calls = [0]
+        request, forwards = clip.request, 0
+
+        def count_forward(*_):
+            nonlocal forwards
+            forwards += 1
+            self.runtime.on_step(clip, forwards, self.config.steps - 1)
+
+        hook = self.pipe.transformer.register_forward_hook(count_forward)
         try:
-            state = self.pipe(prompt_embeds=clip.prompt_embeds, text_token_tags=clip.text_token_tags,
-                              height=request.height, width=request.width, num_frames=request.frames,
-                              num_inference_steps=self.config.steps,
-                              generator=torch.Generator("cpu").manual_seed(request.seed),
-                              output=["latents", "audio_latents"])
+            with sdpa_context(self.config.sdpa_backend):
+                state = self.pipe(prompt_embeds=clip.prompt_embeds, text_token_tags=clip.text_token_tags,
+                                  height=request.height, width=request.width, num_frames=request.frames,
+                                  num_inference_steps=self.config.steps,
+                                  generator=torch.Generator("cpu").manual_seed(request.seed),
+                                  output=["latents", "audio_latents"])
         finally:
-            counter.remove()
+            hook.remove()
         clip.video_latents, clip.audio_latents = state["latents"], state["audio_latents"]
-        clip.notes["forwards"] = counter.calls[0]
+        clip.notes.update(forwards=forwards, attention=f"sdpa ({self.config.sdpa_backend})")
         return clip
 
     def unload(self):

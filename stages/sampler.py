@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from h3gen.errors import UsageError
 from h3gen.clip import AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
 from h3gen.stages.base import Stage
 
@@ -21,6 +22,11 @@ class EulerConfig:
     sigma_positions: list[float] = dataclasses.field(default_factory=list)  # explicit grid before the shift
     video_shift: float = 12.0
     audio_shift: float = 3.0
+    dit: str = "diffusers"  # "diffusers": the reference transformer; "h3gen": fused kernels and AdaLN tables
+    triton: bool = True  # h3gen DiT: Triton kernels for norm/modulate, QK-norm + RoPE, SwiGLU, gated residual
+    adaln_table: bool = True  # h3gen DiT: modulation rows precomputed for the schedule, adaln_proj dropped
+    compile: bool = False  # h3gen DiT: regional torch.compile of each block
+    attention: str = "auto"  # h3gen DiT: auto, flash-attn-4, sdpa-cudnn, sdpa-flash, sdpa
 
 
 def sigma_schedule(config: EulerConfig, shift: float):
@@ -41,22 +47,44 @@ def forwards(config: EulerConfig) -> int:
     return len(sigma_schedule(config, config.video_shift).timesteps)
 
 
+def schedule_timesteps(config: EulerConfig) -> list[float]:
+    """Every timestep value a run's forwards will see: the AdaLN table needs one row set per value."""
+    values = {float(t) for shift in (config.video_shift, config.audio_shift)
+              for t in sigma_schedule(config, shift).timesteps}
+    return sorted(values)
+
+
 class EulerSampler(Stage):
     kind, name = "sampler", "euler"
     Config = EulerConfig
     description = "rectified-flow Euler over diffusers' MiniMaxH3Transformer3DModel (the reference DiT)"
 
     def load(self, repo):
-        from diffusers import MiniMaxH3Transformer3DModel
-
         if len(self.config.sigma_positions) == 1 or (not self.config.sigma_positions and self.config.steps < 2):
-            from h3gen.errors import UsageError
-
             raise UsageError("the sigma grid needs at least 2 points", "set sampler.steps >= 2")
-        dit = repo.load("transformer", MiniMaxH3Transformer3DModel, torch_dtype=self.runtime.dtype,
-                        device_map=self.runtime.device)
+        if self.config.dit == "h3gen":
+            dit = self.load_fast_dit(repo)
+        elif self.config.dit == "diffusers":
+            from diffusers import MiniMaxH3Transformer3DModel
+
+            dit = repo.load("transformer", MiniMaxH3Transformer3DModel, torch_dtype=self.runtime.dtype,
+                            device_map=self.runtime.device)
+            self.attention_backend = "sdpa (PyTorch's choice)"
+        else:
+            raise UsageError(f"unknown sampler.dit '{self.config.dit}'", "choose diffusers or h3gen")
         self.dit = self.runtime.quant.transform("dit", dit.eval())
         self.patch_size = tuple(self.dit.config.patch_size)
+
+    def load_fast_dit(self, repo):
+        from h3gen.stages.fast_dit import FastH3Transformer
+
+        config = self.config
+        timesteps = schedule_timesteps(config) if config.adaln_table else None
+        dit = repo.load("transformer", FastH3Transformer, dtype=self.runtime.dtype, device=self.runtime.device,
+                        adaln_timesteps=timesteps, use_triton=config.triton, adaln_table=config.adaln_table,
+                        compile_blocks=config.compile, attention_backend=config.attention)
+        self.attention_backend = dit.attention_backend_name()
+        return dit
 
     def run(self, clip):
         import torch
@@ -100,6 +128,7 @@ class EulerSampler(Stage):
         video_schedule = sigma_schedule(self.config, self.config.video_shift)
         audio_schedule = sigma_schedule(self.config, self.config.audio_shift)
         steps = len(video_schedule.timesteps)
+        # Both DiTs return the (video, audio) velocities first: diffusers' as an output tuple, h3gen's as a pair.
         for i, (t, audio_t) in enumerate(zip(video_schedule.timesteps, audio_schedule.timesteps)):
             timestep, timestep_indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
                 layout["video_indices"], layout["audio_indices"], 0, 0, layout["text_indices"].numel(),
@@ -109,11 +138,11 @@ class EulerSampler(Stage):
                 encoder_hidden_states=clip.prompt_embeds, timestep=timestep.to(self.runtime.device),
                 timestep_indices=timestep_indices.to(self.runtime.device), token_tags=layout["token_tags"],
                 position_ids=layout["position_ids"], video_indices=layout["video_indices"],
-                audio_indices=layout["audio_indices"], text_indices=layout["text_indices"], return_dict=False)
+                audio_indices=layout["audio_indices"], text_indices=layout["text_indices"])[:2]
             video_rows = video_schedule.step(video_velocity[0].float(), t, video_rows, return_dict=False)[0]
             audio_rows = audio_schedule.step(audio_velocity[0].float(), audio_t, audio_rows, return_dict=False)[0]
             self.runtime.on_step(clip, i + 1, steps)
-        clip.notes["forwards"] = steps
+        clip.notes.update(forwards=steps, attention=self.attention_backend)
         return video_rows, audio_rows
 
     def unpack(self, layout, video_rows, audio_rows):

@@ -54,3 +54,16 @@ def test_reference_preset_writes_the_same_mp4_as_the_diffusers_baseline(tiny_mod
           "--set", "request.width=32", "--set", "request.height=32", "--set", 'runtime.dtype="float32"',
           "--set", "sampler.steps=4", check_code=0)
     assert (tmp_path / "ours/clip.mp4").read_bytes() == (tmp_path / "diffusers/clip.mp4").read_bytes()
+
+
+def test_h3gen_dit_render_matches_the_reference_render(tiny_model, prompts_file, tmp_path):
+    """The fast DiT (fused projections, AdaLN tables; CPU falls back to its torch ops) in a whole render."""
+    from safetensors.torch import load_file
+
+    prompts = prompts_file('{"id": "clip", "prompt": "a kite over a beach", "seed": 9}\n')
+    for name, dit in (("reference", "diffusers"), ("fast", "h3gen")):
+        h3gen("render", prompts, "-o", tmp_path / name, "--model", tiny_model, "--save-latents",
+              "--set", f'sampler.dit="{dit}"', check_code=0)
+    ours, reference = (load_file(str(tmp_path / name / "clip.latents.safetensors")) for name in ("fast", "reference"))
+    for key in ("video", "audio"):
+        assert relative_error(ours[key], reference[key]) < MAX_RELATIVE_ERROR
