@@ -142,8 +142,8 @@ def plugins():
     found = registry()
     for (kind, name), entry in sorted(found.stages.items()):
         typer.echo(f"{kind:8s} {name:16s} {entry.origin:20s} {entry.stage.__module__}.{entry.stage.__qualname__}")
-    for name, error in found.failed:
-        typer.echo(f"plugin {name} failed: {error}", err=True)
+    for name, why in found.failed:
+        typer.echo(f"h3gen: plugin '{name}' {why} (skipped)", err=True)
 
 
 @app.command()
