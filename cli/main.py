@@ -49,12 +49,17 @@ def render(
     overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a preset value: section.key=value.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per finished clip on stdout.")] = False,
     save_latents: Annotated[bool, typer.Option("--save-latents", help="Also write each clip's final latents.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Render clips whose output already exists and validates "
+                                                        "(by default they are skipped).")] = False,
+    strict_plugins: Annotated[bool, typer.Option("--strict-plugins", envvar="H3GEN_STRICT_PLUGINS",
+                                                 help="Stop when a plugin fails to load instead of skipping it.")] = False,
 ):
     """Render one MP4 per prompt."""
     from h3gen.cli.run import run_render
 
     try:
-        code = run_render(prompts, output, preset, model, seed, overrides or [], json_out, save_latents)
+        code = run_render(prompts, output, preset, model, seed, overrides or [], json_out, save_latents, force,
+                          strict_plugins)
     except H3genError as e:
         fail(e)
     raise typer.Exit(code)

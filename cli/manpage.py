@@ -43,7 +43,9 @@ def page() -> str:
                 lines += [".TP", ".B " + roff(record[0]), roff(record[1] or "")]
     lines += [".SH ENVIRONMENT", ".TP", ".B H3GEN_MODEL", roff("Model directory used when --model is not given."),
               ".TP", ".B H3GEN_LOAD_PLUGINS", roff("Comma-separated plugin names to load (default: all)."),
-              ".SH EXIT STATUS", roff("0 when every clip was written, 1 when some clips failed, 2 on usage errors."),
+              ".TP", ".B H3GEN_STRICT_PLUGINS", roff("Set to 1 to stop when a plugin fails (as --strict-plugins)."),
+              ".SH EXIT STATUS", roff("0 when every clip was written or already there, 1 when some clips failed, "
+                                      "2 on usage errors, 130 or 143 when stopped by SIGINT or SIGTERM."),
               ".SH SEE ALSO", roff("README.md of the h3gen repository.")]
     return "\n".join(lines) + "\n"
 

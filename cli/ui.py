@@ -25,7 +25,7 @@ def result_record(result, preset: str) -> dict:
             "seconds": {k: round(v, 4) for k, v in result.seconds.items()},
             "end_to_end_s": round(result.end_to_end, 4), "rtf": round(result.rtf, 4),
             "media_s": round(result.request.duration, 4), "frames": result.request.frames,
-            "forwards": result.forwards, "peak_gib": round(result.peak_gib, 3)}
+            "forwards": result.forwards, "peak_gib": round(result.peak_gib, 3), "skipped": result.skipped}
 
 
 class PlainReporter:
@@ -56,7 +56,10 @@ class PlainReporter:
         pass
 
     def clip_done(self, result):
-        if result.ok:
+        if result.skipped:
+            self.say(f"[{result.request.index + 1}/{self.total}] skipped {result.path}: already there and valid "
+                     "(--force renders it again)")
+        elif result.ok:
             self.say(f"[{result.request.index + 1}/{self.total}] wrote {result.path} in {result.end_to_end:.2f}s "
                      f"(RTF {result.rtf:.2f})")
         else:
@@ -64,20 +67,32 @@ class PlainReporter:
         if self.json_out:
             print(json.dumps(result_record(result, self.preset)), file=sys.stdout, flush=True)
 
-    def summary(self, results):
+    def summary(self, results, total: int | None = None):
+        """The table of clips, then one line of counts and one line per failed clip with its reason."""
         table = Table(title="h3gen render summary", title_justify="left")
         for column in ("clip", "status", *STAGE_ORDER, "end to end", "RTF"):
             table.add_column(column, justify="left" if column in ("clip", "status") else "right")
         for r in results:
-            table.add_row(r.path.name, "ok" if r.ok else "failed",
+            status = "skipped" if r.skipped else "ok" if r.ok else "failed"
+            table.add_row(r.path.name, status,
                           *(f"{r.seconds[k]:.2f}s" if k in r.seconds else "-" for k in STAGE_ORDER),
-                          f"{r.end_to_end:.2f}s", f"{r.rtf:.2f}")
+                          f"{r.end_to_end:.2f}s" if not r.skipped else "-", f"{r.rtf:.2f}" if not r.skipped else "-")
         self.console.print(table)
-        failed = [r for r in results if not r.ok]
-        self.say(f"{len(results) - len(failed)} of {len(results)} clips written"
-                 + (f", {len(failed)} failed" if failed else ""))
-        for r in failed:
-            self.say(f"  failed {r.path.name} (line {r.request.line}): {r.error}")
+        self.say(counts_line(results, len(results) if total is None else total))
+        for r in results:
+            if not r.ok:
+                self.say(f"  failed {r.path.name} (line {r.request.line}): {r.error}")
+
+
+def counts_line(results, total: int) -> str:
+    written = sum(r.ok and not r.skipped for r in results)
+    skipped = sum(r.skipped for r in results)
+    failed = sum(not r.ok for r in results)
+    parts = [f"{written} of {total} clips written"]
+    parts += [f"{skipped} already there and valid (skipped)"] if skipped else []
+    parts += [f"{failed} failed"] if failed else []
+    parts += [f"{total - len(results)} not rendered"] if total > len(results) else []
+    return ", ".join(parts)
 
 
 class LiveReporter(PlainReporter):
@@ -111,9 +126,11 @@ class LiveReporter(PlainReporter):
         self.progress.update(self.task, completed=step, total=steps)
 
     def clip_done(self, result):
-        self.progress.remove_task(self.task)
+        if self.task is not None:
+            self.progress.remove_task(self.task)
+            self.task = None
         super().clip_done(result)
-        if result.ok:
+        if result.ok and not result.skipped:
             self.say(f"    {seconds_text(result.seconds)}")
 
 

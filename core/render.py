@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
+import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+from h3gen import memory
 from h3gen.clip import Clip, Request
-from h3gen.errors import H3genError
+from h3gen.errors import ClipError, H3genError
 from h3gen.timing import StageTimer
 
 PIPELINE = ("encode", "sampler", "vae", "mux")  # quant is applied at load time by the stages that load weights
@@ -33,6 +37,7 @@ class ClipResult:
     error: str = ""
     peak_gib: float = 0.0
     forwards: int = 0
+    skipped: bool = False  # the output was already there and valid
 
     @property
     def rtf(self) -> float:
@@ -69,9 +74,13 @@ class Renderer:
         for kind in ("quant",) + PIPELINE:
             self.stages[kind].load(repo)
 
-    def render(self, requests: list[Request], out_dir: Path, save_latents: bool = False) -> list[ClipResult]:
+    def render(self, requests: list[Request], out_dir: Path, save_latents: bool = False) -> Iterator[ClipResult]:
+        """Yield one result per request, in order, giving back what each clip allocated before the next."""
         out_dir.mkdir(parents=True, exist_ok=True)
-        return [self.render_one(request, out_dir, save_latents) for request in requests]
+        for request in requests:
+            result = self.render_one(request, out_dir, save_latents)
+            memory.release(self.runtime.device)
+            yield result
 
     def render_one(self, request: Request, out_dir: Path, save_latents: bool) -> ClipResult:
         import torch
@@ -84,6 +93,7 @@ class Renderer:
         began = time.perf_counter()
         error = ""
         try:
+            check_disk(out_dir, request)
             for kind in PIPELINE:
                 if kind == "mux" and save_latents:
                     write_latents(clip)
@@ -91,12 +101,13 @@ class Renderer:
         except H3genError as e:
             error = str(e)
         except torch.OutOfMemoryError:
-            error = "out of GPU memory (try an FP8 preset, fewer frames or a smaller size)"
+            error = OOM_HINT
         except OSError as e:
-            error = f"cannot write {clip.path}: {e.strerror or e}"
+            error = write_error(clip.path, e)
         except Exception as e:  # a faulty stage costs its clip, not the batch
-            error = f"{type(e).__name__} in a stage: {e}"
-        finally:
+            error = OOM_HINT if "out of memory" in str(e).lower() else f"{type(e).__name__} in a stage: {e}"
+        finally:  # the clip's tensors go now, whatever happened, so the next clip starts from the same memory
+            clip.prompt_embeds = clip.text_token_tags = clip.video_latents = clip.audio_latents = None
             clip.frames = clip.audio = None
         peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         result = ClipResult(request, clip.path, not error, dict(clip.seconds), time.perf_counter() - began,
@@ -105,11 +116,52 @@ class Renderer:
         return result
 
 
+OOM_HINT = "out of GPU memory (try an FP8 preset, fewer frames or a smaller size)"
+# Generous for H.264 at the presets' CRF (real clips take well under a byte per pixel), plus the soundtrack.
+MP4_BYTES_PER_PIXEL, AUDIO_BYTES = 0.5, 2**20
+
+
+def already_done(request: Request, out_dir: Path, preset: str, save_latents: bool) -> ClipResult | None:
+    """A skipped result when the clip's file is there and validates for this request, so a rerun resumes."""
+    from h3gen.validate import validate_clip
+
+    path = out_dir / clip_name(request, preset)
+    if not path.is_file() or save_latents and not latents_path(path).is_file():
+        return None
+    if validate_clip(path, expected_frames=request.frames):
+        return None  # rendered again; the atomic write replaces the bad file only once the new one is complete
+    return ClipResult(request, path, True, {}, 0.0, skipped=True)
+
+
+def check_disk(out_dir: Path, request: Request) -> None:
+    """Fail a clip before it spends GPU time when its MP4 cannot fit on the disk."""
+    need = int(request.frames * request.width * request.height * MP4_BYTES_PER_PIXEL) + AUDIO_BYTES
+    free = shutil.disk_usage(out_dir).free
+    if free < need:
+        raise ClipError(f"only {free / 2**20:.0f} MiB free in {out_dir}, the clip needs up to {need / 2**20:.0f} MiB",
+                        "free disk space; a rerun redoes only the clips that are missing")
+
+
+def write_error(path: Path, error: OSError) -> str:
+    text = f"cannot write {path}: {error.strerror or error}"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        text += f" (free space in {path.parent}; a rerun redoes only the clips that are missing)"
+    return text
+
+
+def latents_path(path: Path) -> Path:
+    return path.with_suffix(".latents.safetensors")
+
+
 def write_latents(clip: Clip) -> None:
     from safetensors.torch import save_file
 
-    path = clip.path.with_suffix(".latents.safetensors")
+    path = latents_path(clip.path)
     partial = path.with_name(f".{path.name}.partial")
-    save_file({"video": clip.video_latents.float().cpu().contiguous(),
-               "audio": clip.audio_latents.float().cpu().contiguous()}, str(partial))
-    partial.replace(path)
+    try:
+        save_file({"video": clip.video_latents.float().cpu().contiguous(),
+                   "audio": clip.audio_latents.float().cpu().contiguous()}, str(partial))
+        partial.replace(path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise

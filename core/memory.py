@@ -1,0 +1,81 @@
+"""GPU memory: an estimate of a clip's peak before the run, and giving memory back between clips.
+
+The estimate is deliberately simple: the weights already resident plus the larger of the DiT's activations (linear
+in packed rows) and the video decode's (linear in output pixels). Both coefficients come from one measurement of
+the released model on an H200 (shared/H3.md): 62.4 GiB of DiT weights and a 74.8 GiB peak for one forward over
+73,642 packed rows; 8.4 GiB peak for the VAE decode of 243 frames at 1344x768.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+from pathlib import Path
+
+from h3gen.clip import AUDIO_CHANNELS, Request
+
+GIB = 2**30
+TEXT_ROWS = 256  # prompts are tokenized only after the weights load; text rows are a small share anyway
+# Bytes per packed row at the DiT peak, in units of ffn_dim activation values: (74.8 - 62.4) GiB at 73,642 rows
+# and ffn_dim 14,336 in bf16 is 6.3 values of ffn width live per row (gate, up, their product, the residuals).
+DIT_VALUES_PER_ROW_PER_FFN = 6.3
+VAE_BYTES_PER_PIXEL = 36  # 8.4 GiB / (243 * 1344 * 768)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiTShape:
+    ffn_dim: int = 14336
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+
+    @classmethod
+    def from_config(cls, path: Path) -> DiTShape:
+        config = json.loads(Path(path).read_text())
+        return cls(int(config.get("ffn_dim", cls.ffn_dim)), tuple(config.get("patch_size", cls.patch_size)))
+
+
+def packed_rows(request: Request, shape: DiTShape, text_rows: int = TEXT_ROWS) -> int:
+    """Rows of the one sequence the DiT attends over: text, audio (one per latent and channel), video patches."""
+    _, _, frames, height, width = request.video_latent_shape
+    pt, ph, pw = shape.patch_size
+    video = (frames // pt) * (height // ph) * (width // pw)
+    return text_rows + request.audio_latent_shape[-1] * AUDIO_CHANNELS + video
+
+
+def peak_bytes(request: Request, shape: DiTShape, resident_bytes: int, element_bytes: int = 2) -> int:
+    dit = packed_rows(request, shape) * shape.ffn_dim * element_bytes * DIT_VALUES_PER_ROW_PER_FFN
+    vae = request.frames * request.width * request.height * VAE_BYTES_PER_PIXEL
+    return int(resident_bytes + max(dit, vae))
+
+
+def fit_warning(requests: list[Request], shape: DiTShape, resident_bytes: int, available_bytes: int,
+                element_bytes: int = 2) -> str | None:
+    """A warning naming the largest clip when its estimated peak exceeds what the GPU can give; None if all fit."""
+    largest = max(requests, key=lambda r: peak_bytes(r, shape, resident_bytes, element_bytes))
+    need = peak_bytes(largest, shape, resident_bytes, element_bytes)
+    limit = resident_bytes + available_bytes
+    if need <= limit:
+        return None
+    where = f"line {largest.line}" if largest.line else f"clip {largest.index + 1}"
+    return (f"warning: the largest clip ({where}, {largest.width}x{largest.height}, {largest.frames} frames) needs "
+            f"about {need / GIB:.1f} GiB at peak ({resident_bytes / GIB:.1f} GiB of weights loaded), the GPU has "
+            f"{limit / GIB:.1f} GiB: expect out of memory (try an FP8 preset, fewer frames or a smaller size)")
+
+
+def cuda_fit_warning(requests: list[Request], transformer_config: Path, element_bytes: int) -> str | None:
+    """`fit_warning` with what the current CUDA device reports, weights already loaded."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info()
+    resident = torch.cuda.memory_allocated()
+    cached = torch.cuda.memory_reserved() - resident  # held by torch's allocator, free to reuse
+    return fit_warning(requests, DiTShape.from_config(transformer_config), resident, free + cached, element_bytes)
+
+
+def release(device: str) -> None:
+    """Return what one clip allocated: drop unreachable tensors, then hand the allocator's cache back on CUDA."""
+    gc.collect()
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()

@@ -1,0 +1,330 @@
+"""Faults during a run: a full disk, GPU out of memory, a signal. Each costs one clip at most, leaves no partial
+file, and says why; a rerun resumes.
+
+The faults come from a test plugin installed the way `pip install` would (an `h3gen` entry point), so the
+command runs exactly as in production, in a child process.
+"""
+
+import gc
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+import weakref
+
+import pytest
+
+from conftest import ROOT, h3gen
+from h3gen.validate import validate_clip
+
+FAULTS_PLUGIN = '''
+import dataclasses, time
+from pathlib import Path
+
+import numpy as np
+
+from h3gen.plugins.hookspecs import hookimpl
+from h3gen.stages.mux import PyAVMux, PyAVMuxConfig
+from h3gen.stages.sampler import EulerConfig, EulerSampler
+
+
+@dataclasses.dataclass
+class OomConfig(EulerConfig):
+    fail_ids: list[str] = dataclasses.field(default_factory=list)
+
+
+class OomSampler(EulerSampler):
+    """Runs out of GPU memory on the clips named in fail_ids, after allocating, as a real one would."""
+    kind, name = "sampler", "oom"
+    Config = OomConfig
+
+    def run(self, clip):
+        import torch
+
+        if clip.request.id in self.config.fail_ids:
+            clip.video_latents = torch.zeros(1 << 20)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        return super().run(clip)
+
+
+class SlowFrames(np.ndarray):
+    """Frames the muxer receives one by one, slowly after the first half: by then the encoder has written
+    packets (x264 holds its first 40 frames back), and the marker says so."""
+
+    def __iter__(self):
+        for index in range(len(self)):
+            if index >= len(self) // 2:
+                Path(self.marker).touch()
+                time.sleep(self.delay)
+            yield np.asarray(self[index])
+
+
+@dataclasses.dataclass
+class SlowConfig(PyAVMuxConfig):
+    slow_id: str = ""
+    delay: float = 0.2
+    marker: str = ""
+
+
+class SlowMux(PyAVMux):
+    kind, name = "mux", "slow"
+    Config = SlowConfig
+
+    def run(self, clip):
+        if clip.request.id == self.config.slow_id:
+            clip.frames = clip.frames.view(SlowFrames)
+            clip.frames.delay, clip.frames.marker = self.config.delay, self.config.marker
+        return super().run(clip)
+
+
+@hookimpl
+def h3gen_register_stages(register):
+    register(OomSampler)
+    register(SlowMux)
+'''
+
+
+def install(site, name, source):
+    """What `pip install` leaves behind for a package with an `h3gen` entry point."""
+    site.mkdir(exist_ok=True)
+    (site / f"h3gen_{name}.py").write_text(source)
+    info = site / f"h3gen_{name}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: h3gen-{name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[h3gen]\n{name} = h3gen_{name}\n")
+    return {"PYTHONPATH": str(site)}
+
+
+@pytest.fixture
+def faults(tmp_path):
+    """(env, preset path): the tiny preset with the fault-injecting sampler and muxer."""
+    env = install(tmp_path / "site", "faults", FAULTS_PLUGIN)
+    preset = tmp_path / "faulty.toml"
+    preset.write_text((ROOT / "presets" / "tiny.toml").read_text()
+                      .replace('use = "euler"', 'use = "oom"').replace('use = "pyav"', 'use = "slow"'))
+    return env, preset
+
+
+def records(result):
+    return {r["id"]: r for r in map(json.loads, result.stdout.splitlines())}
+
+
+def hidden_files(out):
+    return sorted(p.name for p in out.iterdir() if p.name.startswith("."))
+
+
+TWO_CLIPS = '{"id": "a", "prompt": "a fox"}\n{"id": "b", "prompt": "waves"}\n'
+
+
+# -- out of GPU memory ----------------------------------------------------------------------------------------------
+
+def test_out_of_memory_costs_one_clip_with_a_hint(faults, prompts_file, tmp_path):
+    env, preset = faults
+    out = tmp_path / "out"
+    result = h3gen("render", prompts_file(TWO_CLIPS), "-o", out, "--preset", preset, "--json",
+                   "--set", 'sampler.fail_ids=["a"]', env=env)
+    assert result.returncode == 1, result.stderr[-2000:]
+    clips = records(result)
+    assert not clips["a"]["ok"] and clips["b"]["ok"]
+    assert clips["a"]["error"] == "out of GPU memory (try an FP8 preset, fewer frames or a smaller size)"
+    assert "1 of 2 clips written, 1 failed" in result.stderr
+    assert "failed a.mp4 (line 1): out of GPU memory (try an FP8 preset" in result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["b.mp4"]
+
+
+def test_a_failed_clip_gives_its_memory_back_before_the_next(tiny_model, tmp_path):
+    """The failing stage leaves a tensor in a reference cycle; it is gone before the next clip starts."""
+    import torch
+
+    from h3gen.cli.ui import PlainReporter
+    from h3gen.plugins.manager import Registered, registry
+    from h3gen.preset import resolve
+    from h3gen.prompts import read_prompts
+    from h3gen.render import Renderer
+    from h3gen.repo import ModelRepo
+    from h3gen.stages.sampler import EulerSampler
+
+    leaked = []
+
+    class CyclicOom(EulerSampler):
+        kind, name = "sampler", "cyclic-oom"
+
+        def run(self, clip):
+            if clip.request.id == "a":
+                holder = {"latents": torch.zeros(1 << 20)}
+                holder["self"] = holder  # only the garbage collector frees this
+                leaked.append(weakref.ref(holder["latents"]))
+                clip.notes["holder"] = holder
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            assert leaked and leaked[0]() is None, "the failed clip's tensor is still alive"
+            return super().run(clip)
+
+    found = registry()
+    found.stages[("sampler", "cyclic-oom")] = Registered("sampler", "cyclic-oom", CyclicOom, "test")
+    preset_file = tmp_path / "cyclic.toml"
+    preset_file.write_text((ROOT / "presets" / "tiny.toml").read_text().replace('"euler"', '"cyclic-oom"'))
+    preset = resolve(str(preset_file), found)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(TWO_CLIPS)
+    requests = read_prompts(prompts, 0, preset.request)
+    renderer = Renderer(preset, found, ModelRepo(tiny_model), PlainReporter(2))
+    gc.disable()
+    try:
+        results = list(renderer.render(requests, tmp_path / "out"))
+    finally:
+        gc.enable()
+    assert [r.ok for r in results] == [False, True]
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_memory_returns_to_its_starting_level_between_clips(tiny_model, tmp_path):
+    import torch
+
+    from h3gen.cli.ui import PlainReporter
+    from h3gen.plugins.manager import registry
+    from h3gen.preset import resolve
+    from h3gen.prompts import read_prompts
+    from h3gen.render import Renderer
+    from h3gen.repo import ModelRepo
+
+    preset = resolve("tiny", registry(), ["runtime.device=cuda"])
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one\ntwo\nthree\n")
+    renderer = Renderer(preset, registry(), ModelRepo(tiny_model), PlainReporter(3))
+    loaded = torch.cuda.memory_allocated()
+    for result in renderer.render(read_prompts(prompts, 0, preset.request), tmp_path / "out"):
+        assert result.ok and torch.cuda.memory_allocated() == loaded
+        assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < 2**20
+
+
+# -- peak memory estimate -------------------------------------------------------------------------------------------
+
+def test_peak_estimate_matches_the_measured_h200_forward():
+    """shared/H3.md: 62.4 GiB of DiT weights, 74.8 GiB peak for one forward over the 10 s request's 73,642 rows."""
+    from h3gen.clip import Request
+    from h3gen.memory import GIB, DiTShape, packed_rows, peak_bytes
+
+    ten_seconds = Request(index=0, prompt="x", seed=1101, width=1344, height=768, frames=243)
+    assert packed_rows(ten_seconds, DiTShape()) == 73_642
+    assert peak_bytes(ten_seconds, DiTShape(), int(62.4 * GIB)) / GIB == pytest.approx(74.8, abs=0.5)
+    fifteen = Request(index=0, prompt="x", seed=0, width=1344, height=768, frames=362)
+    assert peak_bytes(fifteen, DiTShape(), 0) > 1.4 * peak_bytes(ten_seconds, DiTShape(), 0)
+
+
+def test_peak_estimate_warns_only_when_the_largest_clip_does_not_fit():
+    from h3gen.clip import Request
+    from h3gen.memory import GIB, DiTShape, fit_warning
+
+    small = Request(index=0, prompt="x", seed=0, width=1344, height=768, frames=124, line=1)
+    large = Request(index=1, prompt="y", seed=0, width=1344, height=768, frames=362, line=2)
+    weights = int(62.4 * GIB)
+    assert fit_warning([small, large], DiTShape(), weights, available_bytes=60 * GIB) is None
+    warning = fit_warning([small, large], DiTShape(), weights, available_bytes=10 * GIB)
+    assert warning.startswith("warning: the largest clip (line 2, 1344x768, 362 frames) needs about 80.8 GiB")
+    assert "the GPU has 72.4 GiB" in warning and "try an FP8 preset, fewer frames or a smaller size" in warning
+
+
+# -- disk full ------------------------------------------------------------------------------------------------------
+
+def limit_file_size(limit):
+    def apply():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def test_disk_full_while_writing_costs_one_clip_and_leaves_no_partial_file(prompts_file, tmp_path):
+    """Two faults in one run: "full" writes into /dev/full (no space left from the first write), "big" grows past
+    the file-size limit mid-write; "small" between them is written."""
+    out = tmp_path / "out"
+    out.mkdir()
+    # The muxer writes .NAME.partial.mp4 and renames it when complete; for "full" that file is /dev/full.
+    (out / ".full.mp4.partial.mp4").symlink_to("/dev/full")
+    prompts = prompts_file('{"id": "full", "prompt": "a fox"}\n{"id": "small", "prompt": "waves"}\n'
+                           '{"id": "big", "prompt": "rain", "duration": 15}\n')
+    result = h3gen("render", prompts, "-o", out, "--json", preexec_fn=limit_file_size(300_000))
+    assert result.returncode == 1, result.stderr[-2000:]
+    clips = records(result)
+    assert clips["small"]["ok"] and validate_clip(out / "small.mp4", expected_frames=124) == []
+    for name, line, reason in (("full", 1, "No space left on device"), ("big", 3, "File too large")):
+        assert not clips[name]["ok"]
+        assert clips[name]["error"] == (f"cannot write {out / name}.mp4: {reason} (free space in {out}; "
+                                        "a rerun redoes only the clips that are missing)")
+        assert f"failed {name}.mp4 (line {line}): cannot write {out / name}.mp4: {reason}" in result.stderr
+    assert "1 of 3 clips written, 2 failed" in result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["small.mp4"]
+
+
+def test_a_clip_that_cannot_fit_on_the_disk_fails_before_it_renders(tmp_path, monkeypatch):
+    import shutil
+
+    from h3gen.clip import Request
+    from h3gen.errors import ClipError
+    from h3gen.render import check_disk
+
+    clip = Request(index=0, prompt="x", seed=0, width=1344, height=768, frames=243)
+    check_disk(tmp_path, clip)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 2**20, 2**20))
+    with pytest.raises(ClipError, match=f"only 1 MiB free in {tmp_path}, the clip needs up to 121 MiB \\(free disk space"):
+        check_disk(tmp_path, clip)
+
+
+# -- signals and resuming -------------------------------------------------------------------------------------------
+
+def start_render(args, env):
+    return subprocess.Popen([sys.executable, "-m", "h3gen.cli.main", "render", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+
+
+def wait_for(path, process, seconds=120):
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert process.poll() is None, process.communicate()[1][-2000:]
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_discards_the_clip_in_flight_and_a_rerun_resumes(faults, prompts_file, tmp_path, signum, code):
+    env, preset = faults
+    out, marker = tmp_path / "out", tmp_path / "muxing-b"
+    out.mkdir()
+    (out / "c.mp4").write_bytes(b"left by a crashed run")  # does not validate: rendered again, never skipped
+    render = ["render", prompts_file(TWO_CLIPS + '{"id": "c", "prompt": "rain"}\n'), "-o", out, "--preset", preset]
+    process = start_render(render[1:] + ["--set", 'mux.slow_id="b"', "--set", f'mux.marker="{marker}"'], env)
+    wait_for(marker, process)
+    assert (out / ".b.mp4.partial.mp4").exists()  # stopped while b's MP4 was being written
+    process.send_signal(signum)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == code, stderr[-2000:]
+    assert (f"h3gen: stopped by {signal.Signals(signum).name}: the clip in flight was discarded; "
+            "run the same command again") in stderr
+    assert "1 of 3 clips written, 2 not rendered" in stderr
+    assert sorted(p.name for p in out.iterdir()) == ["a.mp4", "c.mp4"]
+    assert validate_clip(out / "a.mp4", expected_frames=124) == []
+    if signum == signal.SIGINT:
+        return  # resuming is the same after either signal; checked once below
+    first = (out / "a.mp4").stat().st_mtime_ns
+
+    rerun = h3gen(*render, "--json", env=env, check_code=0)
+    assert f"skipped {out / 'a.mp4'}: already there and valid (--force renders it again)" in rerun.stderr
+    assert "2 of 3 clips written, 1 already there and valid (skipped)" in rerun.stderr
+    assert [(r["id"], r["skipped"]) for r in map(json.loads, rerun.stdout.splitlines())] == [
+        ("a", True), ("b", False), ("c", False)]
+    assert (out / "a.mp4").stat().st_mtime_ns == first
+    assert sorted(p.name for p in out.iterdir()) == ["a.mp4", "b.mp4", "c.mp4"]
+    assert all(validate_clip(out / f"{name}.mp4", expected_frames=124) == [] for name in "abc")
+
+    done = h3gen(*render, env=env, check_code=0)
+    assert "0 of 3 clips written, 3 already there and valid (skipped)" in done.stderr
+    assert "loaded on" not in done.stderr  # nothing to render: no weights are loaded
+
+    only_a = tmp_path / "only-a.txt"
+    only_a.write_text(TWO_CLIPS.splitlines()[0] + "\n")
+    forced = h3gen("render", only_a, "-o", out, "--preset", preset, "--force", "--json", env=env, check_code=0)
+    assert [(r["id"], r["skipped"]) for r in map(json.loads, forced.stdout.splitlines())] == [("a", False)]
+    assert (out / "a.mp4").stat().st_mtime_ns != first

@@ -1,0 +1,159 @@
+"""Bad input from the command line: every refusal is one line naming the problem and the fix, exit 2, and nothing
+written, nothing imported, nothing unpickled, no remote code run.
+
+test_inputs.py, test_presets.py and test_model_repo.py check the parsers' messages; these check what the command
+does with them.
+"""
+
+import json
+import pickle
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import ROOT, h3gen
+
+TINY_PRESET = (ROOT / "presets" / "tiny.toml").read_text()
+
+
+def refused(result, message):
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.startswith("h3gen: error: ") and result.stderr.strip().count("\n") == 0, result.stderr
+    assert message in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "has no prompts"),
+    ('ok\n{"prompt": "x",\n', "prompts.txt:2: malformed JSON"),
+    ('{"prompt": "x", "colour": "red"}\n', "prompts.txt:1: unknown field 'colour'"),
+    ('{"prompt": "x", "duration": 4.5}\n', "duration 4.5 s is outside H3's 5-15 s"),
+    ('{"prompt": "x", "duration": 15.5}\n', "duration 15.5 s is outside H3's 5-15 s"),
+    ('{"prompt": "x", "width": 1000, "height": 768}\n', "size 1000x768 is not made of multiples of 32"),
+    ('{"prompt": "x", "width": 32, "height": 4096}\n', "aspect ratio 32x4096 is outside H3's 1:4 to 4:1"),
+    ('{"prompt": "x", "id": "a"}\n{"prompt": "y", "id": "a"}\n', "prompts.txt:2: duplicate id 'a' (first on line 1)"),
+    ('{"prompt": "x", "id": "../../etc/cron.d/x"}\n', "id '../../etc/cron.d/x' is not a plain file name"),
+    ('{"prompt": "x", "id": "/tmp/x"}\n', "id '/tmp/x' is not a plain file name"),
+    ('{"prompt": "x", "id": ".hidden"}\n', "id '.hidden' is not a plain file name"),
+    ('{"prompt": "x", "id": "a\\nb"}\n', "id 'a\\nb' is not a plain file name"),
+    ('{"prompt": "same", "seed": 3}\n{"prompt": "same", "seed": 3}\n', "prompts.txt:2: writes h3-"),
+    (b"ok\n\xff\xfe\n", "prompts.txt:2: not UTF-8 text"),
+])
+def test_bad_prompts_file_is_refused_before_anything_loads(tmp_path, text, message):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(text if isinstance(text, bytes) else text.encode())
+    out = tmp_path / "out"
+    refused(h3gen("render", prompts, "-o", out, "--model", tmp_path / "no-model-needed"), message)
+    assert not out.exists()
+
+
+def test_unreadable_prompts_file(tmp_path, monkeypatch):
+    """As root every file is readable, so the refusal of the operating system is simulated in process."""
+    from pathlib import Path
+
+    from h3gen.cli.main import app
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("x\n")
+    real = Path.read_bytes
+
+    def read_bytes(path):
+        if path == prompts:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    result = CliRunner().invoke(app, ["render", str(prompts), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert f"prompts file {prompts} is not readable (check its permissions)" in result.output
+
+
+def test_prompts_file_that_is_a_directory(tmp_path):
+    refused(h3gen("render", tmp_path, "-o", tmp_path / "out"), "is a directory")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.replace("steps = 4", "steps = 4 4"), "is not valid TOML: Expected newline or end of document "
+                                                      "after a statement (at line 18, column 11)"),
+    (lambda t: t.replace("[sampler]\n", "[sampler]\nwobble = 1\n"), "unknown key 'wobble' in preset bad [sampler]"),
+    (lambda t: t.replace('use = "euler"', 'use = "fancy"'), "unknown sampler stage 'fancy' (registered sampler stages:"),
+    (lambda t: t.replace("steps = 4", "steps = 4.5"), "preset bad [sampler].steps must be int, got 4.5"),
+    (lambda t: t.replace("version = 1", "version = 2"), "preset bad has version 2, which this h3gen does not know"),
+    (lambda t: t.replace('dtype = "float32"', 'dtype = "float64"'), "dtype 'float64' is not supported"),
+    (lambda t: t.replace('device = "auto"', 'device = "tpu"'), "device 'tpu' is not one h3gen runs on"),
+    (lambda t: "request = 3\n" + t.replace("[request]\nwidth = 32\nheight = 32\nduration = 5.0\n", ""),
+     "request must be a table, got 3"),
+])
+def test_bad_preset_file_is_refused(prompts_file, tmp_path, change, message):
+    preset = tmp_path / "bad.toml"
+    preset.write_text(change(TINY_PRESET))
+    refused(h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--preset", preset), message)
+
+
+def test_preset_naming_a_python_object_imports_nothing(prompts_file, tmp_path):
+    """`use` is looked up among registered stage names only; a module path is never imported."""
+    site, marker = tmp_path / "site", tmp_path / "imported"
+    site.mkdir()
+    (site / "h3gen_bait.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass Sampler: pass\n")
+    preset = tmp_path / "bait.toml"
+    preset.write_text(TINY_PRESET.replace('use = "euler"', 'use = "h3gen_bait:Sampler"'))
+    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--preset", preset,
+                   env={"PYTHONPATH": str(site)})
+    refused(result, "unknown sampler stage 'h3gen_bait:Sampler'")
+    assert not marker.exists()
+
+
+@pytest.fixture
+def model_copy(tiny_model, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model, copy)
+    return copy
+
+
+class PickleBait:
+    """Unpickling this runs code: it creates the marker file named at pickling time."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+def test_pickle_only_checkpoint_is_refused_and_never_unpickled(model_copy, prompts_file, tmp_path):
+    marker = tmp_path / "unpickled"
+    weights = model_copy / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights.unlink()
+    weights.with_suffix(".bin").write_bytes(pickle.dumps(PickleBait(marker)))
+    out = tmp_path / "out"
+    result = h3gen("render", prompts_file("x\n"), "-o", out, "--model", model_copy)
+    refused(result, "diffusion_pytorch_model.bin is a pickle checkpoint; h3gen loads safetensors only")
+    assert not marker.exists() and not list(out.glob("*.mp4"))
+
+
+def test_pickles_and_remote_code_in_the_model_directory_are_never_run(model_copy, prompts_file, tmp_path):
+    """Pickled weights beside the safetensors, and every config pointing auto_map at a module beside it with
+    trust_remote_code set: the clip renders from the safetensors and none of that code runs."""
+    marker = tmp_path / "code-ran"
+    for folder, name in (("transformer", "diffusion_pytorch_model.bin"), ("vae", "diffusion_pytorch_model.bin"),
+                         ("text_encoder", "pytorch_model.bin")):
+        (model_copy / folder / name).write_bytes(pickle.dumps(PickleBait(marker)))
+    bait = f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\nclass Bait: pass\n"
+    auto_maps = {
+        "text_encoder/config.json": {"AutoConfig": "bait.Bait", "AutoModel": "bait.Bait",
+                                     "AutoModelForImageTextToText": "bait.Bait"},
+        "tokenizer/tokenizer_config.json": {"AutoTokenizer": ["bait.Bait", "bait.Bait"]},
+        "processor/processor_config.json": {"AutoProcessor": "bait.Bait"},
+        "transformer/config.json": {"AutoModel": "bait.Bait"},
+        "vae/config.json": {"AutoModel": "bait.Bait"},
+        "audio_vae/config.json": {"AutoModel": "bait.Bait"},
+    }
+    for relative, auto_map in auto_maps.items():
+        config_path = model_copy / relative
+        config = json.loads(config_path.read_text())
+        config_path.write_text(json.dumps({**config, "auto_map": auto_map, "trust_remote_code": True}))
+        (config_path.parent / "bait.py").write_text(bait)
+    out = tmp_path / "out"
+    h3gen("render", prompts_file("x\n"), "-o", out, "--model", model_copy, check_code=0)
+    assert not marker.exists(), marker.read_text()
+    assert len(list(out.glob("*.mp4"))) == 1

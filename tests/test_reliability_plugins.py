@@ -1,0 +1,106 @@
+"""Broken plugins: one that fails to import or raises while registering is reported and skipped whole, or stops
+the run under --strict-plugins (H3GEN_STRICT_PLUGINS=1); H3GEN_LOAD_PLUGINS keeps the others from being imported."""
+
+import pytest
+
+from conftest import ROOT, h3gen
+from test_reliability_faults import install
+
+RAISES = '''
+from h3gen.plugins.hookspecs import hookimpl
+from h3gen.stages.sampler import EulerSampler
+
+
+class Half(EulerSampler):
+    kind, name = "sampler", "half"
+
+
+@hookimpl
+def h3gen_register_stages(register):
+    register(Half)
+    raise RuntimeError("boom while registering")
+'''
+
+NOT_A_STAGE = '''
+from h3gen.plugins.hookspecs import hookimpl
+
+
+@hookimpl
+def h3gen_register_stages(register):
+    register(print)
+'''
+
+SHADOWS_A_BUILTIN = '''
+from h3gen.plugins.hookspecs import hookimpl
+from h3gen.stages.sampler import EulerSampler
+
+
+class Impostor(EulerSampler):
+    name = "euler"
+
+
+@hookimpl
+def h3gen_register_stages(register):
+    register(Impostor)
+'''
+
+IMPORT_FAILS = "raise ImportError('no module named cuda_magic')\n"
+
+
+@pytest.fixture
+def site(tmp_path):
+    env = {}
+    for name, source in (("raises", RAISES), ("notastage", NOT_A_STAGE), ("shadow", SHADOWS_A_BUILTIN),
+                         ("importfails", IMPORT_FAILS)):
+        env = install(tmp_path / "site", name, source)
+    return env
+
+
+def test_failing_plugins_are_reported_and_skipped_whole(site):
+    result = h3gen("plugins", env=site, check_code=0)
+    for line in ("h3gen: plugin 'raises' failed during registration: boom while registering (skipped)",
+                 "h3gen: plugin 'notastage' failed during registration: register() takes a Stage subclass, not "
+                 "<built-in function print> (skipped)",
+                 "h3gen: plugin 'shadow' failed during registration: sampler stage 'euler' is already registered by "
+                 "h3gen (built-in) (skipped)",
+                 "h3gen: plugin 'importfails' failed to load: no module named cuda_magic (skipped)"):
+        assert line in result.stderr.splitlines(), result.stderr
+    stages = [line.split()[:3] for line in result.stdout.splitlines()]
+    assert ["sampler", "euler", "h3gen"] in stages
+    assert not [s for s in stages if s[1] == "half"]  # registered before the plugin raised: dropped with it
+    assert [s for s in stages if s[1] == "euler"] == [["sampler", "euler", "h3gen"]]
+
+
+def test_render_goes_on_without_the_broken_plugins(site, prompts_file, tmp_path):
+    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", env=site, check_code=0)
+    assert "h3gen: plugin 'raises' failed during registration: boom while registering (skipped)" in result.stderr
+    assert "1 of 1 clips written" in result.stderr
+
+
+@pytest.mark.parametrize("strict", [["--strict-plugins"], []])
+def test_strict_plugins_stops_the_run(site, prompts_file, tmp_path, strict):
+    env = {**site, "H3GEN_LOAD_PLUGINS": "importfails"} if strict else {**site, "H3GEN_STRICT_PLUGINS": "1",
+                                                                        "H3GEN_LOAD_PLUGINS": "raises"}
+    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", *strict, env=env)
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    broken = ("plugin 'importfails' failed to load: no module named cuda_magic" if strict
+              else "plugin 'raises' failed during registration: boom while registering")
+    assert result.stderr.startswith(f"h3gen: error: {broken} (fix or uninstall it, leave it out with "
+                                    "H3GEN_LOAD_PLUGINS, or drop --strict-plugins)")
+    assert not list((tmp_path / "out").glob("*.mp4"))
+
+
+def test_load_plugins_variable_keeps_the_others_from_being_imported(site):
+    result = h3gen("plugins", env={**site, "H3GEN_LOAD_PLUGINS": "notastage"}, check_code=0)
+    assert "'notastage' failed during registration" in result.stderr
+    assert "importfails" not in result.stderr and "raises" not in result.stderr  # never imported
+
+
+def test_preset_using_a_stage_of_a_broken_plugin_says_why(site, prompts_file, tmp_path):
+    preset = tmp_path / "uses-half.toml"
+    preset.write_text((ROOT / "presets" / "tiny.toml").read_text().replace('use = "euler"', 'use = "half"'))
+    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--preset", preset,
+                   env={**site, "H3GEN_LOAD_PLUGINS": "raises"})
+    assert result.returncode == 2
+    assert "unknown sampler stage 'half' (registered sampler stages: " in result.stderr
+    assert "euler; plugin 'raises' failed during registration: boom while registering)" in result.stderr
