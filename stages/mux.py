@@ -113,7 +113,10 @@ def _fsync(path: Path) -> None:
 @dataclasses.dataclass
 class PyAVMuxConfig:
     crf: int = 18
-    x264_preset: str = "medium"
+    x264_preset: str = "veryfast"
+    # A fixed count, not "auto": x264's output depends on its thread count, so a fixed one keeps the same clip
+    # byte-identical on every machine.
+    x264_threads: int = 8
 
 
 class PyAVMux(Stage):
@@ -123,5 +126,5 @@ class PyAVMux(Stage):
 
     def run(self, clip):
         write_mp4(clip.path, clip.frames, clip.audio, sample_rate=clip.notes.get("sample_rate", 32000),
-                  crf=self.config.crf, preset=self.config.x264_preset)
+                  crf=self.config.crf, preset=self.config.x264_preset, x264_threads=self.config.x264_threads)
         return clip
