@@ -201,7 +201,7 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
                                         median_s=None, p95_s=None, repeats=0, per_forward_s=None, forwards=None,
                                         peak_gib=None, rtf=None, notes=f"failed: {type(e).__name__}: {e}"[:500]))
                     continue
-                records += records_for(name, baseline, request, runs, bench.forwards_run, full_forwards,
+                records += records_for(preset.name, baseline, request, runs, bench.forwards_run, full_forwards,
                                        bench.peaks, common, bench.clip.notes.get("attention", "-"))
     add_ratios(records)
     return records
