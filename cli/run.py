@@ -93,6 +93,7 @@ def run_render(prompts, output, preset_name, model, seed, overrides, json_out, s
 
 def _run_render(prompts, output, preset_name, model, seed, overrides, json_out, save_latents, force,
                 strict_plugins) -> int:
+    from h3gen.contract import check_adapters
     from h3gen.plugins.manager import registry
     from h3gen.preset import resolve
     from h3gen.prompts import read_prompts
@@ -105,6 +106,7 @@ def _run_render(prompts, output, preset_name, model, seed, overrides, json_out, 
     reporter = reporter_for(len(requests), json_out, preset.name)
     check_plugins(found, strict_plugins, reporter)
     repo = model_repo(model, reporter)
+    check_adapters(preset, requests, repo.root)  # an adapter's step/shift/task contract, before any weight loads
     results = [] if force else skip_finished(requests, output, preset.name, save_latents, reporter)
     finished = {result.request.index for result in results}
     pending = [request for request in requests if request.index not in finished]

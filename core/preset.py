@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from h3gen.contract import AdapterConfig
 from h3gen.errors import UsageError
 from h3gen.stages.base import STAGE_KINDS, build_config
 
@@ -18,6 +19,7 @@ KNOWN_VERSIONS = (1,)
 REQUEST_DEFAULTS = {"width": 1344, "height": 768, "duration": 5.0}
 RUNTIME_DEFAULTS = {"device": "auto", "dtype": "bfloat16"}
 TOP_LEVEL = {"version", "description"}
+SECTIONS = ("request", "runtime", "adapter")  # besides one per stage kind
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -30,6 +32,7 @@ class Preset:
     runtime: dict[str, Any]
     stages: dict[str, tuple[str, Any]]  # kind -> (registered name, config)
     sources: dict[str, str]
+    adapter: AdapterConfig = dataclasses.field(default_factory=AdapterConfig)
 
 
 def load_toml(path: Path) -> dict:
@@ -70,24 +73,25 @@ def resolve(name_or_file: str, registry, overrides: list[str] = ()) -> Preset:
     where = f"preset {name}"
     sources = {}
     for section, field, value in map(parse_override, overrides):
-        if section not in STAGE_KINDS + ("request", "runtime"):
+        if section not in STAGE_KINDS + SECTIONS:
             raise UsageError(f"--set {section}.{field}: unknown section {section!r}",
-                             f"sections: {', '.join(STAGE_KINDS + ('request', 'runtime'))}")
+                             f"sections: {', '.join(STAGE_KINDS + SECTIONS)}")
         _table(data.setdefault(section, {}), section, where)[field] = value
         sources[f"{section}.{field}"] = "--set"
     version = data.get("version")
     if version not in KNOWN_VERSIONS:
         raise UsageError(f"{where} has version {version!r}, which this h3gen does not know",
                          f"supported versions: {', '.join(map(str, KNOWN_VERSIONS))}; upgrade h3gen or fix the preset")
-    unknown = set(data) - TOP_LEVEL - set(STAGE_KINDS) - {"request", "runtime"}
+    unknown = set(data) - TOP_LEVEL - set(STAGE_KINDS) - set(SECTIONS)
     if unknown:
         raise UsageError(f"{where}: unknown section '{sorted(unknown)[0]}'",
-                         f"allowed: {', '.join(sorted(TOP_LEVEL | set(STAGE_KINDS) | {'request', 'runtime'}))}")
+                         f"allowed: {', '.join(sorted(TOP_LEVEL | set(STAGE_KINDS) | set(SECTIONS)))}")
     request = _section(data, "request", REQUEST_DEFAULTS, where, sources)
     runtime = _section(data, "runtime", RUNTIME_DEFAULTS, where, sources)
     _check_runtime(runtime, where)
     stages = {kind: _stage(kind, data, registry, where, sources) for kind in STAGE_KINDS}
-    return Preset(name, version, str(data.get("description", "")), request, runtime, stages, sources)
+    adapter = _adapter(data, stages["quant"], registry, where, sources)
+    return Preset(name, version, str(data.get("description", "")), request, runtime, stages, sources, adapter)
 
 
 def _table(value, section: str, where: str) -> dict:
@@ -134,6 +138,22 @@ def _stage(kind: str, data: dict, registry, where: str, sources: dict):
     return name, config
 
 
+def _adapter(data: dict, quant: tuple[str, Any], registry, where: str, sources: dict) -> AdapterConfig:
+    """The [adapter] section. Adapters are fused by the quant stage in its load-time pass, so it gets them too."""
+    from h3gen.stages.quant import QuantStage
+
+    section = dict(_table(data.get("adapter", {}), "adapter", where))
+    adapter = build_config(AdapterConfig, dict(section), f"{where} [adapter]")
+    for field in dataclasses.fields(adapter):
+        sources.setdefault(f"adapter.{field.name}", where if field.name in section else "default")
+    name, config = quant
+    if adapter.paths and not issubclass(registry.stage("quant", name), QuantStage):
+        raise UsageError(f"{where}: quant stage '{name}' cannot fuse the [adapter] paths",
+                         "pick a quant stage built on h3gen.stages.quant.QuantStage")
+    config.adapter = adapter
+    return adapter
+
+
 def describe(preset: Preset) -> list[tuple[str, Any, str]]:
     """Every resolved value as (key, value, where it came from), for `h3gen presets show`."""
     rows = [("version", preset.version, f"preset {preset.name}")]
@@ -143,4 +163,6 @@ def describe(preset: Preset) -> list[tuple[str, Any, str]]:
         rows.append((f"{kind}.use", name, preset.sources[f"{kind}.use"]))
         rows += [(f"{kind}.{f.name}", getattr(config, f.name), preset.sources[f"{kind}.{f.name}"])
                  for f in dataclasses.fields(config)]
+    rows += [(f"adapter.{f.name}", getattr(preset.adapter, f.name), preset.sources[f"adapter.{f.name}"])
+             for f in dataclasses.fields(preset.adapter)]
     return rows

@@ -10,11 +10,11 @@ def h3gen_register_stages(register):
     from h3gen.stages.diffusers_baseline import DiffusersDecode, DiffusersEncode, DiffusersSampler
     from h3gen.stages.encode import Qwen3VLEncoder
     from h3gen.stages.mux import PyAVMux
-    from h3gen.stages.quant import NoQuant
+    from h3gen.stages.quant import FP8Rowwise, Int8WeightOnly, NoQuant
     from h3gen.stages.sampler import EulerSampler
     from h3gen.stages.vae import ReferenceVAE
 
-    for stage in (Qwen3VLEncoder, EulerSampler, ReferenceVAE, NoQuant, PyAVMux,
+    for stage in (Qwen3VLEncoder, EulerSampler, ReferenceVAE, NoQuant, FP8Rowwise, Int8WeightOnly, PyAVMux,
                   DiffusersEncode, DiffusersSampler, DiffusersDecode):
         register(stage)
 

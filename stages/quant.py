@@ -1,15 +1,148 @@
-"""Quantization: a load-time transform of the modules other stages load."""
+"""Quantization: a load-time transform of the modules other stages load, adapters fused first.
 
+The stage that loads a model hands it to `transform(role, module)` ('dit' or 'text_encoder'). The preset's
+adapters are fused into the DiT's full-precision weights, then the Linears of the transformer blocks are swapped
+for quantized ones where they sit (on the GPU when the model was loaded there), one module at a time. The
+checkpoint's fp32 modules (patch projections, time embedder, output heads), the norms, the text encoder's vision
+tower and lm_head stay as loaded; so does everything a config lists in `skip`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from h3gen.errors import UsageError
 from h3gen.stages.base import Stage
 
+ROLES = ("dit", "text_encoder")
+# Where the quantized Linears live, per role: the DiT's block stacks and the language layers of Qwen3-VL.
+SCOPES = {"dit": ("transformer_blocks", "token_refiner"), "text_encoder": ("language_model.layers",)}
+MATMULS = ("auto", "scaled_mm", "reference")
 
-class NoQuant(Stage):
-    kind, name = "quant", "none"
-    description = "keep the checkpoint's precision"
+
+@dataclasses.dataclass
+class NoQuantConfig:
+    pass
+
+
+@dataclasses.dataclass
+class QuantConfig:
+    roles: list[str] = dataclasses.field(default_factory=lambda: list(ROLES))  # which loaded models to quantize
+    # Module name parts kept in the checkpoint's precision. adaln_proj turns a timestep into modulation rows: a
+    # handful of rows per forward, so quantizing it saves memory (13 B params at full size) but no time.
+    skip: list[str] = dataclasses.field(default_factory=lambda: ["adaln_proj"])
+
+    def __post_init__(self):
+        unknown = [role for role in self.roles if role not in ROLES]
+        if unknown:
+            raise UsageError(f"[quant] roles: unknown role '{unknown[0]}'", f"roles are {', '.join(ROLES)}")
+
+
+@dataclasses.dataclass
+class FP8RowwiseConfig(QuantConfig):
+    # auto: torch._scaled_mm on CUDA sm90+, the dequantizing reference on the CPU; scaled_mm or reference to force
+    matmul: str = "auto"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.matmul not in MATMULS:
+            raise UsageError(f"[quant] matmul: unknown '{self.matmul}'", f"choose {', '.join(MATMULS)}")
+
+
+class QuantStage(Stage):
+    """Base of every quant stage: fuses the preset's adapters into the DiT, then calls `quantize`.
+
+    `config.adapter` is the preset's [adapter] section, handed over by `h3gen.preset.resolve` (adapters are
+    fused in this same load-time pass, so this stage is where they arrive).
+    """
+
+    kind = "quant"
+    Config = NoQuantConfig
+
+    def load(self, repo):
+        from h3gen.contract import AdapterConfig, find_adapter
+
+        adapter = getattr(self.config, "adapter", None) or AdapterConfig()
+        adapters = [find_adapter(name, getattr(repo, "root", None)) for name in adapter.paths]
+        self.adapter_deltas = None
+        if adapters:
+            from h3gen.stages.adapters import AdapterDeltas
+
+            self.adapter_deltas = AdapterDeltas(adapters, [adapter.scale_of(i) for i in range(len(adapters))])
+        self.quantized: dict[str, list[str]] = {}
+
+    def checkpoint_tensor(self, role: str, key: str, tensor):
+        """For loaders that read the checkpoint themselves: `tensor` (checkpoint key `key`) with the adapters fused.
+        A DiT that concatenates or drops weights at load (fused QKV, AdaLN tables) takes adapters this way."""
+        if role == "dit" and self.adapter_deltas is not None:
+            return self.adapter_deltas.apply(key, tensor)
+        return tensor
 
     def transform(self, role: str, module):
-        """Called by the stage that loaded `module` (`role`: 'dit' or 'text_encoder'); returns what runs."""
+        """Called by the stage that loaded `module` (`role`: 'dit' or 'text_encoder'); returns what runs.
+        Adapter deltas the loader did not take through `checkpoint_tensor` are fused into `module` first."""
+        if role == "dit" and self.adapter_deltas is not None:
+            self.adapter_deltas.fuse_into(module)
+        return self.quantize(role, module)
+
+    def quantize(self, role: str, module):
         return module
 
     def run(self, clip):
         return clip
+
+
+class NoQuant(QuantStage):
+    name = "none"
+    description = "keep the checkpoint's precision (adapters are still fused)"
+
+
+class _LinearSwap(QuantStage):
+    Config = QuantConfig
+
+    def quantize(self, role: str, module):
+        if role not in self.config.roles:
+            return module
+        from h3gen.stages.quant_linear import swap_linears
+
+        keep = set(self.config.skip) | set(getattr(module, "_keep_in_fp32_modules", None) or ())
+        self.quantized[role] = swap_linears(module, self.make_linear, SCOPES[role], keep)
+        return module
+
+    def make_linear(self, linear):
+        raise NotImplementedError
+
+
+class FP8Rowwise(_LinearSwap):
+    name = "fp8-rowwise"
+    Config = FP8RowwiseConfig
+    description = "FP8 e4m3 linears: per-channel weight scales, dynamic per-row activation scales (_scaled_mm on sm90+)"
+
+    def load(self, repo):
+        super().load(repo)
+        self.matmul = self.config.matmul
+        if self.matmul == "auto":
+            self.matmul = "scaled_mm" if self.runtime.device.startswith("cuda") else "reference"
+        if self.matmul == "scaled_mm" and self.runtime.device.startswith("cuda"):
+            import torch
+
+            capability = torch.cuda.get_device_capability(self.runtime.device)
+            if capability < (9, 0):
+                raise UsageError(f"fp8-rowwise runs torch._scaled_mm on Hopper (sm90) or newer; this GPU is "
+                                 f"sm{capability[0]}{capability[1]}",
+                                 "use quant int8-weight-only, or --set quant.matmul=reference (slow)")
+
+    def make_linear(self, linear):
+        from h3gen.stages.quant_linear import FP8RowwiseLinear
+
+        return FP8RowwiseLinear.from_linear(linear, self.matmul)
+
+
+class Int8WeightOnly(_LinearSwap):
+    name = "int8-weight-only"
+    description = "int8 weights with per-channel scales, matmuls in the activation dtype (any device)"
+
+    def make_linear(self, linear):
+        from h3gen.stages.quant_linear import Int8WeightOnlyLinear
+
+        return Int8WeightOnlyLinear.from_linear(linear)

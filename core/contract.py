@@ -1,0 +1,199 @@
+"""Adapters a preset fuses into the DiT, and the sampling contract each one was distilled for.
+
+A few-step student (FastH3, turbo LoRAs) only works at the step count, sigma positions, shifts and tasks it was
+trained for; anything else renders garbage after minutes of loading. So the contract is checked here, before any
+weight loads, from two places: the preset's `[adapter]` keys and an optional JSON file beside the adapter weights
+(`NAME.contract.json` beside `NAME.safetensors`, or `contract.json` inside an adapter folder).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+from pathlib import Path
+
+from h3gen.errors import UsageError
+
+CONTRACT_KEYS = ("forwards", "sigma_positions", "video_shift", "audio_shift", "tasks")
+TASKS = ("t2va", "fl2va", "ref2va")
+# What a fusable adapter file may hold, by key ending: LoRA factors, their alpha, full-rank weight and bias deltas.
+KEY_KINDS = (".lora_A.weight", ".lora_B.weight", ".alpha", ".diff", ".diff_b")
+
+
+@dataclasses.dataclass
+class AdapterConfig:
+    """The preset's [adapter] section. Zero or empty contract values mean 'no requirement'."""
+
+    paths: list[str] = dataclasses.field(default_factory=list)  # .safetensors files or PEFT adapter folders
+    scale: float = 1.0  # multiplies every adapter's delta (LoRA and full-rank alike)
+    scales: list[float] = dataclasses.field(default_factory=list)  # one per path, times `scale`; empty: all 1
+    forwards: int = 0
+    sigma_positions: list[float] = dataclasses.field(default_factory=list)
+    video_shift: float = 0.0
+    audio_shift: float = 0.0
+    tasks: list[str] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        unknown = [t for t in self.tasks if t not in TASKS]
+        if unknown:
+            raise UsageError(f"[adapter] tasks: unknown task '{unknown[0]}'", f"tasks are {', '.join(TASKS)}")
+        if self.scales and len(self.scales) != len(self.paths):
+            raise UsageError(f"[adapter] has {len(self.paths)} paths but {len(self.scales)} scales",
+                             "give one scale per path, or none")
+
+    def scale_of(self, index: int) -> float:
+        return self.scale * (self.scales[index] if self.scales else 1.0)
+
+
+@dataclasses.dataclass
+class AdapterFile:
+    name: str  # as the preset wrote it
+    weights: Path
+    peft_config: Path | None  # adapter_config.json of a PEFT folder: alpha and rank patterns
+    contract: Path | None
+
+
+def find_adapter(name: str, model_root) -> AdapterFile:
+    """An adapter path: absolute, or relative to the current directory, then to the model directory."""
+    path = Path(name).expanduser()
+    candidates = [path] if path.is_absolute() else [Path.cwd() / path] + (
+        [Path(model_root) / path] if model_root is not None else [])
+    found = next((c for c in candidates if c.exists()), None)
+    if found is None:
+        raise UsageError(f"adapter {name} not found (looked in {', '.join(str(c.parent) for c in candidates)})",
+                         "download the adapter there, or point --set adapter.paths=[...] at it")
+    if found.is_dir():
+        weights = sorted(found.glob("*.safetensors"))
+        if len(weights) != 1:
+            raise UsageError(f"adapter folder {found} holds {len(weights)} .safetensors files, not one",
+                             "point adapter.paths at the weights file itself")
+        peft = found / "adapter_config.json"
+        contract = found / "contract.json"
+        return AdapterFile(name, weights[0], peft if peft.is_file() else None,
+                           contract if contract.is_file() else None)
+    if found.suffix != ".safetensors":
+        raise UsageError(f"adapter {found} is not a .safetensors file", "h3gen fuses safetensors adapters only")
+    contract = found.with_name(f"{found.stem}.contract.json")
+    return AdapterFile(name, found, None, contract if contract.is_file() else None)
+
+
+def safetensors_keys(path: Path) -> list[str]:
+    try:
+        with path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        return [key for key in header if key != "__metadata__"]
+    except (OSError, ValueError, struct.error) as e:
+        raise UsageError(f"adapter {path} is not a readable safetensors file ({e})", "re-download it") from None
+
+
+def classify_key(key: str) -> tuple[str, str] | None:
+    """An adapter key as (module name, kind), kind one of lora_A, lora_B, alpha, diff, diff_b; None if not fusable.
+    PEFT's raw state dicts name LoRA factors `X.lora_A.<adapter name>.weight`."""
+    parts = key.split(".")
+    if len(parts) >= 3 and parts[-3] in ("lora_A", "lora_B") and parts[-1] == "weight":
+        return ".".join(parts[:-3]), parts[-3]
+    if len(parts) >= 2 and parts[-2] in ("lora_A", "lora_B") and parts[-1] == "weight":
+        return ".".join(parts[:-2]), parts[-2]
+    if len(parts) >= 2 and parts[-1] in ("alpha", "diff", "diff_b"):
+        return ".".join(parts[:-1]), parts[-1]
+    return None
+
+
+def check_key_kinds(adapter: AdapterFile) -> None:
+    for key in safetensors_keys(adapter.weights):
+        if classify_key(key) is None:
+            raise UsageError(f"adapter {adapter.weights} has tensor '{key}' of a kind h3gen cannot fuse",
+                             f"fusable keys end in {', '.join(KEY_KINDS)}")
+
+
+def read_contract(adapter: AdapterFile) -> dict:
+    if adapter.contract is None:
+        return {}
+    try:
+        contract = json.loads(adapter.contract.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read adapter contract {adapter.contract} ({e})", "fix or remove the file") from None
+    if not isinstance(contract, dict):
+        raise UsageError(f"adapter contract {adapter.contract} is not a JSON object", 'e.g. {"forwards": 4}')
+    unknown = set(contract) - set(CONTRACT_KEYS)
+    if unknown:
+        raise UsageError(f"adapter contract {adapter.contract}: unknown key '{sorted(unknown)[0]}'",
+                         f"allowed keys: {', '.join(CONTRACT_KEYS)}")
+    from h3gen.stages.base import build_config
+
+    checked = build_config(AdapterConfig, dict(contract), f"adapter contract {adapter.contract}")  # types, tasks
+    return {key: getattr(checked, key) for key in contract}
+
+
+def required(config: AdapterConfig, adapters: list[AdapterFile]) -> dict:
+    """One contract from the preset's keys and every adapter's contract file; a disagreement is an error."""
+    contract = {key: getattr(config, key) for key in CONTRACT_KEYS if getattr(config, key)}
+    origin = dict.fromkeys(contract, "the preset's [adapter] section")
+    for adapter in adapters:
+        for key, value in read_contract(adapter).items():
+            if key in contract and not _same(contract[key], value):
+                raise UsageError(f"adapter contract {adapter.contract} says {key} = {value!r}, but "
+                                 f"{origin[key]} says {contract[key]!r}", "make them agree")
+            contract.setdefault(key, value)
+            origin.setdefault(key, str(adapter.contract))
+    return contract
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=0, abs_tol=1e-6)
+    return a == b
+
+
+def sampler_asks(sampler) -> dict:
+    """What a sampler config will run, in contract terms (a knob the sampler does not have is left out)."""
+    positions = list(getattr(sampler, "sigma_positions", None) or [])
+    asks = {}
+    if positions or getattr(sampler, "steps", None) is not None:
+        asks["forwards"] = (len(positions) if positions else sampler.steps) - 1
+    if positions:
+        asks["sigma_positions"] = positions
+    for key in ("video_shift", "audio_shift"):
+        if hasattr(sampler, key):
+            asks[key] = getattr(sampler, key)
+    return asks
+
+
+def describe(contract: dict, asked: bool = False) -> str:
+    """A contract in words: '4 DiT forwards, sigma positions 0.999, ..., video shift 12, audio shift 3, t2va only';
+    `asked`: what a run asks for instead ('... task fl2va')."""
+    words = {"forwards": lambda v: f"{v} DiT forwards",
+             "sigma_positions": lambda v: f"sigma positions {', '.join(f'{s:g}' for s in v)} before the shift",
+             "video_shift": lambda v: f"video shift {v:g}",
+             "audio_shift": lambda v: f"audio shift {v:g}",
+             "tasks": lambda v: f"task {', '.join(v)}" if asked else f"{' or '.join(v)} only"}
+    return ", ".join(words[key](contract[key]) for key in CONTRACT_KEYS if key in contract)
+
+
+def check_adapters(preset, requests, model_root) -> list[AdapterFile]:
+    """Find the preset's adapters and check the run against their contract; raises UsageError saying what the
+    adapter requires. Reads file headers and small JSON files only."""
+    config = preset.adapter
+    adapters = [find_adapter(name, model_root) for name in config.paths]
+    for adapter in adapters:
+        check_key_kinds(adapter)
+    contract = required(config, adapters)
+    if not adapters or not contract:
+        return adapters
+    asks = sampler_asks(preset.stages["sampler"][1])
+    wrong = {key: asks[key] for key in ("forwards", "sigma_positions", "video_shift", "audio_shift")
+             if key in contract and key in asks and not _same(contract[key], asks[key])}
+    tasks = sorted({getattr(request, "task", "t2va") for request in requests})
+    if "tasks" in contract and set(tasks) - set(contract["tasks"]):
+        wrong["tasks"] = [task for task in tasks if task not in contract["tasks"]]
+    if wrong:
+        raise UsageError(f"adapter {', '.join(config.paths)} requires {describe(contract)}; "
+                         f"this run asks for {describe(wrong, asked=True)}",
+                         "set the sampler to what the adapter requires, or drop the --set that changed it "
+                         f"(h3gen presets show {preset.name} lists both)")
+    return adapters

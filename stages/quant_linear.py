@@ -1,0 +1,136 @@
+"""Quantized stand-ins for `nn.Linear`, swapped in one module at a time (the gpt-fast way).
+
+Weights get one scale per output channel, computed on the device the weight already sits on. The swap walks the
+model by name and replaces one Linear before touching the next, so besides the model itself memory only ever
+holds one module's quantized copy and a bounded fp32 working slice: never a second copy of the model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+INT8_MAX = 127
+ROWS_PER_SLICE = 4096  # weight rows turned to fp32 at once while quantizing: bounds the working copy
+
+
+def quantize_weight(weight: torch.Tensor, qmax: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(quantized weight, fp32 scale per output channel): weight ~= quantized * scale[:, None]."""
+    quantized = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], ROWS_PER_SLICE):
+        rows = weight[start:start + ROWS_PER_SLICE].float()
+        row_scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / qmax
+        scaled = (rows / row_scale).clamp(-qmax, qmax)
+        quantized[start:start + ROWS_PER_SLICE] = scaled.round() if dtype == torch.int8 else scaled
+        scale[start:start + ROWS_PER_SLICE] = row_scale[:, 0]
+    return quantized, scale
+
+
+def quantize_rows_fp8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row activation scales: (fp8 rows, fp32 scale of shape (M, 1)), rows ~= fp8 * scale.
+
+    The multiplier is rounded to the activation's dtype first and the scale is its exact inverse, so the scaling
+    never makes an fp32 copy of the activation and dequantizing undoes exactly what was applied.
+    """
+    amax = rows.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    multiplier = (FP8_MAX / amax).clamp(max=torch.finfo(rows.dtype).max).to(rows.dtype)
+    quantized = (rows * multiplier).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return quantized, multiplier.float().reciprocal()
+
+
+class FP8RowwiseLinear(nn.Module):
+    """y = x W^T + b with W in fp8 e4m3 (scale per output channel) and x quantized per row on the fly.
+
+    `matmul="scaled_mm"` runs `torch._scaled_mm` (Hopper); `"reference"` dequantizes into an fp32 matmul with the
+    same rounding, for machines without fp8 tensor cores and for checking numerics. The fp8 weight is stored as
+    its bytes (uint8) so that casting the whole model (`model.to(torch.bfloat16)`) cannot reinterpret it.
+    """
+
+    def __init__(self, in_features: int, out_features: int, weight_bits, weight_scale, bias, matmul: str):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        # The bias is registered first: diffusers reads a module's dtype from its first floating parameter.
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.register_buffer("weight_bits", weight_bits)
+        self.register_buffer("weight_scale", weight_scale)
+        if matmul == "scaled_mm" and (in_features % 16 or out_features % 16):
+            matmul = "reference"  # _scaled_mm needs both weight dimensions in multiples of 16
+        self.matmul = matmul
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, matmul: str) -> FP8RowwiseLinear:
+        quantized, scale = quantize_weight(linear.weight.detach(), FP8_MAX, FP8)
+        bias = linear.bias.detach() if linear.bias is not None else None
+        return cls(linear.in_features, linear.out_features, quantized.view(torch.uint8), scale, bias, matmul)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight_bits.view(FP8).float() * self.weight_scale[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, row_scale = quantize_rows_fp8(x.reshape(-1, self.in_features))
+        weight = self.weight_bits.view(FP8)
+        if self.matmul == "scaled_mm":
+            # Row-wise scaling wants bf16 out, the weight column-major (a transposed row-major tensor is) and
+            # scales shaped (M, 1) and (1, N).
+            out = torch._scaled_mm(rows, weight.t(), scale_a=row_scale, scale_b=self.weight_scale[None, :],
+                                   out_dtype=torch.bfloat16).to(x.dtype)
+        else:
+            out = (F.linear(rows.float(), weight.float()) * row_scale * self.weight_scale[None, :]).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias.to(x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, matmul={self.matmul}"
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """y = (x W_int8^T) * scale + b: int8 storage, the matmul in the activation's dtype. Works on any device."""
+
+    def __init__(self, in_features: int, out_features: int, weight_int8, weight_scale, bias):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.register_buffer("weight_int8", weight_int8)
+        self.register_buffer("weight_scale", weight_scale)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
+        quantized, scale = quantize_weight(linear.weight.detach(), INT8_MAX, torch.int8)
+        bias = linear.bias.detach() if linear.bias is not None else None
+        return cls(linear.in_features, linear.out_features, quantized, scale, bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.weight_int8.float() * self.weight_scale[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight_int8.to(x.dtype)) * self.weight_scale.to(x.dtype)
+        return out + self.bias.to(x.dtype) if self.bias is not None else out
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def in_scope(name: str, scopes) -> bool:
+    """Whether module `name` lies under one of `scopes` (dotted module paths matched on whole name parts)."""
+    return any(f".{scope}." in f".{name}." for scope in scopes)
+
+
+def swap_linears(model: nn.Module, make, scopes, skip) -> list[str]:
+    """Replace every nn.Linear under `scopes` whose name has no part in `skip` by `make(linear)`; returns the names.
+
+    Only names are collected up front: each Linear is looked up, replaced and dropped before the next, so its
+    full-precision weight is freed as soon as its quantized copy exists.
+    """
+    skip = set(skip)
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and in_scope(name, scopes) and not skip & set(name.split("."))]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, make(getattr(parent, child)))
+    return names
