@@ -16,8 +16,13 @@ from pathlib import Path
 from platformdirs import user_cache_dir
 
 # Bumped whenever the tiny architecture or its seed changes, so stale cache copies are never reused.
-TINY_VERSION = 2
+TINY_VERSION = 3
 TINY_SEED = 1101
+# The ref2va partition gets weights of its own, so a run that drives the wrong partition cannot pass a parity test.
+TINY_REF_SEED = 1102
+# The repository's canvas rule, saved in its modular_model_index.json: the tiny model generates at 32 px, so keyframe
+# canvases, video references and image references are put on that scale rather than the released 768 / 2048 px.
+TINY_CANVAS = dict(canvas_short_edge=32, canvas_max_pixels=32 * 32, reference_image_short_edge=64)
 TINY_NOTICE = (
     "the embedded tiny model is a smoke-test model with random weights: it renders noise. "
     "Point --model (or H3GEN_MODEL) at a MiniMax-H3 repository for real clips."
@@ -87,8 +92,7 @@ def _tiny_text_encoder(tokenizer):
 
 def _tiny_components():
     import torch
-    from diffusers import (AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler,
-                           MiniMaxH3Transformer3DModel)
+    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler
     from transformers import Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
@@ -104,9 +108,7 @@ def _tiny_components():
         processor=Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2),
                                    tokenizer=tokenizer,
                                    video_processor=Qwen3VLVideoProcessor(patch_size=16, merge_size=2)),
-        transformer=MiniMaxH3Transformer3DModel(
-            num_attention_heads=2, attention_head_dim=128, hidden_size=64, num_layers=2, num_refiner_layers=1,
-            ffn_dim=128, text_dim=32, freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=32),
+        transformer=_tiny_transformer(),
         vae=AutoencoderKLMiniMaxH3(
             block_out_channels=(8, 8, 8, 8, 8, 8), layers_per_block=1, norm_num_groups=4, decoder_num_layers=1,
             decoder_num_attention_heads=2, decoder_attention_head_dim=16,
@@ -120,6 +122,22 @@ def _tiny_components():
     )
 
 
+def _tiny_transformer():
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    return MiniMaxH3Transformer3DModel(
+        num_attention_heads=2, attention_head_dim=128, hidden_size=64, num_layers=2, num_refiner_layers=1,
+        ffn_dim=128, text_dim=32, freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=32)
+
+
+def _tiny_ref_transformer():
+    """Built after every other component from a seed of its own, so they keep the weights of earlier versions."""
+    import torch
+
+    torch.manual_seed(TINY_REF_SEED)
+    return _tiny_transformer()
+
+
 def write_tiny_model(directory: Path, final_dir: Path | None = None) -> None:
     """Write the tiny model with diffusers' own `save_pretrained`, so its layout is the real repository's."""
     import warnings
@@ -129,7 +147,7 @@ def write_tiny_model(directory: Path, final_dir: Path | None = None) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pipe = MiniMaxH3Blocks().init_pipeline()
-        pipe.update_components(**_tiny_components())
+        pipe.update_components(**_tiny_components(), transformer_ref=_tiny_ref_transformer(), **TINY_CANVAS)
         pipe.save_pretrained(str(directory))
     # The index records where each component was saved; point it at the directory it will live in.
     index_path = directory / "modular_model_index.json"
