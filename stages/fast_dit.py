@@ -17,6 +17,14 @@ from h3gen.stages.fast_dit_checkpoint import H3DiTConfig, SafetensorsCheckpoint,
 ADALN_TIMESTEP_TOLERANCE = 1e-6
 
 
+def adaln_value_groups(timesteps):
+    """AdaLN table values as groups: a tuple of sequences is several groups, anything else one group."""
+    if isinstance(timesteps, tuple) and timesteps and all(
+            isinstance(group, (list, tuple, torch.Tensor)) for group in timesteps):
+        return list(timesteps)
+    return [timesteps]
+
+
 class FastH3Transformer(nn.Module):
     # Loads a diffusers `transformer/` folder itself (safetensors only); weight sources call `from_pretrained`
     # with h3gen's own arguments, or `from_reference` to take over a diffusers module.
@@ -118,10 +126,12 @@ class FastH3Transformer(nn.Module):
 
     @torch.no_grad()
     def precompute_adaln(self, timesteps, drop_weights=True):
-        """Build every block's modulation rows for `timesteps` (all values a run's schedules will use); with
-        `drop_weights`, free the `adaln_proj` weights (about 13 B of the 33 B parameters at full size)."""
+        """Build every block's modulation rows for `timesteps` (all values a run's schedules will use, or a tuple of
+        such groups, each built in its own batch); with `drop_weights`, free the `adaln_proj` weights (about 13 B of
+        the 33 B parameters at full size)."""
         if self.transformer_blocks[0].adaln_proj is None:
-            missing = self._missing_timesteps(torch.as_tensor(timesteps, dtype=torch.float32))
+            missing = self._missing_timesteps(torch.cat([torch.as_tensor(group, dtype=torch.float32).flatten()
+                                                         for group in adaln_value_groups(timesteps)]))
             if missing:
                 raise ValueError(f"adaln_proj weights were already dropped; cannot add timesteps {missing}")
             return
@@ -133,13 +143,16 @@ class FastH3Transformer(nn.Module):
 
     def _build_adaln_tables(self, timesteps, adaln_weights):
         device = self.proj_in.weight.device
-        values = torch.unique(torch.as_tensor(timesteps, dtype=torch.float32).flatten()).to(device)
-        temb = self.time_embedder(values)
+        # Each group is embedded and projected in a batch of its own, so adding a group (the conditioning levels of
+        # fl2va / ref2va) never changes the rows of another: a GEMM's rounding can depend on its row count.
+        groups = [torch.unique(torch.as_tensor(group, dtype=torch.float32).flatten()).to(device)
+                  for group in adaln_value_groups(timesteps)]
+        tembs = [self.time_embedder(values) for values in groups]
         for index, block in enumerate(self.transformer_blocks):
             weight, bias = adaln_weights(index)
-            block.adaln_table = block.adaln_rows(temb, weight, bias)
+            block.adaln_table = torch.cat([block.adaln_rows(temb, weight, bias) for temb in tembs])
             del weight, bias
-        self.adaln_timesteps = values
+        self.adaln_timesteps = torch.cat(groups)
 
     def _missing_timesteps(self, timestep):
         if self.adaln_timesteps is None:
