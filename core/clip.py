@@ -36,6 +36,14 @@ def audio_latents(frames: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class Reference:
+    """One ref2va reference: its kind ('image', 'video' or 'audio', from what the file holds) and its path."""
+
+    kind: str
+    path: Path
+
+
+@dataclasses.dataclass(frozen=True)
 class Request:
     index: int
     prompt: str
@@ -45,6 +53,16 @@ class Request:
     frames: int
     id: str | None = None
     line: int = 0
+    first_frame: Path | None = None  # fl2va keyframes
+    last_frame: Path | None = None
+    references: tuple[Reference, ...] = ()  # ref2va, in the order the model reads them
+
+    @property
+    def task(self) -> str:
+        """H3's task follows from the conditioning the request carries."""
+        if self.references:
+            return "ref2va"
+        return "fl2va" if self.first_frame or self.last_frame else "t2va"
 
     @property
     def duration(self) -> float:
@@ -66,6 +84,7 @@ class Clip:
     preset: str = ""
     prompt_embeds: Any = None
     text_token_tags: Any = None
+    conditions: Any = None  # fl2va / ref2va: the prepared media and their latents (h3gen.stages.conditions)
     video_latents: Any = None
     audio_latents: Any = None
     frames: Any = None  # uint8 (T, H, W, 3) on the host

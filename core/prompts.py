@@ -9,7 +9,9 @@ from pathlib import Path
 from h3gen.clip import MAX_SECONDS, MIN_SECONDS, Request, frames_for_duration
 from h3gen.errors import UsageError
 
-FIELDS = {"prompt": str, "id": str, "seed": int, "duration": (int, float), "width": int, "height": int}
+FIELDS = {"prompt": str, "id": str, "seed": int, "duration": (int, float), "width": int, "height": int,
+          "first_frame": str, "last_frame": str, "references": list}
+KEYFRAMES = ("first_frame", "last_frame")
 SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MIN_ASPECT, MAX_ASPECT = 1 / 4, 4
 
@@ -34,7 +36,7 @@ def read_prompts(path: Path, base_seed: int, defaults: dict) -> list[Request]:
         if not line or line.startswith("#"):
             continue
         fields = _parse_line(line, f"{path}:{number}")
-        request = _request(fields, len(requests), number, base_seed, defaults, f"{path}:{number}")
+        request = _request(fields, len(requests), number, base_seed, defaults, f"{path}:{number}", path.parent)
         if request.id is not None:
             if request.id in seen:
                 raise UsageError(f"{path}:{number}: duplicate id '{request.id}' (first on line {seen[request.id]})",
@@ -66,12 +68,18 @@ def _parse_line(line: str, where: str) -> dict:
     return fields
 
 
-def _request(fields: dict, index: int, line: int, base_seed: int, defaults: dict, where: str) -> Request:
+def _request(fields: dict, index: int, line: int, base_seed: int, defaults: dict, where: str,
+             base: Path = Path(".")) -> Request:
     duration = float(fields.get("duration", defaults["duration"]))
     if not MIN_SECONDS <= duration <= MAX_SECONDS:
         raise UsageError(f"{where}: duration {duration:g} s is outside H3's {MIN_SECONDS:g}-{MAX_SECONDS:g} s",
                          "ask for 5 to 15 seconds")
     width, height = int(fields.get("width", defaults["width"])), int(fields.get("height", defaults["height"]))
+    conditions, keyframe_size = _conditions(fields, base, where)
+    if keyframe_size is not None and "width" not in fields and "height" not in fields:
+        from h3gen.media import keyframe_canvas
+
+        width, height = keyframe_canvas(keyframe_size, width, height)
     check_size(width, height, where)
     clip_id = fields.get("id")
     if clip_id is not None and not SAFE_ID.match(clip_id):
@@ -81,7 +89,27 @@ def _request(fields: dict, index: int, line: int, base_seed: int, defaults: dict
     if not 0 <= seed < 2**63:
         raise UsageError(f"{where}: seed {seed} is out of range", "use a seed between 0 and 2**63 - 1")
     return Request(index=index, prompt=fields["prompt"].strip(), seed=seed, width=width, height=height,
-                   frames=frames_for_duration(duration), id=clip_id, line=line)
+                   frames=frames_for_duration(duration), id=clip_id, line=line, **conditions)
+
+
+def _conditions(fields: dict, base: Path, where: str) -> tuple[dict, tuple[int, int] | None]:
+    """fl2va keyframes or ref2va references, every file checked; and the size of the keyframe that sets the
+    canvas (the first frame, else the last) when the line gives no size."""
+    keyframes = [field for field in KEYFRAMES if field in fields]
+    if not keyframes and "references" not in fields:
+        return {}, None
+    from h3gen import media
+
+    if keyframes and "references" in fields:
+        raise UsageError(f"{where}: a line conditions on keyframes (fl2va) or on references (ref2va), not both",
+                         "split it into two lines")
+    if "references" in fields:
+        return {"references": media.references(fields["references"], base, where)}, None
+    if ("width" in fields) != ("height" in fields):
+        raise UsageError(f"{where}: give both width and height, or neither",
+                         "without them the keyframe's aspect ratio sets the size")
+    found = {field: media.keyframe(fields[field], base, field, where) for field in keyframes}
+    return {field: path for field, (path, _) in found.items()}, found[keyframes[0]][1]
 
 
 def check_size(width: int, height: int, where: str) -> None:

@@ -1,0 +1,168 @@
+"""The media files a prompts line conditions on, checked while the file is parsed, before any weight loads.
+
+A keyframe or a reference that cannot be read, or that H3 cannot use, stops the run with the line and the file
+named. Checks read headers and decode stills; a video is probed, not decoded (its exact length is checked again
+when the clip encodes it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+from h3gen.clip import FPS, SAMPLE_RATE, Reference
+from h3gen.errors import UsageError
+
+MIN_ASPECT, MAX_ASPECT = 1 / 4, 4
+# Qwen3-VL reads a reference video at 2 fps and merges its frames in pairs, so a video has to span one pair:
+# 13 frames at 24 fps (diffusers' MiniMaxH3Ref2VATextEncoderStep refuses anything shorter).
+MIN_VIDEO_FRAMES = 13
+CANVAS_MULTIPLE = 32  # the VAE's 16x compression times the DiT's 2x2 patch
+
+
+def resolve_path(value: str, base: Path, field: str, where: str) -> Path:
+    """A media path as written in the prompts file: absolute, or relative to the prompts file's folder."""
+    if not value.strip() or "\0" in value:
+        raise UsageError(f"{where}: {field} is not a file path ({value!r:.60})", "write the path of a media file")
+    try:
+        path = (base / Path(value).expanduser()).resolve()
+        if not path.is_file():
+            problem = "is a directory" if path.is_dir() else "does not exist"
+            raise UsageError(f"{where}: {field} {path} {problem}",
+                             "paths are relative to the prompts file's folder")
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
+        raise UsageError(f"{where}: {field} {value} cannot be read ({getattr(e, 'strerror', None) or e})",
+                         "check the path") from None
+    return path
+
+
+def image_size(path: Path) -> tuple[int, int] | None:
+    """(width, height) as displayed (EXIF orientation applied), decoding the whole image; None if not an image."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return ImageOps.exif_transpose(image).size
+    except UnidentifiedImageError:
+        return None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        return None
+
+
+def check_aspect(size: tuple[int, int], field: str, path: Path, where: str) -> None:
+    width, height = size
+    if width <= 0 or height <= 0 or not MIN_ASPECT <= width / height <= MAX_ASPECT:
+        raise UsageError(f"{where}: {field} {path} is {width}x{height}, outside the 1:4 to 4:1 aspect ratios H3 "
+                         "generates", "crop it to a less extreme aspect ratio")
+
+
+def keyframe(value: str, base: Path, field: str, where: str) -> tuple[Path, tuple[int, int]]:
+    """A first_frame / last_frame: a readable image H3 can generate from; its path and displayed size."""
+    path = resolve_path(value, base, field, where)
+    size = image_size(path)
+    if size is None:
+        raise UsageError(f"{where}: {field} {path} is not an image h3gen can read",
+                         "use a PNG, JPEG or WebP file")
+    check_aspect(size, field, path, where)
+    return path, size
+
+
+def keyframe_canvas(size: tuple[int, int], width: int, height: int) -> tuple[int, int]:
+    """(width, height) for a keyframe's aspect ratio on the preset's canvas: its short edge and its area.
+    For 1344x768 this is H3's own rule (768 px short edge, at most 768 * 1344 px), as diffusers resolves it."""
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import resolve_canvas_size
+
+    out_height, out_width = resolve_canvas_size(size[0], size[1], CANVAS_MULTIPLE, min(width, height), width * height)
+    return out_width, out_height
+
+
+def references(values: list, base: Path, where: str) -> tuple[Reference, ...]:
+    """The ref2va references, each classified by what the file holds, within H3's per-kind limits."""
+    from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep
+
+    if not values:
+        raise UsageError(f"{where}: 'references' is empty", "list at least one image or video, or leave it out")
+    found = []
+    for index, value in enumerate(values):
+        field = f"references[{index}]"
+        if not isinstance(value, str):
+            raise UsageError(f"{where}: {field} must be a path string, got {value!r:.60}", 'e.g. ["subject.png"]')
+        found.append(reference(resolve_path(value, base, field, where), field, where))
+    limits = MiniMaxH3Ref2VASetupStep()
+    kinds = [r.kind for r in found]
+    for kind, limit in (("image", limits.max_images), ("video", limits.max_videos), ("audio", limits.max_audios)):
+        if kinds.count(kind) > limit:
+            raise UsageError(f"{where}: {kinds.count(kind)} {kind} references, H3 takes at most {limit}",
+                             "drop some references")
+    if len(kinds) > limits.max_references:
+        raise UsageError(f"{where}: {len(kinds)} references, H3 takes at most {limits.max_references}",
+                         "drop some references")
+    if set(kinds) == {"audio"}:
+        raise UsageError(f"{where}: audio references cannot be used on their own",
+                         "add an image or video reference beside them")
+    return tuple(found)
+
+
+def reference(path: Path, field: str, where: str) -> Reference:
+    size = image_size(path)
+    if size is not None:
+        check_aspect(size, field, path, where)
+        return Reference("image", path)
+    probe = probe_av(path)
+    if probe is None:
+        raise UsageError(f"{where}: {field} {path} is not an image, video or audio file h3gen can read",
+                         "use PNG/JPEG/WebP images, MP4/MOV/WebM videos, WAV/FLAC/MP3/M4A audio")
+    video, audio = probe
+    if video is not None:
+        frame_rate, size, seconds = video
+        if not frame_rate:
+            raise UsageError(f"{where}: {field} {path} has no frame rate", "re-encode it at a constant frame rate")
+        check_aspect(size, field, path, where)
+        if seconds is not None and math.floor(seconds * FPS + 0.5) < MIN_VIDEO_FRAMES:
+            raise UsageError(f"{where}: {field} {path} lasts {seconds:.2f} s; H3 reads a video reference at 2 fps "
+                             f"in pairs of frames, so it needs at least {MIN_VIDEO_FRAMES / FPS:.2f} s",
+                             "use a longer video, or a still of it as an image reference")
+    if audio is not None:
+        check_soundtrack(audio, field, path, where)
+    if video is None and audio is None:
+        raise UsageError(f"{where}: {field} {path} has neither a video nor an audio stream", "check the file")
+    return Reference("video" if video is not None else "audio", path)
+
+
+def check_soundtrack(audio: tuple[int, int], field: str, path: Path, where: str) -> None:
+    sample_rate, channels = audio
+    if channels not in (1, 2):
+        raise UsageError(f"{where}: {field} {path} has {channels} audio channels; H3 conditions on mono or stereo",
+                         "downmix it to stereo (ffmpeg -ac 2)")
+    if sample_rate != SAMPLE_RATE and importlib.util.find_spec("torchaudio") is None:
+        raise UsageError(f"{where}: {field} {path} has audio at {sample_rate} Hz; resampling it to H3's "
+                         f"{SAMPLE_RATE} Hz needs torchaudio", f"pip install torchaudio, or convert it first "
+                         f"(ffmpeg -ar {SAMPLE_RATE})")
+
+
+def probe_av(path: Path):
+    """((frame rate, (width, height), seconds or None) or None, (sample rate, channels) or None), or None when the
+    file is not a container PyAV can open."""
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            video = audio = None
+            if container.streams.video:
+                stream = container.streams.video[0]
+                rate = stream.average_rate or stream.guessed_rate
+                seconds = None
+                if stream.duration is not None and stream.time_base:
+                    seconds = float(stream.duration * stream.time_base)
+                elif container.duration:
+                    seconds = container.duration / av.time_base
+                video = (float(rate) if rate else 0.0, (stream.codec_context.width, stream.codec_context.height),
+                         seconds)
+            if container.streams.audio:
+                stream = container.streams.audio[0]
+                audio = (int(stream.codec_context.sample_rate or 0), int(stream.codec_context.channels or 0))
+            return video, audio
+    except (av.FFmpegError, OSError, ValueError, UnicodeDecodeError):
+        return None
