@@ -1,19 +1,25 @@
 """The denoise loop: one DiT forward and one scheduler step per sigma, video and audio on their own schedules.
 
-The packed layout ([text, audio, video] rows with their rotary positions and modality tags), the noise draw order
-(video latents first, then audio rows, from one CPU generator) and the Euler step are the reference's, so a clip
-is reproducible from its seed on any device.
+The packed layout ([text, conditions, audio, video] rows with their rotary positions and modality tags), the noise
+draw order (conditioning noise first, one draw per visual condition, then the video latents, then the audio rows,
+from one CPU generator) and the Euler step are the reference's, so a clip is reproducible from its seed on any
+device. Conditioning rows (fl2va keyframes, ref2va references) lead the video and audio rows and are never stepped.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from h3gen.errors import UsageError
+from h3gen.errors import ClipError, UsageError
 from h3gen.clip import AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
 from h3gen.stages.base import Stage
 
 VIDEO_TAG, AUDIO_TAG = 0, 2
+# The t (= 1 - sigma) a visual condition is held at: H3 was trained with its anchors noised just short of clean
+# (diffusers' keyframe_noise_aug). Reference soundtracks ride along clean, at t = 1. Checkpoint contracts, both.
+CONDITION_T, AUDIO_CONDITION_T = 0.999, 1.0
+# Each task's checkpoint partition: ref2va has a DiT of its own, with the same architecture.
+PARTITIONS = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
 
 
 @dataclasses.dataclass
@@ -62,33 +68,66 @@ class EulerSampler(Stage):
     def load(self, repo):
         if len(self.config.sigma_positions) == 1 or (not self.config.sigma_positions and self.config.steps < 2):
             raise UsageError("the sigma grid needs at least 2 points", "set sampler.steps >= 2")
-        if self.config.dit == "h3gen":
-            dit = self.load_fast_dit(repo)
-        elif self.config.dit == "diffusers":
-            from diffusers import MiniMaxH3Transformer3DModel
-
-            dit = repo.load("transformer", MiniMaxH3Transformer3DModel, torch_dtype=self.runtime.dtype,
-                            device_map=self.runtime.device)
-            self.attention_backend = "sdpa (PyTorch's choice)"
-        else:
+        if self.config.dit not in ("h3gen", "diffusers"):
             raise UsageError(f"unknown sampler.dit '{self.config.dit}'", "choose diffusers or h3gen")
+        self.repo, self.partition = repo, None
+        self.use_partition("transformer")
+
+    def use_partition(self, partition: str) -> None:
+        """Make `partition` the resident DiT. One at a time: each is the whole 33 B DiT, so a run that mixes ref2va
+        with the other tasks reloads at every switch (keep the ref2va lines together)."""
+        if partition == self.partition:
+            return
+        if partition == "transformer_ref":
+            self.check_ref_partition()
+        if self.partition is not None:
+            from h3gen import memory
+
+            self.dit = self.partition = None
+            memory.release(self.runtime.device)
+        dit = self.load_fast_dit(partition) if self.config.dit == "h3gen" else self.load_reference_dit(partition)
         self.dit = self.runtime.quant.transform("dit", dit.eval())
         self.patch_size = tuple(self.dit.config.patch_size)
+        self.partition = partition
 
-    def load_fast_dit(self, repo):
+    def check_ref_partition(self) -> None:
+        if getattr(self.runtime.quant, "adapter_deltas", None) is not None:
+            # diffusers: a LoRA trained on one partition loads into the other and degrades its output.
+            raise ClipError("the preset's adapters were trained on transformer/, and ref2va runs transformer_ref/",
+                            "render ref2va with a preset without adapters, or give the adapter a tasks contract")
+        root = getattr(self.repo, "root", None)
+        if root is None:
+            return
+        if not (root / "transformer_ref").is_dir():
+            raise ClipError(f"ref2va runs the transformer_ref/ partition, which {root} does not have",
+                            "download transformer_ref/ of MiniMaxAI/MiniMax-H3 into the model directory")
+        from h3gen.repo import ModelRepo
+
+        ModelRepo(root, components=("transformer_ref",))  # safetensors only, complete and readable
+
+    def load_reference_dit(self, partition: str):
+        from diffusers import MiniMaxH3Transformer3DModel
+
+        self.attention_backend = "sdpa (PyTorch's choice)"
+        return self.repo.load(partition, MiniMaxH3Transformer3DModel, torch_dtype=self.runtime.dtype,
+                              device_map=self.runtime.device)
+
+    def load_fast_dit(self, partition: str):
         from h3gen.stages.fast_dit import FastH3Transformer
 
         config = self.config
-        timesteps = schedule_timesteps(config) if config.adaln_table else None
-        dit = repo.load("transformer", FastH3Transformer, dtype=self.runtime.dtype, device=self.runtime.device,
-                        adaln_timesteps=timesteps, use_triton=config.triton, adaln_table=config.adaln_table,
-                        compile_blocks=config.compile, attention_backend=config.attention)
+        # The conditioning levels are a group of their own, so the schedule's rows are those of a t2va-only table.
+        timesteps = (schedule_timesteps(config), [CONDITION_T, AUDIO_CONDITION_T]) if config.adaln_table else None
+        dit = self.repo.load(partition, FastH3Transformer, dtype=self.runtime.dtype, device=self.runtime.device,
+                             adaln_timesteps=timesteps, use_triton=config.triton, adaln_table=config.adaln_table,
+                             compile_blocks=config.compile, attention_backend=config.attention)
         self.attention_backend = dit.attention_backend_name()
         return dit
 
     def run(self, clip):
         import torch
 
+        self.use_partition(PARTITIONS[clip.request.task])
         with torch.inference_mode():
             layout = self.layout(clip)
             video_rows, audio_rows = self.noise(clip, layout)
@@ -97,30 +136,67 @@ class EulerSampler(Stage):
         return clip
 
     def layout(self, clip) -> dict:
-        from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
+        """The packed sequence from diffusers' own builders: [text | keyframes | audio | video] for t2va and fl2va,
+        [text | one block per reference | audio | video] for ref2va."""
+        from diffusers.modular_pipelines.minimax_h3.before_denoise import (MiniMaxH3PrepareLayoutStep,
+                                                                           MiniMaxH3Ref2VAPrepareLayoutStep)
 
         _, _, frames, height, width = clip.request.video_latent_shape
         shape = dict(latent_frames=frames, latent_height=height, latent_width=width,
                      audio_latents=clip.request.audio_latent_shape[-1])
-        position_ids, token_tags, video_indices, audio_indices, text_indices, _, _ = (
-            MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-                clip.text_token_tags, shape["latent_frames"], shape["latent_height"], shape["latent_width"],
-                shape["audio_latents"], self.patch_size, AUDIO_CHANNELS, AUDIO_TAG, VIDEO_TAG, ()))
+        target = (frames, height, width, shape["audio_latents"], self.patch_size, AUDIO_CHANNELS, AUDIO_TAG,
+                  VIDEO_TAG)
+        conditions = clip.conditions
+        if clip.request.task == "ref2va":
+            packed = MiniMaxH3Ref2VAPrepareLayoutStep.build_ref2va_packed_sequence(
+                clip.text_token_tags, conditions.references, conditions.video_latents, conditions.audio_rows, *target)
+        else:
+            anchors = conditions.keyframe_anchors if conditions is not None else ()
+            packed = MiniMaxH3PrepareLayoutStep.build_packed_sequence(clip.text_token_tags, *target, anchors)
+        position_ids, token_tags, video_indices, audio_indices, text_indices, held_video, held_audio = packed
         device = self.runtime.device
         return dict(shape, position_ids=position_ids.to(device), token_tags=token_tags.to(device),
                     video_indices=video_indices.to(device), audio_indices=audio_indices.to(device),
-                    text_indices=text_indices.to(device))
+                    text_indices=text_indices.to(device), condition_video_rows=held_video,
+                    condition_audio_rows=held_audio)
 
     def noise(self, clip, layout):
+        """The generated rows drawn from the request's seed, behind the conditioning rows the layout reserved."""
         import torch
         from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
 
+        device = self.runtime.device
         generator = torch.Generator("cpu").manual_seed(clip.request.seed)
+        condition_rows = self.condition_rows(clip, generator)  # drawn first: the order is part of what a seed means
         video = torch.randn(clip.request.video_latent_shape, generator=generator, dtype=torch.float32)
         audio_rows = torch.randn((layout["audio_latents"] * AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS),
                                  generator=generator, dtype=torch.float32)
-        device = self.runtime.device
-        return patchify_video_latents(video, self.patch_size).to(device), audio_rows.to(device)
+        video_rows, audio_rows = patchify_video_latents(video, self.patch_size).to(device), audio_rows.to(device)
+        if clip.conditions is None:
+            return video_rows, audio_rows
+        video_rows = torch.cat(condition_rows + [video_rows])
+        audio_rows = torch.cat([rows.to(device) for rows in clip.conditions.audio_rows] + [audio_rows])
+        if (video_rows.shape[0], audio_rows.shape[0]) != (layout["video_indices"].numel(),
+                                                          layout["audio_indices"].numel()):
+            raise ClipError("the encoded conditions do not fill the rows the layout reserved for them",
+                            "the encode stage and the sampler disagree on the conditioning; report this")
+        return video_rows, audio_rows
+
+    def condition_rows(self, clip, generator) -> list:
+        """Each visual condition noised to CONDITION_T with a draw of its own, in packed order, as rows."""
+        import torch
+        from diffusers import MiniMaxH3Scheduler
+        from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
+
+        if clip.conditions is None:
+            return []
+        device, rows = self.runtime.device, []
+        for latents in clip.conditions.video_latents:
+            noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32).to(device)
+            # Mixed on the device, as the reference mixes them: a GPU's fused multiply-add rounds unlike the CPU.
+            noised = MiniMaxH3Scheduler().scale_noise(latents.to(device), CONDITION_T, noise)
+            rows.append(patchify_video_latents(noised, self.patch_size))
+        return rows
 
     def denoise(self, clip, layout, video_rows, audio_rows):
         from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
@@ -128,25 +204,33 @@ class EulerSampler(Stage):
         video_schedule = sigma_schedule(self.config, self.config.video_shift)
         audio_schedule = sigma_schedule(self.config, self.config.audio_shift)
         steps = len(video_schedule.timesteps)
+        held_video, held_audio = layout["condition_video_rows"], layout["condition_audio_rows"]
+        prompt_embeds = clip.prompt_embeds.to(self.runtime.device)  # encoded for every prompt first, kept on the host
         # Both DiTs return the (video, audio) velocities first: diffusers' as an output tuple, h3gen's as a pair.
         for i, (t, audio_t) in enumerate(zip(video_schedule.timesteps, audio_schedule.timesteps)):
             timestep, timestep_indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-                layout["video_indices"], layout["audio_indices"], 0, 0, layout["text_indices"].numel(),
-                float(t), float(audio_t), float(t), 1.0)
+                layout["video_indices"], layout["audio_indices"], held_video, held_audio,
+                layout["text_indices"].numel(), float(t), float(audio_t), max(float(t), CONDITION_T),
+                AUDIO_CONDITION_T)
             video_velocity, audio_velocity = self.dit(
                 hidden_states=video_rows[None], audio_hidden_states=audio_rows[None],
-                encoder_hidden_states=clip.prompt_embeds, timestep=timestep.to(self.runtime.device),
+                encoder_hidden_states=prompt_embeds, timestep=timestep.to(self.runtime.device),
                 timestep_indices=timestep_indices.to(self.runtime.device), token_tags=layout["token_tags"],
                 position_ids=layout["position_ids"], video_indices=layout["video_indices"],
                 audio_indices=layout["audio_indices"], text_indices=layout["text_indices"])[:2]
-            video_rows = video_schedule.step(video_velocity[0].float(), t, video_rows, return_dict=False)[0]
-            audio_rows = audio_schedule.step(audio_velocity[0].float(), audio_t, audio_rows, return_dict=False)[0]
+            # Only the generated rows step: the conditioning rows ahead of them stay as they were drawn.
+            video_rows[held_video:] = video_schedule.step(video_velocity[0, held_video:].float(), t,
+                                                          video_rows[held_video:], return_dict=False)[0]
+            audio_rows[held_audio:] = audio_schedule.step(audio_velocity[0, held_audio:].float(), audio_t,
+                                                          audio_rows[held_audio:], return_dict=False)[0]
             self.runtime.on_step(clip, i + 1, steps)
         clip.notes.update(forwards=steps, attention=self.attention_backend)
         return video_rows, audio_rows
 
     def unpack(self, layout, video_rows, audio_rows):
-        """Rows back to latents: video (1, 24, F, H, W), audio (2, 32, N) for the mono audio VAE."""
+        """Generated rows back to latents: video (1, 24, F, H, W), audio (2, 32, N) for the mono audio VAE."""
+        video_rows = video_rows[layout["condition_video_rows"]:]
+        audio_rows = audio_rows[layout["condition_audio_rows"]:]
         patch_t, patch_h, patch_w = self.patch_size
         rows = video_rows.reshape(1, layout["latent_frames"] // patch_t, layout["latent_height"] // patch_h,
                                   layout["latent_width"] // patch_w, VIDEO_LATENT_CHANNELS, patch_t, patch_h, patch_w)
@@ -156,4 +240,4 @@ class EulerSampler(Stage):
         return video.contiguous(), audio.contiguous()
 
     def unload(self):
-        self.dit = None
+        self.dit = self.partition = None
