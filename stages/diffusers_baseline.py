@@ -33,6 +33,11 @@ class DiffusersEncode(Stage):
                                      processor=repo.load("processor", Qwen3VLProcessor))
 
     def run(self, clip):
+        if clip.request.task != "t2va":
+            from h3gen.errors import ClipError
+
+            raise ClipError(f"the diffusers baseline stages render t2va only, and this clip is {clip.request.task}",
+                            "render keyframes and references with a preset built on the qwen3vl and euler stages")
         state = self.pipe(prompt=clip.request.prompt, output=["prompt_embeds", "text_token_tags"])
         clip.prompt_embeds, clip.text_token_tags = state["prompt_embeds"], state["text_token_tags"]
         return clip
