@@ -1,0 +1,155 @@
+"""Keyframes and references in the prompts file: paths, the task they make, the canvas a keyframe sets, and a clear
+error, before any weight loads, for media H3 cannot use."""
+
+import importlib.util
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import h3gen
+from h3gen.clip import Clip
+from h3gen.errors import ClipError, UsageError
+from h3gen.prompts import read_prompts
+from test_tasks import write_image, write_video, write_wav
+
+DEFAULTS = {"width": 32, "height": 32, "duration": 5.0}
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("inputs")
+    write_image(folder / "frame.png", 48, 32, 1)
+    write_image(folder / "wide.png", 128, 32, 2)
+    write_image(folder / "too-wide.png", 200, 32, 3)
+    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    (folder / "notes.txt").write_text("not media\n")
+    write_video(folder / "clip.mp4", 20, sound=False)
+    write_video(folder / "blink.mp4", 6, sound=False)
+    write_wav(folder / "voice.wav")
+    write_wav(folder / "cd.wav", rate=44100)
+    write_wav(folder / "surround.wav", channels=6)
+    (folder / "sub").mkdir()
+    return folder
+
+
+def parse(folder, *lines, defaults=DEFAULTS):
+    path = folder / "sub" / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "a fox", **line}) + "\n" for line in lines))
+    return read_prompts(path, 0, defaults)
+
+
+def test_the_task_follows_from_the_fields_and_paths_are_relative_to_the_prompts_file(media):
+    t2va, first, both, refs = parse(media, {}, {"first_frame": "../frame.png"},
+                                    {"first_frame": "../frame.png", "last_frame": str(media / "wide.png")},
+                                    {"references": ["../voice.wav", "../clip.mp4", "../frame.png"]})
+    assert [r.task for r in (t2va, first, both, refs)] == ["t2va", "fl2va", "fl2va", "ref2va"]
+    assert first.first_frame == media / "frame.png" and first.last_frame is None
+    assert both.last_frame == media / "wide.png"
+    assert [(r.kind, r.path.name) for r in refs.references] == [("audio", "voice.wav"), ("video", "clip.mp4"),
+                                                                 ("image", "frame.png")]
+    assert (refs.width, refs.height) == (32, 32)  # references never set the canvas
+
+
+@pytest.mark.parametrize("line, size", [
+    ({"first_frame": "../wide.png"}, (64, 32)),  # 4:1 on the tiny 32 px canvas
+    ({"last_frame": "../wide.png"}, (64, 32)),  # the last frame sets it when it is the only keyframe
+    ({"first_frame": "../frame.png", "last_frame": "../wide.png"}, (32, 32)),  # the first frame wins
+    ({"first_frame": "../wide.png", "width": 96, "height": 32}, (96, 32)),  # a size given is kept
+])
+def test_the_keyframe_sets_the_aspect_ratio_when_no_size_is_given(media, line, size):
+    (request,) = parse(media, line)
+    assert (request.width, request.height) == size
+
+
+@pytest.mark.parametrize("image", [(1920, 1080), (1080, 1920), (1000, 1000), (3000, 1000), (720, 2560)])
+def test_keyframe_canvas_on_h3_base_is_diffusers_canvas_rule(image):
+    from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3ResizeStep
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import resolve_canvas_size
+
+    from h3gen.media import keyframe_canvas
+
+    rule = {spec.name: spec.default for spec in MiniMaxH3ResizeStep().expected_configs}
+    height, width = resolve_canvas_size(*image, 32, rule["canvas_short_edge"], rule["canvas_max_pixels"])
+    assert keyframe_canvas(image, 1344, 768) == (width, height)
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"first_frame": "../missing.png"}, r"first_frame .*missing.png does not exist"),
+    ({"last_frame": ".."}, "is a directory"),
+    ({"first_frame": ""}, "first_frame is not a file path"),
+    ({"first_frame": "../broken.png"}, "broken.png is not an image h3gen can read"),
+    ({"first_frame": "../too-wide.png"}, "is 200x32, outside the 1:4 to 4:1 aspect ratios H3 generates"),
+    ({"first_frame": "../frame.png", "width": 64}, "give both width and height, or neither"),
+    ({"first_frame": "../frame.png", "references": ["../frame.png"]}, "keyframes .* or on references .*not both"),
+    ({"first_frame": 3}, "field 'first_frame' has the wrong type"),
+    ({"references": "../frame.png"}, "field 'references' has the wrong type"),
+    ({"references": []}, "'references' is empty"),
+    ({"references": [7]}, r"references\[0\] must be a path string"),
+    ({"references": ["../notes.txt"]}, "notes.txt is not an image, video or audio file"),
+    ({"references": ["../too-wide.png"]}, r"references\[0\] .* outside the 1:4 to 4:1"),
+    ({"references": ["../voice.wav"]}, "audio references cannot be used on their own"),
+    ({"references": ["../clip.mp4"] * 4}, "4 video references, H3 takes at most 3"),
+    ({"references": ["../frame.png"] * 13}, "13 image references, H3 takes at most 9"),
+    ({"references": ["../frame.png", "../blink.mp4"]}, r"blink.mp4 lasts 0.2\d s; .* needs at least 0.54 s"),
+    ({"references": ["../frame.png", "../surround.wav"]}, "has 6 audio channels; H3 conditions on mono or stereo"),
+])
+def test_media_h3_cannot_use_is_refused_with_the_line(media, line, message):
+    with pytest.raises(UsageError, match=message) as caught:
+        parse(media, {}, line)
+    assert "prompts.jsonl:2:" in str(caught.value)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchaudio") is not None, reason="torchaudio resamples it")
+def test_audio_off_the_vae_rate_needs_torchaudio(media):
+    with pytest.raises(UsageError, match=r"cd.wav has audio at 44100 Hz; .* needs torchaudio .*ffmpeg -ar 32000"):
+        parse(media, {"references": ["../frame.png", "../cd.wav"]})
+
+
+def test_a_bad_keyframe_stops_the_run_before_loading(media, tmp_path):
+    prompts = media / "sub" / "cli.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n{"prompt": "x", "first_frame": "nope.png"}\n')
+    result = h3gen("render", prompts, "-o", tmp_path / "out", check_code=2)
+    assert "cli.jsonl:2: first_frame" in result.stderr and "does not exist" in result.stderr
+    assert "loaded on" not in result.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("preset, task, line", [
+    ("fasth3", "fl2va", {"first_frame": "../frame.png"}),
+    ("turbo-8", "ref2va", {"references": ["../frame.png"]}),
+])
+def test_a_task_the_adapter_was_not_distilled_for_is_refused(media, tmp_path, preset, task, line):
+    import torch
+    from safetensors.torch import save_file
+
+    from h3gen.contract import check_adapters
+    from h3gen.plugins.manager import registry
+    from h3gen.preset import resolve
+
+    adapter = tmp_path / "adapters" / f"{preset}.safetensors"
+    adapter.parent.mkdir()
+    save_file({"proj_out.diff_b": torch.zeros(96)}, str(adapter))
+    resolved = resolve(preset, registry())
+    requests = parse(media, line, defaults=resolved.request)
+    with pytest.raises(UsageError, match=f"only; this run asks for task {task}"):
+        check_adapters(resolved, requests, tmp_path)
+
+
+def test_ref2va_refuses_adapters_and_a_repository_without_its_partition(tmp_path):
+    from h3gen.stages.sampler import EulerConfig, EulerSampler
+
+    sampler = EulerSampler(EulerConfig(), SimpleNamespace(quant=SimpleNamespace(adapter_deltas=object())))
+    sampler.repo = SimpleNamespace(root=tmp_path)
+    with pytest.raises(ClipError, match="adapters were trained on transformer/, and ref2va runs transformer_ref/"):
+        sampler.check_ref_partition()
+    sampler.runtime.quant.adapter_deltas = None
+    with pytest.raises(ClipError, match="transformer_ref/ partition, which .* does not have"):
+        sampler.check_ref_partition()
+
+
+def test_the_diffusers_baseline_refuses_conditioned_clips(media):
+    from h3gen.stages.diffusers_baseline import DiffusersEncode
+
+    (request,) = parse(media, {"first_frame": "../frame.png"})
+    with pytest.raises(ClipError, match="render t2va only, and this clip is fl2va"):
+        DiffusersEncode(None, None).run(Clip(request=request, path=media / "x.mp4"))
