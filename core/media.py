@@ -39,15 +39,13 @@ def resolve_path(value: str, base: Path, field: str, where: str) -> Path:
 
 def image_size(path: Path) -> tuple[int, int] | None:
     """(width, height) as displayed (EXIF orientation applied), decoding the whole image; None if not an image."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    from PIL import Image, ImageOps
 
     try:
         with Image.open(path) as image:
             image.load()
             return ImageOps.exif_transpose(image).size
-    except UnidentifiedImageError:
-        return None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):  # UnidentifiedImageError included
         return None
 
 
@@ -146,11 +144,13 @@ def probe_av(path: Path):
     """((frame rate, (width, height), seconds or None) or None, (sample rate, channels) or None), or None when the
     file is not a container PyAV can open."""
     import av
+    from av.stream import Disposition
 
     try:
         with av.open(str(path)) as container:
             video = audio = None
-            if container.streams.video:
+            # Cover art in a music file is a one-picture video stream: the file is still an audio reference.
+            if container.streams.video and not container.streams.video[0].disposition & Disposition.attached_pic:
                 stream = container.streams.video[0]
                 rate = stream.average_rate or stream.guessed_rate
                 seconds = None
