@@ -74,8 +74,11 @@ def skip_finished(requests, output: Path, preset_name: str, save_latents: bool, 
     """Results for the clips a previous run already wrote (file there and valid): a rerun resumes."""
     from h3gen.render import already_done
 
+    from h3gen.outputs import record
+
     finished = [already_done(request, output, preset_name, save_latents) for request in requests]
     for result in filter(None, finished):
+        record(output, result, preset_name, "skipped")
         reporter.clip_done(result)
     return [result for result in finished if result]
 
@@ -114,7 +117,7 @@ def _run_render(prompts, output, preset_name, model, seed, overrides, json_out, 
     if pending:  # weights load only when there is something to render
         reporter.say(f"h3gen: {len(pending)} clip(s) to render, preset {preset.name}, model {repo.root}")
         try:
-            results += render_pending(pending, output, save_latents, preset, found, repo, reporter)
+            results += render_pending(pending, output, save_latents, preset, found, repo, reporter, force)
         except Interrupted as stop:
             results += stop.results
             stopped = stop
@@ -137,7 +140,7 @@ def model_repo(model, reporter):
     return ModelRepo(model)
 
 
-def render_pending(requests, output, save_latents, preset, found, repo, reporter) -> list:
+def render_pending(requests, output, save_latents, preset, found, repo, reporter, force=False) -> list:
     """Load the stages once and render every request; on a signal, `Interrupted.results` holds the finished ones."""
     from h3gen.quiet import quiet_libraries
     from h3gen.render import Renderer
@@ -151,14 +154,15 @@ def render_pending(requests, output, save_latents, preset, found, repo, reporter
         warning = cuda_fit_warning(requests, repo.path("transformer") / "config.json", renderer.runtime.dtype.itemsize)
         if warning:
             reporter.say(f"h3gen: {warning}")
-    results = []
+    results, interrupted = [], False
     reporter.start()
     try:
-        for result in renderer.render(requests, output, save_latents):
+        for result in renderer.render(requests, output, save_latents, force):
             results.append(result)
     except Interrupted as stop:
-        stop.results = results
+        stop.results, interrupted = results, True
         raise
     finally:
+        renderer.close(discard=interrupted)
         reporter.stop()
     return results

@@ -57,8 +57,8 @@ class PlainReporter:
 
     def clip_done(self, result):
         if result.skipped:
-            self.say(f"[{result.request.index + 1}/{self.total}] skipped {result.path}: already there and valid "
-                     "(--force renders it again)")
+            self.say(f"[{result.request.index + 1}/{self.total}] skipped {result.path}: "
+                     + (result.note or "already there and valid (--force renders it again)"))
         elif result.ok:
             self.say(f"[{result.request.index + 1}/{self.total}] wrote {result.path} in {result.end_to_end:.2f}s "
                      f"(RTF {result.rtf:.2f})")
@@ -86,10 +86,12 @@ class PlainReporter:
 
 def counts_line(results, total: int) -> str:
     written = sum(r.ok and not r.skipped for r in results)
-    skipped = sum(r.skipped for r in results)
+    skipped = sum(r.skipped and not r.note for r in results)
+    busy = sum(r.skipped and bool(r.note) for r in results)
     failed = sum(not r.ok for r in results)
     parts = [f"{written} of {total} clips written"]
     parts += [f"{skipped} already there and valid (skipped)"] if skipped else []
+    parts += [f"{busy} left to another run rendering them"] if busy else []
     parts += [f"{failed} failed"] if failed else []
     parts += [f"{total - len(results)} not rendered"] if total > len(results) else []
     return ", ".join(parts)

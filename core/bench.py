@@ -51,6 +51,11 @@ def forward_overrides(preset, forwards: int | None) -> list[str]:
     return overrides
 
 
+def cache_overrides(preset) -> list[str]:
+    """The benchmark times the text encoder itself, never the embedding cache."""
+    return ["encode.cache=false"] if hasattr(preset.stages["encode"][1], "cache") else []
+
+
 def adapter_overrides(random_weights: str | None) -> list[str]:
     """Random weights have no adapters to fuse; fusing happens at load, so a forward costs the same without them."""
     return ["adapter.paths=[]"] if random_weights else []
@@ -188,8 +193,9 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
             for name, baseline in names:
                 preset = resolve(name, registry)
                 full_forwards = preset_forwards(preset)
-                preset = resolve(name, registry, forward_overrides(preset, plan.forwards) + adapter_overrides(
-                    random_weights))
+                overrides = (forward_overrides(preset, plan.forwards) + cache_overrides(preset)
+                             + adapter_overrides(random_weights))
+                preset = resolve(name, registry, overrides)
                 say(f"bench: {name} at {seconds:g} s ({request.frames} frames, {plan.width}x{plan.height})")
                 try:
                     bench = StageBench(preset, registry, source, plan, request, Path(workdir))

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from h3gen import memory
+from h3gen import memory, outputs
 from h3gen.clip import Clip, Request
 from h3gen.errors import ClipError, H3genError
 from h3gen.timing import StageTimer
@@ -37,7 +37,8 @@ class ClipResult:
     error: str = ""
     peak_gib: float = 0.0
     forwards: int = 0
-    skipped: bool = False  # the output was already there and valid
+    skipped: bool = False  # the output was already there and valid, or another run is writing it
+    note: str = ""  # why a clip was skipped when not because it was already there
 
     @property
     def rtf(self) -> float:
@@ -73,47 +74,137 @@ class Renderer:
         self.runtime.quant = self.stages["quant"]
         for kind in ("quant",) + PIPELINE:
             self.stages[kind].load(repo)
+        self.muxing, self.done = [], []  # (clip, claim, future) in render order; finished results not yet yielded
 
-    def render(self, requests: list[Request], out_dir: Path, save_latents: bool = False) -> Iterator[ClipResult]:
-        """Yield one result per request, in order, giving back what each clip allocated before the next."""
+    def render(self, requests: list[Request], out_dir: Path, save_latents: bool = False,
+               force: bool = False) -> Iterator[ClipResult]:
+        """Yield one result per request as it finishes.
+
+        Every prompt is encoded first and the text encoder freed before the DiT loads its activations; then the
+        device renders clip after clip while finished clips are muxed in the background."""
         out_dir.mkdir(parents=True, exist_ok=True)
-        for request in requests:
-            result = self.render_one(request, out_dir, save_latents)
+        self.out_dir, self.save_latents = out_dir, save_latents
+        clips = [Clip(request=request, path=out_dir / clip_name(request, self.preset.name), preset=self.preset.name)
+                 for request in requests]
+        failed = yield from self.encode_all(clips)
+        while clips:  # popped as they go, so nothing keeps a finished clip alive
+            clip = clips.pop(0)
+            if clip.request.index in failed:
+                continue
+            claim = outputs.ClipClaim(clip.path)
+            if not claim.acquire():
+                yield self.finish(clip, status="busy")
+                continue
+            if not force and already_done(clip.request, out_dir, self.preset.name, save_latents):
+                # an overlapping run finished it after this run started
+                claim.release()
+                yield self.finish(clip, status="skipped")
+                continue
+            self.render_one(clip, claim)
             memory.release(self.runtime.device)
-            yield result
+            yield from self.collect(wait=False)
+        yield from self.collect(wait=True)
 
-    def render_one(self, request: Request, out_dir: Path, save_latents: bool) -> ClipResult:
+    def encode_all(self, clips: list[Clip]):
+        """Encode every prompt (the embedding cache first), then free the encoder; yields the clips that failed."""
+        failed, began = set(), time.perf_counter()
+        encode = self.stages["encode"]
+        for clip in clips:
+            try:
+                encode(clip, report=False)
+                # Every prompt is encoded before the first clip renders: the embeddings wait in host memory, in
+                # one layout whether fresh or from the cache (a strided view would take another matmul path).
+                clip.prompt_embeds = clip.prompt_embeds.cpu().contiguous()
+            except ClipError as e:
+                failed.add(clip.request.index)
+                self.reporter.clip_started(clip)
+                yield self.finish(clip, str(e))
+        cached = sum(bool(clip.notes.get("encode_cached")) for clip in clips)
+        self.reporter.say(f"h3gen: encoded {len(clips) - len(failed)} prompt(s) in "
+                          f"{time.perf_counter() - began:.2f}s ({cached} from the embedding cache)")
+        encode.unload()
+        memory.release(self.runtime.device)
+        return failed
+
+    def render_one(self, clip: Clip, claim) -> None:
+        """DiT and decode on the device, then the mux, in the background when the mux stage can."""
         import torch
 
-        clip = Clip(request=request, path=out_dir / clip_name(request, self.preset.name), preset=self.preset.name)
         self.reporter.clip_started(clip)
         cuda = self.runtime.device.startswith("cuda")
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        began = time.perf_counter()
         error = ""
         try:
-            check_disk(out_dir, request)
-            for kind in PIPELINE:
-                if kind == "mux" and save_latents:
-                    write_latents(clip)
+            check_disk(self.out_dir, clip.request)
+            for kind in ("sampler", "vae"):
                 clip = self.stages[kind](clip)
-        except H3genError as e:
-            error = str(e)
-        except torch.OutOfMemoryError:
-            error = OOM_HINT
-        except OSError as e:
-            error = write_error(clip.path, e)
-        except Exception as e:  # a faulty stage costs its clip, not the batch
-            error = OOM_HINT if "out of memory" in str(e).lower() else f"{type(e).__name__} in a stage: {e}"
-        finally:  # the clip's tensors go now, whatever happened, so the next clip starts from the same memory
+            if self.save_latents:
+                write_latents(clip)
             clip.prompt_embeds = clip.text_token_tags = clip.video_latents = clip.audio_latents = None
-            clip.frames = clip.audio = None
-        peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
-        result = ClipResult(request, clip.path, not error, dict(clip.seconds), time.perf_counter() - began,
-                            error, peak, clip.notes.get("forwards", 0))
+            clip.notes["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+            job = self.stages["mux"].submit(clip) if hasattr(self.stages["mux"], "submit") else None
+            if job is not None:
+                self.muxing.append((clip, claim, job))
+                return
+            clip = self.stages["mux"](clip)
+        except Exception as e:  # a faulty stage costs its clip, not the batch
+            error = clip_error(clip, e)
+        self.done.append(self.finish(clip, error, claim=claim))
+
+    def collect(self, wait: bool) -> Iterator[ClipResult]:
+        """Results of the clips whose mux has finished (all of them with `wait`), in the order they were rendered."""
+        yield from self.done
+        self.done.clear()
+        while self.muxing and (wait or self.muxing[0][2].done()):
+            clip, claim, job = self.muxing.pop(0)
+            error = ""
+            try:
+                job.result()
+                self.reporter.stage_done(clip, "mux", clip.seconds.get("mux", 0.0))
+            except Exception as e:
+                error = clip_error(clip, e)
+            yield self.finish(clip, error, claim=claim)
+
+    def finish(self, clip: Clip, error: str = "", status: str = "", claim=None) -> ClipResult:
+        if claim is not None:
+            claim.release()
+        clip.prompt_embeds = clip.text_token_tags = clip.video_latents = clip.audio_latents = None
+        clip.frames = clip.audio = None
+        top_level = sum(clip.seconds.get(kind, 0.0) for kind in PIPELINE)
+        result = ClipResult(clip.request, clip.path, not error, dict(clip.seconds), top_level,
+                            error, clip.notes.get("peak_gib", 0.0), clip.notes.get("forwards", 0),
+                            skipped=status in ("skipped", "busy"),
+                            note="another h3gen run is rendering it" if status == "busy" else "")
+        clip.notes.clear()
+        outputs.record(self.out_dir, result, self.preset.name, status or ("ok" if result.ok else "failed"))
         self.reporter.clip_done(result)
         return result
+
+    def close(self, discard: bool = False) -> None:
+        """Wait for background muxes, or with `discard` (a signal) stop them, and give their claims back.
+
+        Either way each file is written whole or not at all."""
+        mux = self.stages["mux"]
+        if discard and hasattr(mux, "discard_in_flight"):
+            mux.discard_in_flight()
+        for kind in PIPELINE:
+            self.stages[kind].unload()
+        for _, claim, _ in self.muxing:
+            claim.release()
+        self.muxing.clear()
+
+
+def clip_error(clip: Clip, error: Exception) -> str:
+    import torch
+
+    if isinstance(error, H3genError):
+        return str(error)
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
+        return OOM_HINT
+    if isinstance(error, OSError):
+        return write_error(clip.path, error)
+    return f"{type(error).__name__} in a stage: {error}"
 
 
 OOM_HINT = "out of GPU memory (try an FP8 preset, fewer frames or a smaller size)"

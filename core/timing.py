@@ -12,9 +12,11 @@ class StageTimer:
         self.on_stage = on_stage or (lambda clip, kind, seconds: None)
 
     @contextlib.contextmanager
-    def measure(self, clip, kind: str, report: bool = True):
-        """Add the time of the block to `clip.seconds[kind]`; `report=False` for parts of a reported stage."""
-        if self.cuda:
+    def measure(self, clip, kind: str, report: bool = True, host: bool = False):
+        """Add the time of the block to `clip.seconds[kind]`; `report=False` for parts of a reported stage.
+
+        `host=True` for work that never touches the device (muxing), which may run on another thread."""
+        if self.cuda and not host:
             import torch
 
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

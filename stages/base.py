@@ -54,6 +54,7 @@ class Stage:
     name: ClassVar[str]
     Config: ClassVar[type] = NoConfig
     description: ClassVar[str] = ""
+    on_host: ClassVar[bool] = False  # timed by the host clock: work that never touches the device
 
     def __init__(self, config, runtime):
         self.config, self.runtime = config, runtime
@@ -61,8 +62,8 @@ class Stage:
     def load(self, repo) -> None:
         """Load weights from a `ModelRepo`; stages without weights keep this no-op."""
 
-    def __call__(self, clip):
-        with self.runtime.timer.measure(clip, self.kind):
+    def __call__(self, clip, report: bool = True):
+        with self.runtime.timer.measure(clip, self.kind, report=report, host=self.on_host):
             return self.run(clip)
 
     def run(self, clip):

@@ -97,7 +97,8 @@ class DiffusersSampler(Stage):
         hook = self.pipe.transformer.register_forward_hook(count_forward)
         try:
             with sdpa_context(self.config.sdpa_backend):
-                state = self.pipe(prompt_embeds=clip.prompt_embeds, text_token_tags=clip.text_token_tags,
+                state = self.pipe(prompt_embeds=clip.prompt_embeds.to(self.runtime.device),
+                                  text_token_tags=clip.text_token_tags,
                                   height=request.height, width=request.width, num_frames=request.frames,
                                   num_inference_steps=self.config.steps,
                                   generator=torch.Generator("cpu").manual_seed(request.seed),

@@ -14,6 +14,7 @@ TEXT_TAG = 1  # the AdaLN table's modality tag of a text row: a checkpoint contr
 class Qwen3VLConfig:
     layer: int = 50
     max_tokens: int = 1024
+    cache: bool = True  # prompt embeddings on disk: a rerun over the same prompts never loads the encoder
 
 
 class Qwen3VLEncoder(Stage):
@@ -22,8 +23,23 @@ class Qwen3VLEncoder(Stage):
     description = "Qwen3-VL text encoder (transformers), truncated after the layer H3 reads"
 
     def load(self, repo):
-        from transformers import Qwen2TokenizerFast, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+        """Tokenizer now; the encoder's weights only when a prompt is not in the embedding cache."""
+        from transformers import Qwen2TokenizerFast
 
+        self.repo, self.text_encoder = repo, None
+        self.tokenizer = repo.load("tokenizer", Qwen2TokenizerFast)
+        self.cache = None
+        if self.config.cache and hasattr(repo, "root") and hasattr(repo, "path"):
+            from h3gen.embedding_cache import EmbeddingCache, encoder_fingerprint
+
+            weights = encoder_fingerprint([repo.path("text_encoder"), repo.path("tokenizer")])
+            self.cache = EmbeddingCache(weights, dict(layer=self.config.layer, dtype=str(self.runtime.dtype),
+                                                      quant=self.runtime.quant.name))
+
+    def load_encoder(self):
+        from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+
+        repo = self.repo
         config = repo.text_encoder_config()
         total = config.text_config.num_hidden_layers
         if total <= self.config.layer:
@@ -31,7 +47,6 @@ class Qwen3VLEncoder(Stage):
                             "use the repository's own text_encoder/")
         # One layer past the one H3 reads: hidden_states[layer] is then still unnormalized.
         config.text_config.num_hidden_layers = self.config.layer + 1
-        self.tokenizer = repo.load("tokenizer", Qwen2TokenizerFast)
         self.processor = repo.load("processor", Qwen3VLProcessor)
         self.text_encoder = repo.load("text_encoder", Qwen3VLForConditionalGeneration, config=config,
                                       dtype=self.runtime.dtype, device_map=self.runtime.device).eval()
@@ -45,12 +60,22 @@ class Qwen3VLEncoder(Stage):
         if len(token_ids) > self.config.max_tokens:
             raise ClipError(f"prompt is {len(token_ids)} tokens, over the encoder limit of {self.config.max_tokens}",
                             "shorten the prompt")
+        cached = self.cache.get(clip.request.prompt) if self.cache else None
+        if cached is not None:
+            embeds, clip.text_token_tags = cached
+            clip.prompt_embeds = embeds.to(self.runtime.device)
+            clip.notes["encode_cached"] = True
+            return clip
+        if self.text_encoder is None:
+            self.load_encoder()
         with torch.inference_mode():
             clip.prompt_embeds = get_qwen3vl_prompt_embeds(
                 self.text_encoder, self.processor, token_ids, {}, text_encoder_layer=self.config.layer,
                 device=self.runtime.device, dtype=self.runtime.dtype)
         clip.text_token_tags = torch.full((len(token_ids),), TEXT_TAG, dtype=torch.long)
+        if self.cache:
+            self.cache.put(clip.request.prompt, clip.prompt_embeds, clip.text_token_tags)
         return clip
 
     def unload(self):
-        self.text_encoder = None
+        self.text_encoder = self.processor = None

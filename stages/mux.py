@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from fractions import Fraction
 from pathlib import Path
 
@@ -32,11 +33,13 @@ def write_mp4(
     crf: int = 18,
     preset: str = "medium",
     x264_threads: int = 1,
+    cancelled=lambda: False,
 ) -> None:
     """Write H.264 + AAC to `path` atomically; a partial MP4 never appears at `path`.
 
     `frames` is uint8 (T, H, W, 3) RGB; `audio` is float (2, N) in [-1, 1].
-    Identical inputs give byte-identical files.
+    Identical inputs give byte-identical files. `cancelled()` is polled per frame: when it turns true the write
+    stops with `MuxCancelled` and leaves nothing behind.
     """
     _check_inputs(frames, audio)
     path = Path(path)
@@ -45,7 +48,7 @@ def write_mp4(
         with av.open(str(partial), "w", format="mp4", options=_BITEXACT) as container:
             video = _add_video_stream(container, frames, fps, crf, preset, x264_threads)
             sound = _add_audio_stream(container, sample_rate)
-            _encode_video(container, video, frames)
+            _encode_video(container, video, frames, cancelled)
             _encode_audio(container, sound, audio, sample_rate)
         _fsync(partial)
         os.replace(partial, path)
@@ -81,8 +84,14 @@ def _add_audio_stream(container, sample_rate):
     return stream
 
 
-def _encode_video(container, stream, frames):
+class MuxCancelled(Exception):
+    """The run is stopping; the clip being written is discarded."""
+
+
+def _encode_video(container, stream, frames, cancelled):
     for index, pixels in enumerate(frames):
+        if cancelled():
+            raise MuxCancelled("stopped while muxing")
         frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels), format="rgb24")
         frame.pts = index
         frame.time_base = stream.codec_context.time_base
@@ -117,14 +126,45 @@ class PyAVMuxConfig:
     # A fixed count, not "auto": x264's output depends on its thread count, so a fixed one keeps the same clip
     # byte-identical on every machine.
     x264_threads: int = 8
+    # Clips encoded in the background while the device renders the next ones; 0 muxes in line.
+    workers: int = 2
 
 
 class PyAVMux(Stage):
     kind, name = "mux", "pyav"
     Config = PyAVMuxConfig
     description = "PyAV: H.264 (libx264) + AAC stereo into an MP4, written atomically"
+    on_host = True
+
+    def submit(self, clip):
+        """Mux on a background thread; returns a Future of the clip, or None when muxing runs in line.
+
+        Threads rather than processes: libx264 and the AAC encoder run outside the GIL, and a thread reads the
+        clip's frames where they are instead of copying most of a gigabyte to another process."""
+        if self.config.workers <= 0:
+            return None
+        if self.pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="h3gen-mux")
+        return self.pool.submit(self, clip, False)
+
+    def discard_in_flight(self) -> None:
+        """Stop the background writes now (a signal ends the run): their partial files are removed."""
+        self.stopping.set()
+        self.unload()
+
+    def unload(self):
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+
+    def __init__(self, config, runtime):
+        super().__init__(config, runtime)
+        self.pool, self.stopping = None, threading.Event()
 
     def run(self, clip):
         write_mp4(clip.path, clip.frames, clip.audio, sample_rate=clip.notes.get("sample_rate", 32000),
-                  crf=self.config.crf, preset=self.config.x264_preset, x264_threads=self.config.x264_threads)
+                  crf=self.config.crf, preset=self.config.x264_preset, x264_threads=self.config.x264_threads,
+                  cancelled=self.stopping.is_set)
         return clip

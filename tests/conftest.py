@@ -9,6 +9,7 @@ import pytest
 # Every test, and every h3gen process a test starts, uses a cache of its own: the tiny model is written once per
 # test session, exactly as a user's first run writes it.
 os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="h3gen-test-cache-"))
+os.environ.setdefault("MKL_CBWR", "AUTO")  # as the h3gen command sets it, before torch loads MKL
 
 ROOT = Path(__file__).resolve().parents[1]
 

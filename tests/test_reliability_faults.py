@@ -132,7 +132,7 @@ def test_out_of_memory_costs_one_clip_with_a_hint(faults, prompts_file, tmp_path
     assert clips["a"]["error"] == "out of GPU memory (try an FP8 preset, fewer frames or a smaller size)"
     assert "1 of 2 clips written, 1 failed" in result.stderr
     assert "failed a.mp4 (line 1): out of GPU memory (try an FP8 preset" in result.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["b.mp4"]
+    assert sorted(p.name for p in out.glob("*.mp4")) == ["b.mp4"]
 
 
 def test_a_failed_clip_gives_its_memory_back_before_the_next(tiny_model, tmp_path):
@@ -256,7 +256,7 @@ def test_disk_full_while_writing_costs_one_clip_and_leaves_no_partial_file(promp
                                         "a rerun redoes only the clips that are missing)")
         assert f"failed {name}.mp4 (line {line}): cannot write {out / name}.mp4: {reason}" in result.stderr
     assert "1 of 3 clips written, 2 failed" in result.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["small.mp4"]
+    assert sorted(p.name for p in out.glob("*.mp4")) == ["small.mp4"]
 
 
 def test_a_clip_that_cannot_fit_on_the_disk_fails_before_it_renders(tmp_path, monkeypatch):
@@ -304,7 +304,7 @@ def test_signal_discards_the_clip_in_flight_and_a_rerun_resumes(faults, prompts_
     assert (f"h3gen: stopped by {signal.Signals(signum).name}: the clip in flight was discarded; "
             "run the same command again") in stderr
     assert "1 of 3 clips written, 2 not rendered" in stderr
-    assert sorted(p.name for p in out.iterdir()) == ["a.mp4", "c.mp4"]
+    assert sorted(p.name for p in out.glob("*.mp4")) == ["a.mp4", "c.mp4"]
     assert validate_clip(out / "a.mp4", expected_frames=124) == []
     if signum == signal.SIGINT:
         return  # resuming is the same after either signal; checked once below
@@ -316,7 +316,7 @@ def test_signal_discards_the_clip_in_flight_and_a_rerun_resumes(faults, prompts_
     assert [(r["id"], r["skipped"]) for r in map(json.loads, rerun.stdout.splitlines())] == [
         ("a", True), ("b", False), ("c", False)]
     assert (out / "a.mp4").stat().st_mtime_ns == first
-    assert sorted(p.name for p in out.iterdir()) == ["a.mp4", "b.mp4", "c.mp4"]
+    assert sorted(p.name for p in out.glob("*.mp4")) == ["a.mp4", "b.mp4", "c.mp4"]
     assert all(validate_clip(out / f"{name}.mp4", expected_frames=124) == [] for name in "abc")
 
     done = h3gen(*render, env=env, check_code=0)

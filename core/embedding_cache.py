@@ -1,0 +1,78 @@
+"""Prompt embeddings on disk, so a second run over the same prompts never loads the text encoder.
+
+An entry is keyed by the encoder's weights, the tokenizer, the prompt and the encode settings. Weights are
+fingerprinted without reading tens of gigabytes: each safetensors file's header (names, shapes, offsets), its
+size and samples of its bytes; small files are hashed whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from platformdirs import user_cache_dir
+
+WHOLE_FILE_LIMIT = 64 * 2**20
+SAMPLE_BYTES, SAMPLES = 2**20, 4
+
+
+def cache_dir() -> Path:
+    return Path(user_cache_dir("h3gen")) / "embeddings"
+
+
+def file_fingerprint(path: Path, digest) -> None:
+    size = path.stat().st_size
+    digest.update(f"{path.name}\0{size}\0".encode())
+    with path.open("rb") as f:
+        if size <= WHOLE_FILE_LIMIT:
+            digest.update(f.read())
+            return
+        header_len = int.from_bytes(f.read(8), "little")
+        digest.update(f.read(min(header_len, WHOLE_FILE_LIMIT)))
+        for i in range(SAMPLES):
+            f.seek((size - SAMPLE_BYTES) * i // (SAMPLES - 1))
+            digest.update(f.read(SAMPLE_BYTES))
+
+
+def encoder_fingerprint(folders: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for folder in folders:
+        for path in sorted(p for p in folder.iterdir() if p.is_file()):
+            file_fingerprint(path, digest)
+    return digest.hexdigest()
+
+
+class EmbeddingCache:
+    def __init__(self, encoder: str, settings: dict, directory: Path | None = None):
+        self.directory = directory or cache_dir()
+        self.prefix = json.dumps({"encoder": encoder, **settings}, sort_keys=True)
+
+    def path(self, prompt: str) -> Path:
+        key = hashlib.sha256(f"{self.prefix}\0{prompt}".encode()).hexdigest()
+        return self.directory / key[:2] / f"{key}.safetensors"
+
+    def get(self, prompt: str):
+        from safetensors.torch import load_file
+
+        path = self.path(prompt)
+        if not path.is_file():
+            return None
+        try:
+            entry = load_file(str(path))
+        except Exception:  # a damaged entry is a miss; it is rewritten
+            return None
+        return entry["prompt_embeds"], entry["text_token_tags"]
+
+    def put(self, prompt: str, prompt_embeds, text_token_tags) -> None:
+        from safetensors.torch import save_file
+
+        path = self.path(prompt)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f".{path.name}.partial")
+            save_file({"prompt_embeds": prompt_embeds.detach().cpu().contiguous(),
+                       "text_token_tags": text_token_tags.cpu().contiguous()}, str(partial))
+            partial.replace(path)
+        except OSError:  # a cache that cannot be written only costs speed
+            pass

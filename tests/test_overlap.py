@@ -1,0 +1,71 @@
+"""The batch path: prompts encoded first (with an embedding cache), background muxing, shared output directories."""
+
+import json
+import subprocess
+import sys
+
+from conftest import h3gen
+from h3gen.validate import validate_clip
+
+THREE = '{"id": "a", "prompt": "a fox"}\n{"id": "b", "prompt": "waves"}\n{"id": "c", "prompt": "rain on a roof"}\n'
+
+
+def test_background_muxing_writes_the_same_bytes_as_muxing_in_line(prompts_file, tmp_path):
+    prompts = prompts_file(THREE)
+    for workers in (0, 2):
+        h3gen("render", prompts, "-o", tmp_path / f"w{workers}", "--set", f"mux.workers={workers}", check_code=0)
+    for name in "abc":
+        assert (tmp_path / f"w0/{name}.mp4").read_bytes() == (tmp_path / f"w2/{name}.mp4").read_bytes()
+
+
+def test_a_second_run_takes_its_embeddings_from_the_cache(prompts_file, tmp_path):
+    prompts = prompts_file(THREE)
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}  # an empty cache of this test's own
+    first = h3gen("render", prompts, "-o", tmp_path / "first", env=env, check_code=0)
+    assert "encoded 3 prompt(s)" in first.stderr and "(0 from the embedding cache)" in first.stderr
+    second = h3gen("render", prompts, "-o", tmp_path / "second", "--json", env=env, check_code=0)
+    assert "(3 from the embedding cache)" in second.stderr
+    for name in "abc":
+        assert (tmp_path / f"first/{name}.mp4").read_bytes() == (tmp_path / f"second/{name}.mp4").read_bytes()
+    # Another encode setting is another key: nothing comes from the cache.
+    third = h3gen("render", prompts, "-o", tmp_path / "third", "--set", "encode.layer=49", env=env, check_code=0)
+    assert "(0 from the embedding cache)" in third.stderr
+
+
+def test_the_encoder_weights_never_load_on_a_full_cache_hit(tiny_model, tmp_path):
+    import torch
+
+    from h3gen.clip import Clip, Request
+    from h3gen.embedding_cache import EmbeddingCache
+    from h3gen.render import Runtime
+    from h3gen.repo import ModelRepo
+    from h3gen.stages.encode import Qwen3VLConfig, Qwen3VLEncoder
+    from h3gen.stages.quant import NoQuant
+    from h3gen.timing import StageTimer
+
+    runtime = Runtime("cpu", torch.float32, StageTimer("cpu"))
+    runtime.quant = NoQuant(None, runtime)
+    encoder = Qwen3VLEncoder(Qwen3VLConfig(), runtime)
+    encoder.load(ModelRepo(tiny_model))
+    encoder.cache = EmbeddingCache("weights", {}, tmp_path)
+    embeds, tags = torch.randn(1, 3, 32), torch.ones(3, dtype=torch.long)
+    encoder.cache.put("cached prompt", embeds, tags)
+    clip = encoder(Clip(Request(0, "cached prompt", 0, 32, 32, 124), tmp_path / "x.mp4"))
+    assert encoder.text_encoder is None
+    assert torch.equal(clip.prompt_embeds, embeds) and torch.equal(clip.text_token_tags, tags)
+
+
+def test_overlapping_runs_on_one_directory_never_write_the_same_clip(prompts_file, tmp_path):
+    prompts, out = prompts_file(THREE), tmp_path / "out"
+    runs = [subprocess.Popen([sys.executable, "-m", "h3gen.cli.main", "render", str(prompts), "-o", str(out)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for run in runs:
+        _, stderr = run.communicate(timeout=300)
+        assert run.returncode == 0, stderr[-2000:]
+    events = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    for name in "abc":
+        statuses = sorted(e["status"] for e in events if e["file"] == f"{name}.mp4")
+        assert statuses.count("ok") == 1, (name, statuses)  # written once; the other run skipped it
+        assert len(statuses) == 2 and set(statuses) <= {"ok", "busy", "skipped"}
+        assert validate_clip(out / f"{name}.mp4", expected_frames=124) == []
+    assert not list(out.glob(".*"))  # no claims or partial files left behind
