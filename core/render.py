@@ -12,7 +12,7 @@ from pathlib import Path
 
 from h3gen import memory, outputs
 from h3gen.clip import Clip, Request
-from h3gen.errors import ClipError, H3genError
+from h3gen.errors import ClipError, H3genError, ModelError
 from h3gen.timing import StageTimer
 
 PIPELINE = ("encode", "sampler", "vae", "mux")  # quant is applied at load time by the stages that load weights
@@ -49,7 +49,10 @@ def clip_name(request: Request, preset: str) -> str:
     """The id when given, else a hash of what determines the clip, so reruns find the same file."""
     if request.id:
         return f"{request.id}.mp4"
-    digest = hashlib.sha256(f"{preset}\0{request.seed}\0{request.prompt}".encode()).hexdigest()[:12]
+    media = [request.first_frame, request.last_frame, *(r.path for r in request.references)]
+    # t2va names stay what they always were; conditioned clips also depend on their media.
+    key = f"{preset}\0{request.seed}\0{request.prompt}" + "".join(f"\0{m}" for m in media if m)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return f"h3-{digest}.mp4"
 
 
@@ -115,10 +118,12 @@ class Renderer:
                 # Every prompt is encoded before the first clip renders: the embeddings wait in host memory, in
                 # one layout whether fresh or from the cache (a strided view would take another matmul path).
                 clip.prompt_embeds = clip.prompt_embeds.cpu().contiguous()
-            except ClipError as e:
+            except ModelError:
+                raise
+            except Exception as e:  # a prompt or its media costs its clip, not the batch
                 failed.add(clip.request.index)
                 self.reporter.clip_started(clip)
-                yield self.finish(clip, str(e))
+                yield self.finish(clip, clip_error(clip, e))
         cached = sum(bool(clip.notes.get("encode_cached")) for clip in clips)
         self.reporter.say(f"h3gen: encoded {len(clips) - len(failed)} prompt(s) in "
                           f"{time.perf_counter() - began:.2f}s ({cached} from the embedding cache)")
