@@ -98,14 +98,15 @@ def counts_line(results, total: int) -> str:
 
 
 class LiveReporter(PlainReporter):
-    """A live display on a terminal: the clip in flight with its denoise steps, finished clips above it."""
+    """A live display on a terminal: a line per clip in flight (the one on the device with its denoise steps, the
+    ones still muxing in the background), finished clips printed above them."""
 
     def __init__(self, total: int, json_out: bool = False, preset: str = ""):
         super().__init__(total, json_out, preset)
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TextColumn("{task.fields[stages]}"),
                                  console=self.console, redirect_stdout=False, redirect_stderr=False)
-        self.task = None
+        self.tasks = {}  # request index -> progress task
 
     def say(self, text: str) -> None:
         self.progress.console.print(text, markup=False)
@@ -119,18 +120,21 @@ class LiveReporter(PlainReporter):
 
     def clip_started(self, clip):
         r = clip.request
-        self.task = self.progress.add_task(f"[{r.index + 1}/{self.total}] {r.prompt[:32]}", total=None, stages="")
+        self.tasks[r.index] = self.progress.add_task(f"[{r.index + 1}/{self.total}] {r.prompt[:32]}", total=None,
+                                                     stages="")
 
     def stage_done(self, clip, kind, seconds):
-        self.progress.update(self.task, stages=seconds_text(clip.seconds))
+        if clip.request.index in self.tasks:
+            self.progress.update(self.tasks[clip.request.index], stages=seconds_text(clip.seconds))
 
     def step(self, clip, step, steps):
-        self.progress.update(self.task, completed=step, total=steps)
+        if clip.request.index in self.tasks:
+            self.progress.update(self.tasks[clip.request.index], completed=step, total=steps)
 
     def clip_done(self, result):
-        if self.task is not None:
-            self.progress.remove_task(self.task)
-            self.task = None
+        task = self.tasks.pop(result.request.index, None)
+        if task is not None:
+            self.progress.remove_task(task)
         super().clip_done(result)
         if result.ok and not result.skipped:
             self.say(f"    {seconds_text(result.seconds)}")
