@@ -147,7 +147,9 @@ def render_pending(requests, output, save_latents, preset, found, repo, reporter
 
     quiet_libraries()
     renderer = Renderer(preset, found, repo, reporter)
-    reporter.say(f"h3gen: loaded on {renderer.runtime.device} ({preset.runtime['dtype']})")
+    attention = getattr(renderer.stages["sampler"], "attention_backend", None)
+    reporter.say(f"h3gen: loaded on {renderer.runtime.device} ({preset.runtime['dtype']})"
+                 + (f", attention {attention}" if attention else ""))
     if renderer.runtime.device.startswith("cuda"):
         from h3gen.memory import cuda_fit_warning
 

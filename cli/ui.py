@@ -25,7 +25,8 @@ def result_record(result, preset: str) -> dict:
             "seconds": {k: round(v, 4) for k, v in result.seconds.items()},
             "end_to_end_s": round(result.end_to_end, 4), "rtf": round(result.rtf, 4),
             "media_s": round(result.request.duration, 4), "frames": result.request.frames,
-            "forwards": result.forwards, "peak_gib": round(result.peak_gib, 3), "skipped": result.skipped}
+            "forwards": result.forwards, "peak_gib": round(result.peak_gib, 3), "skipped": result.skipped,
+            "attention": result.attention or None}
 
 
 class PlainReporter:

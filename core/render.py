@@ -39,6 +39,7 @@ class ClipResult:
     forwards: int = 0
     skipped: bool = False  # the output was already there and valid, or another run is writing it
     note: str = ""  # why a clip was skipped when not because it was already there
+    attention: str = ""  # the attention backend the DiT ran on
 
     @property
     def rtf(self) -> float:
@@ -180,7 +181,8 @@ class Renderer:
         result = ClipResult(clip.request, clip.path, not error, dict(clip.seconds), top_level,
                             error, clip.notes.get("peak_gib", 0.0), clip.notes.get("forwards", 0),
                             skipped=status in ("skipped", "busy"),
-                            note="another h3gen run is rendering it" if status == "busy" else "")
+                            note="another h3gen run is rendering it" if status == "busy" else "",
+                            attention=clip.notes.get("attention", ""))
         clip.notes.clear()
         outputs.record(self.out_dir, result, self.preset.name, status or ("ok" if result.ok else "failed"))
         self.reporter.clip_done(result)

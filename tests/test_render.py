@@ -18,6 +18,7 @@ def test_render_writes_valid_clips_and_json_lines(prompts_file, tmp_path):
         assert record["ok"] and set(record["seconds"]) == {"encode", "sampler", "vae", "mux", "vae_video",
                                                            "vae_audio", "transfer"}
         assert record["rtf"] > 0 and record["frames"] == 124 and record["forwards"] == 3
+        assert record["attention"] == "sdpa (PyTorch's choice)"
         assert validate_clip(record["path"], expected_frames=124) == []
     assert "smoke-test model" in result.stderr
     assert sorted(p.name for p in out.glob("*.mp4"))[-1] == "waves.mp4"
