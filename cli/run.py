@@ -165,6 +165,6 @@ def render_pending(requests, output, save_latents, preset, found, repo, reporter
         stop.results, interrupted = results, True
         raise
     finally:
-        renderer.close(discard=interrupted)
+        results += renderer.close(discard=interrupted)  # the same list `Interrupted.results` holds
         reporter.stop()
     return results

@@ -79,6 +79,7 @@ class Renderer:
         for kind in ("quant",) + PIPELINE:
             self.stages[kind].load(repo)
         self.muxing, self.done = [], []  # (clip, claim, future) in render order; finished results not yet yielded
+        self.claim_on_device = None
 
     def render(self, requests: list[Request], out_dir: Path, save_latents: bool = False,
                force: bool = False) -> Iterator[ClipResult]:
@@ -104,7 +105,9 @@ class Renderer:
                 claim.release()
                 yield self.finish(clip, status="skipped")
                 continue
+            self.claim_on_device = claim  # a signal can land mid-clip: close() gives this one back
             self.render_one(clip, claim)
+            self.claim_on_device = None
             memory.release(self.runtime.device)
             yield from self.collect(wait=False)
         yield from self.collect(wait=True)
@@ -188,18 +191,21 @@ class Renderer:
         self.reporter.clip_done(result)
         return result
 
-    def close(self, discard: bool = False) -> None:
-        """Wait for background muxes, or with `discard` (a signal) stop them, and give their claims back.
-
-        Either way each file is written whole or not at all."""
+    def close(self, discard: bool = False) -> list[ClipResult]:
+        """Wait for background muxes, or with `discard` (a signal) stop them; the results of the clips that were
+        written all the same. Either way each file is written whole or not at all."""
         mux = self.stages["mux"]
         if discard and hasattr(mux, "discard_in_flight"):
             mux.discard_in_flight()
         for kind in PIPELINE:
             self.stages[kind].unload()
-        for _, claim, _ in self.muxing:
-            claim.release()
+        written = [self.finish(clip, claim=claim) for clip, claim, job in self.muxing
+                   if job.done() and not job.cancelled() and job.exception() is None]
+        for claim in [claim for _, claim, _ in self.muxing] + [self.claim_on_device]:
+            if claim is not None:
+                claim.release()
         self.muxing.clear()
+        return written
 
 
 def clip_error(clip: Clip, error: Exception) -> str:
