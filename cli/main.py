@@ -6,7 +6,6 @@ Nothing heavy is imported at module level, so `h3gen --help` and shell completio
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
