@@ -91,3 +91,9 @@ class Clip:
     audio: Any = None  # float32 (2, N) on the host
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     notes: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def drop_tensors(self, keep_media: bool = False) -> None:
+        """Let go of what the stages made, so the next clip starts from the same memory."""
+        self.prompt_embeds = self.text_token_tags = self.video_latents = self.audio_latents = None
+        if not keep_media:
+            self.frames = self.audio = None

@@ -119,9 +119,8 @@ class Renderer:
         for clip in clips:
             try:
                 encode(clip, report=False)
-                # Every prompt is encoded before the first clip renders: the embeddings wait in host memory, in
-                # one layout whether fresh or from the cache (a strided view would take another matmul path).
-                clip.prompt_embeds = clip.prompt_embeds.cpu().contiguous()
+                # Every prompt is encoded before the first clip renders: the embeddings wait in host memory.
+                clip.prompt_embeds = clip.prompt_embeds.cpu()
             except ModelError:
                 raise
             except Exception as e:  # a prompt or its media costs its clip, not the batch
@@ -150,7 +149,7 @@ class Renderer:
                 clip = self.stages[kind](clip)
             if self.save_latents:
                 write_latents(clip)
-            clip.prompt_embeds = clip.text_token_tags = clip.video_latents = clip.audio_latents = None
+            clip.drop_tensors(keep_media=True)  # the device's share goes now; the mux needs only frames and audio
             clip.notes["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
             job = self.stages["mux"].submit(clip) if hasattr(self.stages["mux"], "submit") else None
             if job is not None:
@@ -178,8 +177,7 @@ class Renderer:
     def finish(self, clip: Clip, error: str = "", status: str = "", claim=None) -> ClipResult:
         if claim is not None:
             claim.release()
-        clip.prompt_embeds = clip.text_token_tags = clip.video_latents = clip.audio_latents = None
-        clip.frames = clip.audio = None
+        clip.drop_tensors()
         top_level = sum(clip.seconds.get(kind, 0.0) for kind in PIPELINE)
         result = ClipResult(clip.request, clip.path, not error, dict(clip.seconds), top_level,
                             error, clip.notes.get("peak_gib", 0.0), clip.notes.get("forwards", 0),
