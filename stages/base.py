@@ -69,5 +69,11 @@ class Stage:
     def run(self, clip):
         raise NotImplementedError
 
+    def parallelize(self, group) -> None:
+        """Spread this stage over `group`, a torch.distributed process group of two or more ranks that render one
+        clip together. Called once after `load` on every rank of the group; afterwards every rank calls the stage
+        with the same clip, and each must come out with the state the next stage reads on that rank. The default
+        leaves every rank doing the whole work (replicated), which is always correct and right for cheap stages."""
+
     def unload(self) -> None:
         """Drop weights so the memory can serve another stage."""
