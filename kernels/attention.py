@@ -5,7 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-BACKENDS = ("flash-attn-4", "sdpa-cudnn", "sdpa-flash", "sdpa")
+BACKENDS = ("flash-attn-4", "sdpa-cudnn", "sdpa-flash", "sdpa", "triton-fp8", "cudnn-fp8")
+# FP8 attention trades accuracy for speed, so "auto" never picks it: a preset or --set asks for it by name.
+FP8_BACKENDS = ("triton-fp8", "cudnn-fp8")
 _SDPA_FORCED = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION}
 
 
@@ -38,6 +40,12 @@ def attention_backend(device=None, requested="auto"):
 def attention(q, k, v, backend="auto"):
     """`q`, `k`, `v` (B, L, heads, head_dim) -> (B, L, heads, head_dim), softmax scale 1/sqrt(head_dim)."""
     name = attention_backend(q.device, backend)
+    if name == "triton-fp8":
+        from h3gen.kernels.attention_fp8 import attention_fp8
+        return attention_fp8(q, k, v)
+    if name == "cudnn-fp8":
+        from h3gen.kernels.attention_cudnn_fp8 import attention_fp8_cudnn
+        return attention_fp8_cudnn(q, k, v)
     if name == "flash-attn-4":
         out = _flash_attn_4()(q, k, v)
         return out[0] if isinstance(out, tuple) else out

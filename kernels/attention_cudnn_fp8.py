@@ -1,0 +1,85 @@
+"""FP8 attention through cuDNN's fused SDPA (nvidia-cudnn-frontend, optional): Q, K, V quantized per tensor, the
+softmax probabilities scaled into FP8's range inside cuDNN, output in bf16."""
+import functools
+import math
+
+import torch
+
+FP8, FP8_MAX, P_SCALE = torch.float8_e4m3fn, 448.0, 448.0
+SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+
+
+@functools.cache
+def cudnn_module():
+    try:
+        import cudnn
+    except Exception:  # an optional dependency; a broken install counts as absent
+        return None
+    return cudnn
+
+
+class _FP8Graph:
+    """One built cuDNN graph per (B, H, L, D) and device."""
+
+    def __init__(self, cudnn, batch, heads, length, head_dim, out_dtype):
+        self.cudnn, self.handle = cudnn, cudnn.create_handle()
+        fp8, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+        graph = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=fp32, compute_data_type=fp32,
+                              handle=self.handle)
+        dims, strides = [batch, heads, length, head_dim], [length * heads * head_dim, head_dim, heads * head_dim, 1]
+        self.inputs = [graph.tensor(name=name, dim=dims, stride=strides, data_type=fp8) for name in "qkv"]
+        self.scalars = [graph.tensor(name=name, dim=[1] * 4, stride=[1] * 4, data_type=fp32) for name in SCALARS]
+        q, k, v = self.inputs
+        scales = dict(zip(SCALARS, self.scalars))
+        try:
+            outputs = graph.sdpa_fp8(q=q, k=k, v=v, **scales, generate_stats=False,
+                                     attn_scale=1 / math.sqrt(head_dim), use_causal_mask=False)
+        except TypeError:  # frontends before generate_stats
+            outputs = graph.sdpa_fp8(q=q, k=k, v=v, **scales, is_inference=True,
+                                     attn_scale=1 / math.sqrt(head_dim), use_causal_mask=False)
+        self.out, _, *amaxes = outputs
+        bf16 = cudnn.data_type.BFLOAT16 if out_dtype == torch.bfloat16 else cudnn.data_type.HALF
+        self.out.set_output(True).set_dim(dims).set_stride(strides).set_data_type(bf16)
+        for amax in amaxes:
+            amax.set_output(True).set_dim([1] * 4).set_stride([1] * 4).set_data_type(fp32)
+        self.amaxes = amaxes
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+        self.graph, self.workspace_size = graph, graph.get_workspace_size()
+
+    def __call__(self, q8, k8, v8, descales, out):
+        device = q8.device
+        scalars = [*descales, torch.tensor(1 / P_SCALE, device=device), torch.tensor(P_SCALE, device=device),
+                   torch.tensor(1.0, device=device)]
+        amax_buffers = [torch.empty(1, 1, 1, 1, device=device) for _ in self.amaxes]
+        workspace = torch.empty(self.workspace_size, dtype=torch.uint8, device=device)
+        pack = {**dict(zip(self.inputs, (q8, k8, v8))), self.out: out,
+                **{t: s.reshape(1, 1, 1, 1).float() for t, s in zip(self.scalars, scalars)},
+                **dict(zip(self.amaxes, amax_buffers))}
+        self.cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(device).cuda_stream)
+        self.graph.execute(pack, workspace, handle=self.handle)
+        return out
+
+
+@functools.cache
+def _graph(batch, heads, length, head_dim, device_index, out_dtype):
+    return _FP8Graph(cudnn_module(), batch, heads, length, head_dim, out_dtype)
+
+
+def quantize_tensor(x):
+    amax = x.abs().amax().float().clamp(min=1e-12)
+    return (x.float() * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(FP8), amax / FP8_MAX
+
+
+def attention_fp8_cudnn(q, k, v):
+    """`q`, `k`, `v` (B, L, H, D) CUDA tensors -> (B, L, H, D) in q's dtype (bf16 or fp16)."""
+    if cudnn_module() is None:
+        raise RuntimeError("the cudnn-fp8 attention backend needs nvidia-cudnn-frontend: pip install "
+                           "nvidia-cudnn-frontend, or choose sampler.attention = 'triton-fp8'")
+    quantized = [quantize_tensor(t) for t in (q, k, v)]
+    graph = _graph(*q.shape[:1], q.shape[2], q.shape[1], q.shape[3], q.device.index, q.dtype)
+    out = torch.empty_like(q)
+    return graph(*(t for t, _ in quantized), [s for _, s in quantized], out)
