@@ -1,0 +1,56 @@
+"""Decoded video to uint8 frames in one pass: denormalize, clamp, scale by 255, round, store as (T, H, W, RGB)."""
+import torch
+import triton
+import triton.language as tl
+
+
+def frames_reference(video, mean, std):
+    """`video` (3, T, H, W) float in the VAE's normalized space; `mean`, `std` (3,) -> uint8 (T, H, W, 3)."""
+    shape = (-1, 1, 1, 1)
+    pixels = (video.float() * std.view(shape) + mean.view(shape)).clamp(0, 1)
+    return (pixels * 255).round().to(torch.uint8).permute(1, 2, 3, 0).contiguous()
+
+
+@triton.jit
+def _frames_kernel(video_ptr, mean_ptr, std_ptr, out_ptr, total, height, width,
+                   stride_c, stride_t, stride_h, stride_w, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < total
+    channel = offsets % 3
+    pixel = offsets // 3
+    x = pixel % width
+    y = (pixel // width) % height
+    t = pixel // (width * height)
+    source = video_ptr + channel * stride_c + t * stride_t + y * stride_h + x * stride_w
+    value = tl.load(source, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.load(mean_ptr + channel, mask=mask, other=0.0)
+    std = tl.load(std_ptr + channel, mask=mask, other=1.0)
+    value = tl.minimum(tl.maximum(value * std + mean, 0.0), 1.0) * 255.0
+    # Adding 2**23 to a value in [0, 2**23) leaves no fraction bits, so the add itself rounds to the nearest
+    # integer, ties to even, as torch.round does; subtracting it again is exact.
+    value = (value + 8388608.0) - 8388608.0
+    tl.store(out_ptr + offsets, value.to(tl.uint8), mask=mask)
+
+
+def frames_triton(video, mean, std, out=None, block=1024):
+    """Same contract as `frames_reference`; `video` may be any strided view, `out` a uint8 (T, H, W, 3) buffer."""
+    channels, frames, height, width = video.shape
+    assert channels == 3, video.shape
+    if out is None:
+        out = torch.empty((frames, height, width, 3), dtype=torch.uint8, device=video.device)
+    assert out.is_contiguous() and out.shape == (frames, height, width, 3)
+    total = out.numel()
+    mean, std = mean.float().contiguous(), std.float().contiguous()
+    # No fused multiply-add: the reference multiplies and adds in two rounded steps, and a value that lands on
+    # a rounding boundary must land on the same side.
+    _frames_kernel[(triton.cdiv(total, block),)](video, mean, std, out, total, height, width, *video.stride(),
+                                                  BLOCK=block, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def to_frames(video, mean, std, out=None):
+    """uint8 frames on `video`'s device: the kernel on CUDA, the reference elsewhere."""
+    if video.is_cuda:
+        return frames_triton(video, mean, std, out)
+    frames = frames_reference(video, mean, std)
+    return frames if out is None else out.copy_(frames)
