@@ -6,6 +6,7 @@ PHASES, comma separated (default all): kernels (Triton kernels vs torch referenc
 attn (attention alone per backend), ref (diffusers as shipped and with SDPA forced to cuDNN), fast (the fast
 model, built from the reference's weights, per switch combination; accuracy needs `ref` in the same run).
 --only keeps those forward variants (reference and fast, as named in the printed table).
+--profile=NAME,... with the `profile` phase: the CUDA kernels of one forward of those variants, by total time.
 --tiny runs a small config on the CPU as a dry run. Results: $OUT/dit_gpu_check.json (written as it goes).
 On a machine without diffusers: `pip install --no-deps --target /tmp/site diffusers==0.42.1 importlib_metadata`
 from carried wheels and put /tmp/site on PYTHONPATH; flash-attn-4 (optional) likewise, plus
@@ -23,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(os.environ.get("OUT", "."))
 TINY = "--tiny" in sys.argv
+PROFILE = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--profile=")), ())
 ONLY = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), None)
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 PHASES = args[0].split(",") if args else ["kernels", "attn", "ref", "fast"]
@@ -231,6 +233,28 @@ def phase_attention():
                                                                  / expected.float().norm())))
         except Exception as exc:  # an optional backend may be missing on this machine
             log(f"attention_{name}_error", repr(exc)[:300])
+    if DEVICE.type == "cuda":
+        fp8_attention_configs(q, k, v, expected)
+
+
+def fp8_attention_configs(q, k, v, expected):
+    """The Triton FP8 kernel per launch configuration, and the quantization it includes, on its own."""
+    from h3gen.kernels import attention_fp8
+
+    seq_len = q.shape[1]
+    _, seconds = timed(lambda: attention_fp8.quantize(q, k, v))
+    log("attention_fp8_quantize", dict(seconds=round(seconds, 4)))
+    for warps, stages in ((8, 2), (8, 3), (4, 2), (4, 3), (8, 4)):
+        try:
+            run = lambda: attention_fp8.attention_fp8_triton(q, k, v, num_warps=warps, num_stages=stages)
+            out, first = timed(run)
+            _, seconds = timed(run)
+            log(f"attention_triton-fp8_w{warps}s{stages}", dict(
+                seconds=round(seconds, 4), first_call_s=round(first, 2),
+                tflops=round(4 * seq_len**2 * 56 * 128 / seconds / 1e12, 1),
+                rel_err_vs_first=float((out.float() - expected.float()).norm() / expected.float().norm())))
+        except Exception as exc:
+            log(f"attention_triton-fp8_w{warps}s{stages}_error", repr(exc)[:300])
 
 
 def run_reference(config, inputs, time_forwards):
@@ -284,8 +308,16 @@ def run_fast(config, inputs, schedule, reference, outputs):
                 "precompute",
                 ("fused+triton+table", dict(use_triton=True, adaln_table=True, attention_backend=cudnn))]
     if fa4:
-        variants.append(("fused+triton+table+fa4", dict(use_triton=True, attention_backend=fa4)))
+        variants.append(("fused+triton+table+fa4", dict(use_triton=True, adaln_table=True, attention_backend=fa4)))
     best_attention = fa4 or cudnn
+    # FP8 attention on bf16 linears, then FP8 linears (the swap is for good: these come after every bf16 variant).
+    fp8_attention = ["triton-fp8"] + ([] if TINY else ["cudnn-fp8"])
+    variants += [(f"table+{name}", dict(use_triton=True, adaln_table=True, attention_backend=name))
+                 for name in fp8_attention]
+    variants += ["fp8-linears", (f"fp8+table+{best_attention}", dict(use_triton=True, adaln_table=True,
+                                                                       attention_backend=best_attention))]
+    variants += [(f"fp8+table+{name}", dict(use_triton=True, adaln_table=True, attention_backend=name))
+                 for name in fp8_attention]
     if not TINY:  # inductor on the CPU needs a C++ toolchain; the dry run skips compilation
         variants += [("compile+table", dict(use_triton=False, compile_blocks=True, attention_backend=best_attention)),
                      ("compile+triton+table", dict(use_triton=True, attention_backend=best_attention))]
@@ -295,6 +327,10 @@ def run_fast(config, inputs, schedule, reference, outputs):
             log("adaln_precompute", dict(seconds=round(seconds, 2), timesteps=int(model.adaln_timesteps.numel()),
                                          weights_GiB=gib(model.resident_bytes()),
                                          table_GiB=gib(sum(b.adaln_table.numel() * 2 for b in model.transformer_blocks))))
+            continue
+        if variant == "fp8-linears":
+            if not ONLY or any(name.startswith("fp8+") for name in ONLY):
+                swap_fp8_linears(model)
             continue
         name, switches = variant
         if ONLY and name not in ONLY:
@@ -311,10 +347,35 @@ def run_fast(config, inputs, schedule, reference, outputs):
                 row.update({f"{k}_vs_{ref_name}": v for k, v in compare(out, ref_out).items()
                             if k in ("rel_err", "cos") or ref_name == "diffusers"})
             log(name, row)
+            if "profile" in PHASES and name in PROFILE:
+                profile_forward(model, inputs, name)
         except Exception as exc:
             import traceback
             traceback.print_exc()
             log(f"{name}_error", repr(exc)[:400])
+
+
+def swap_fp8_linears(model):
+    from h3gen.stages.quant import SCOPES
+    from h3gen.stages.quant_linear import FP8RowwiseLinear, swap_linears
+
+    matmul = "reference" if TINY else "scaled_mm"
+    _, seconds = timed(lambda: swap_linears(model, lambda linear: FP8RowwiseLinear.from_linear(linear, matmul),
+                                            SCOPES["dit"], set()))
+    peak_reset()
+    log("fp8_linears", dict(seconds=round(seconds, 1), weights_GiB=gib(model.resident_bytes())))
+
+
+def profile_forward(model, inputs, label):
+    """The CUDA kernels of one forward, by total time: where the seconds beyond matmuls and attention go."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timed(lambda: model(**inputs))
+    rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in rows)
+    top = [dict(kernel=e.key[:90], ms=round(e.device_time_total / 1e3, 1), calls=e.count) for e in rows[:25]]
+    log(f"profile_{label}", dict(total_ms=round(total / 1e3, 1), top=top))
 
 
 def block_parity(model, inputs):
