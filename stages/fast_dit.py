@@ -206,14 +206,20 @@ class FastH3Transformer(nn.Module):
 
         temb = self.time_embedder(timestep)
         adaln_index, from_table = self.adaln_index(timestep, timestep_indices, token_tags)
-        for block in self.transformer_blocks:
-            modulation = block.adaln_table if from_table else block.adaln_rows(temb)
-            packed = block(packed, modulation, adaln_index, cos, sin)
+        packed = self.run_blocks(packed, temb, adaln_index, from_table, cos, sin)
 
         packed = self.norm_out(packed, temb, timestep_indices, self.ops)
         video_out = self.proj_out(packed.index_select(1, video_indices).to(self.proj_out.weight.dtype))
         audio_out = self.audio_proj_out(packed.index_select(1, audio_indices).to(self.audio_proj_out.weight.dtype))
         return video_out, audio_out
+
+    def run_blocks(self, packed, temb, adaln_index, from_table, cos, sin):
+        """The transformer blocks over the packed rows. Everything but attention is row-wise (each row carries its
+        AdaLN index and rotary angles), so a sequence-parallel form can run this over a slice of the rows."""
+        for block in self.transformer_blocks:
+            modulation = block.adaln_table if from_table else block.adaln_rows(temb)
+            packed = block(packed, modulation, adaln_index, cos, sin)
+        return packed
 
     def attention_backend_name(self):
         return attention_backend_name(self.proj_in.weight.device, self.attention_backend)

@@ -64,7 +64,11 @@ class FusedAttention(nn.Module):
     def forward(self, x, cos, sin, ops, backend):
         q, k, v = ops.qk_norm_rope(self.to_qkv(x), self.heads, self.norm_q.weight, self.norm_k.weight,
                                    self.norm_q.eps, cos, sin)
-        return self.to_out(attention(q, k, v, backend).flatten(2, 3).type_as(q))
+        return self.to_out(self.attend(q, k, v, backend).flatten(2, 3).type_as(q))
+
+    def attend(self, q, k, v, backend):
+        """The one step that mixes rows: a sequence-parallel form replaces it (h3gen.parallel.ulysses)."""
+        return attention(q, k, v, backend)
 
 
 class SwiGLUFeedForward(nn.Module):
