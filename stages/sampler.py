@@ -64,6 +64,7 @@ class EulerSampler(Stage):
     kind, name = "sampler", "euler"
     Config = EulerConfig
     description = "rectified-flow Euler over diffusers' MiniMaxH3Transformer3DModel (the reference DiT)"
+    group = None  # the process group the DiT is sequence-parallel over, once `parallelize` has run
 
     def load(self, repo):
         if len(self.config.sigma_positions) == 1 or (not self.config.sigma_positions and self.config.steps < 2):
@@ -87,8 +88,23 @@ class EulerSampler(Stage):
             memory.release(self.runtime.device)
         dit = self.load_fast_dit(partition) if self.config.dit == "h3gen" else self.load_reference_dit(partition)
         self.dit = self.runtime.quant.transform("dit", dit.eval())
+        if self.group is not None:
+            from h3gen.parallel.ulysses import apply_ulysses
+
+            apply_ulysses(self.dit, self.group)
         self.patch_size = tuple(self.dit.config.patch_size)
         self.partition = partition
+
+    def parallelize(self, group) -> None:
+        """Ulysses sequence parallelism: each rank runs the DiT blocks over a slice of the packed rows and gets the
+        full velocities back, so noise, Euler steps and latents are the same on every rank."""
+        if self.config.dit != "h3gen":
+            raise UsageError(f"Ulysses sequence parallelism (one clip across devices) needs sampler.dit = \"h3gen\", "
+                             f"not \"{self.config.dit}\"", "set sampler.dit=\"h3gen\", or render on one device")
+        from h3gen.parallel.ulysses import apply_ulysses
+
+        apply_ulysses(self.dit, group)
+        self.group = group
 
     def check_ref_partition(self) -> None:
         if getattr(self.runtime.quant, "adapter_deltas", None) is not None:
