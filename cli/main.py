@@ -52,13 +52,35 @@ def render(
                                                         "(by default they are skipped).")] = False,
     strict_plugins: Annotated[bool, typer.Option("--strict-plugins", envvar="H3GEN_STRICT_PLUGINS",
                                                  help="Stop when a plugin fails to load instead of skipping it.")] = False,
+    shard: Annotated[Optional[str], typer.Option("--shard", metavar="I/N",
+                                                 help="Render only shard I of N (0-based): the prompts whose place "
+                                                      "in the file (0-based, comments and blank lines not counted) "
+                                                      "is I modulo N. For independent runs splitting one file.")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Render with N GPU workers (torchrun, NCCL), "
+                                                               "each on its own GPU.")] = None,
+    cpu_workers: Annotated[Optional[int], typer.Option("--cpu-workers", help="Render with N CPU worker processes "
+                                                                             "(torchrun, gloo).")] = None,
+    ulysses: Annotated[Optional[int], typer.Option("--ulysses", help="Ranks per clip (Ulysses sequence "
+                                                                     "parallelism); default: chosen from the "
+                                                                     "worker and prompt counts.")] = None,
+    nnodes: Annotated[Optional[int], typer.Option("--nnodes", help="Machines in a multi-node run "
+                                                                   "(torchrun --nnodes).")] = None,
+    node_rank: Annotated[Optional[int], typer.Option("--node-rank", help="This machine's number, 0 to nnodes-1 "
+                                                                         "(static rendezvous; omit for c10d).")] = None,
+    rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint", metavar="HOST:PORT",
+                                                         help="Where the machines of a multi-node run meet.")] = None,
+    rdzv_id: Annotated[Optional[str], typer.Option("--rdzv-id", help="Job id shared by the machines of one "
+                                                                     "multi-node run.")] = None,
 ):
     """Render one MP4 per prompt."""
     from h3gen.cli.run import run_render
+    from h3gen.prompts import parse_shard
 
+    parallel = {"gpus": gpus, "cpu_workers": cpu_workers, "ulysses": ulysses, "nnodes": nnodes,
+                "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint, "rdzv_id": rdzv_id}
     try:
         code = run_render(prompts, output, preset, model, seed, overrides or [], json_out, save_latents, force,
-                          strict_plugins)
+                          strict_plugins, parse_shard(shard) if shard is not None else None, parallel)
     except H3genError as e:
         fail(e)
     raise typer.Exit(code)

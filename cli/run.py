@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import tempfile
 from pathlib import Path
@@ -84,49 +85,105 @@ def skip_finished(requests, output: Path, preset_name: str, save_latents: bool, 
 
 
 def run_render(prompts, output, preset_name, model, seed, overrides, json_out, save_latents,
-               force=False, strict_plugins=False) -> int:
+               force=False, strict_plugins=False, shard=None, parallel=None) -> int:
+    """`shard`: (i, n) or None; `parallel`: the worker flags (gpus, cpu_workers, ulysses, nnodes, ...)."""
     with stop_on_signals():
         try:
             return _run_render(prompts, output, preset_name, model, seed, overrides, json_out, save_latents, force,
-                               strict_plugins)
+                               strict_plugins, shard, parallel or {})
         except Interrupted as stop:
             reporter_for(0, False, "").say(f"h3gen: stopped by {stop.signal_name}; run the same command again to resume")
             return stop.exit_code
 
 
-def _run_render(prompts, output, preset_name, model, seed, overrides, json_out, save_latents, force,
-                strict_plugins) -> int:
-    from h3gen.contract import check_adapters
-    from h3gen.plugins.manager import registry
-    from h3gen.preset import resolve
-    from h3gen.prompts import read_prompts
+@dataclasses.dataclass
+class Batch:
+    """A checked run: everything resolved before a weight loads."""
 
-    found = registry()
-    preset = resolve(preset_name, found, overrides)
-    requests = read_prompts(prompts, seed, preset.request)
-    check_unique_outputs(requests, preset.name, prompts)
+    preset: object
+    found: object
+    requests: list  # this run's share of the prompts file (all of it without --shard)
+    repo: object
+    reporter: object
+
+
+def prepare(prompts, output, preset, found, model, seed, json_out, strict_plugins, shard=None,
+            quiet=False) -> Batch:
+    """Check the prompts file, output directory, plugins, model and adapter contracts; `quiet` checks without a
+    word (the launcher, whose rank 0 says it all again)."""
+    from h3gen.cli.ui import SilentReporter
+    from h3gen.contract import check_adapters
+    from h3gen.prompts import read_prompts, shard_requests
+
+    every = read_prompts(prompts, seed, preset.request)
+    check_unique_outputs(every, preset.name, prompts)  # across shards too: two shards must not write one file
+    requests = shard_requests(every, shard)
     check_writable(output)
-    reporter = reporter_for(len(requests), json_out, preset.name)
+    # Clips are numbered by their place in the whole file, so [i/n] means the same in every shard.
+    reporter = SilentReporter() if quiet else reporter_for(len(every), json_out, preset.name)
     check_plugins(found, strict_plugins, reporter)
     repo = model_repo(model, reporter)
     check_adapters(preset, requests, repo.root)  # an adapter's step/shift/task contract, before any weight loads
+    return Batch(preset, found, requests, repo, reporter)
+
+
+def _run_render(prompts, output, preset_name, model, seed, overrides, json_out, save_latents, force,
+                strict_plugins, shard, parallel) -> int:
+    from h3gen.plugins.manager import registry
+    from h3gen.preset import resolve
+
+    found = registry()
+    preset = resolve(preset_name, found, overrides)
+    workers = worker_count(parallel, preset)
+    if workers:
+        from h3gen.parallel.launch import launch_workers
+
+        batch = prepare(prompts, output, preset, found, model, seed, json_out, strict_plugins, shard, quiet=True)
+        return launch_workers(batch, parallel, preset_name, overrides, prompts, output, model, seed, json_out,
+                              save_latents, force, strict_plugins, shard)
+    if parallel.get("ulysses"):
+        raise UsageError("--ulysses splits a clip across workers, and this run has one process",
+                         "add --gpus N or --cpu-workers N")
+    batch = prepare(prompts, output, preset, found, model, seed, json_out, strict_plugins, shard)
+    reporter, requests = batch.reporter, batch.requests
     results = [] if force else skip_finished(requests, output, preset.name, save_latents, reporter)
     finished = {result.request.index for result in results}
     pending = [request for request in requests if request.index not in finished]
     stopped = None
     if pending:  # weights load only when there is something to render
-        reporter.say(f"h3gen: {len(pending)} clip(s) to render, preset {preset.name}, model {repo.root}")
+        reporter.say(f"h3gen: {len(pending)} clip(s) to render, preset {preset.name}, model {batch.repo.root}")
         try:
-            results += render_pending(pending, output, save_latents, preset, found, repo, reporter, force)
+            results += render_pending(pending, output, save_latents, preset, found, batch.repo, reporter, force)
         except Interrupted as stop:
             results += stop.results
             stopped = stop
-    reporter.summary(sorted(results, key=lambda r: r.request.index), len(requests))
+    return report_end(reporter, results, len(requests), stopped)
+
+
+def report_end(reporter, results, total: int, stopped=None) -> int:
+    """The summary, and the exit status: 0 all written, 1 some failed, 128 + signal when stopped."""
+    reporter.summary(sorted(results, key=lambda r: r.request.index), total)
     if stopped:
         reporter.say(f"h3gen: stopped by {stopped.signal_name}: the clip in flight was discarded; run the same "
                      "command again to render the rest (clips already written are kept and skipped)")
         return stopped.exit_code
     return 0 if all(r.ok for r in results) else 1
+
+
+def worker_count(parallel: dict, preset) -> int:
+    """Workers asked for by flags, else by the preset's [parallel]; 0 keeps the run in this process."""
+    gpus, cpu_workers = parallel.get("gpus"), parallel.get("cpu_workers")
+    if gpus is not None and cpu_workers is not None:
+        raise UsageError("--gpus and --cpu-workers both given", "--gpus N for GPU workers, --cpu-workers N for CPU ones")
+    if gpus is None and cpu_workers is None:  # the preset's, when the command line says nothing
+        parallel["gpus"], parallel["cpu_workers"] = preset.parallel["gpus"] or None, preset.parallel["cpu_workers"] or None
+        gpus, cpu_workers = parallel["gpus"], parallel["cpu_workers"]
+    if not parallel.get("ulysses") and preset.parallel["ulysses"] and (gpus or cpu_workers):
+        parallel["ulysses"] = preset.parallel["ulysses"]  # the preset's for when workers run; one process ignores it
+    for flag, value in (("--gpus", gpus), ("--cpu-workers", cpu_workers)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} {value}: at least one worker", f"pass {flag} 1 or more")
+    return gpus or cpu_workers or 0
 
 
 def model_repo(model, reporter):
@@ -140,13 +197,22 @@ def model_repo(model, reporter):
     return ModelRepo(model)
 
 
-def render_pending(requests, output, save_latents, preset, found, repo, reporter, force=False) -> list:
-    """Load the stages once and render every request; on a signal, `Interrupted.results` holds the finished ones."""
+def render_pending(requests, output, save_latents, preset, found, repo, reporter, force=False, group=None,
+                   leader=0) -> list:
+    """Load the stages once and render every request; on a signal, `Interrupted.results` holds the finished ones.
+
+    With `group` (a process group of two or more ranks rendering each clip together; `leader` is its first rank)
+    this rank renders its share of every clip, and only the leader gets results."""
     from h3gen.quiet import quiet_libraries
     from h3gen.render import Renderer
 
     quiet_libraries()
-    renderer = Renderer(preset, found, repo, reporter)
+    if group is None:
+        renderer = Renderer(preset, found, repo, reporter)
+    else:
+        from h3gen.parallel.group_render import GroupRenderer
+
+        renderer = GroupRenderer(preset, found, repo, reporter, group, leader)
     attention = getattr(renderer.stages["sampler"], "attention_backend", None)
     reporter.say(f"h3gen: loaded on {renderer.runtime.device} ({preset.runtime['dtype']})"
                  + (f", attention {attention}" if attention else ""))
@@ -160,11 +226,12 @@ def render_pending(requests, output, save_latents, preset, found, repo, reporter
     reporter.start()
     try:
         for result in renderer.render(requests, output, save_latents, force):
-            results.append(result)
+            if result is not None:  # None: a clip another rank of the group reports
+                results.append(result)
     except Interrupted as stop:
         stop.results, interrupted = results, True
         raise
     finally:
-        results += renderer.close(discard=interrupted)  # the same list `Interrupted.results` holds
+        results += filter(None, renderer.close(discard=interrupted))  # the same list `Interrupted.results` holds
         reporter.stop()
     return results

@@ -18,8 +18,10 @@ from h3gen.stages.base import STAGE_KINDS, build_config
 KNOWN_VERSIONS = (1,)
 REQUEST_DEFAULTS = {"width": 1344, "height": 768, "duration": 5.0}
 RUNTIME_DEFAULTS = {"device": "auto", "dtype": "bfloat16"}
+# Several workers (0: one process, no torch.distributed); ulysses 0 lets the layout rule pick. Flags override.
+PARALLEL_DEFAULTS = {"gpus": 0, "cpu_workers": 0, "ulysses": 0}
 TOP_LEVEL = {"version", "description"}
-SECTIONS = ("request", "runtime", "adapter")  # besides one per stage kind
+SECTIONS = ("request", "runtime", "parallel", "adapter")  # besides one per stage kind
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -33,6 +35,7 @@ class Preset:
     stages: dict[str, tuple[str, Any]]  # kind -> (registered name, config)
     sources: dict[str, str]
     adapter: AdapterConfig = dataclasses.field(default_factory=AdapterConfig)
+    parallel: dict[str, int] = dataclasses.field(default_factory=lambda: dict(PARALLEL_DEFAULTS))
 
 
 def load_toml(path: Path) -> dict:
@@ -89,9 +92,12 @@ def resolve(name_or_file: str, registry, overrides: list[str] = ()) -> Preset:
     request = _section(data, "request", REQUEST_DEFAULTS, where, sources)
     runtime = _section(data, "runtime", RUNTIME_DEFAULTS, where, sources)
     _check_runtime(runtime, where)
+    parallel = _section(data, "parallel", PARALLEL_DEFAULTS, where, sources)
+    _check_parallel(parallel, where)
     stages = {kind: _stage(kind, data, registry, where, sources) for kind in STAGE_KINDS}
     adapter = _adapter(data, stages["quant"], registry, where, sources)
-    return Preset(name, version, str(data.get("description", "")), request, runtime, stages, sources, adapter)
+    return Preset(name, version, str(data.get("description", "")), request, runtime, stages, sources, adapter,
+                  parallel)
 
 
 def _table(value, section: str, where: str) -> dict:
@@ -107,6 +113,15 @@ def _check_runtime(runtime: dict, where: str) -> None:
                          "use auto, cpu, cuda or cuda:N")
     if dtype not in DTYPES:
         raise UsageError(f"{where} [runtime] dtype {dtype!r} is not supported", f"use one of {', '.join(DTYPES)}")
+
+
+def _check_parallel(parallel: dict, where: str) -> None:
+    for key, value in parallel.items():
+        if isinstance(value, bool) or value < 0:
+            raise UsageError(f"{where} [parallel] {key} must be a whole number >= 0, got {value!r}",
+                             "0 leaves it to the command line")
+    if parallel["gpus"] and parallel["cpu_workers"]:
+        raise UsageError(f"{where} [parallel] sets both gpus and cpu_workers", "keep one of them")
 
 
 def _section(data: dict, section: str, defaults: dict, where: str, sources: dict) -> dict:
@@ -159,6 +174,7 @@ def describe(preset: Preset) -> list[tuple[str, Any, str]]:
     rows = [("version", preset.version, f"preset {preset.name}")]
     rows += [(f"request.{k}", v, preset.sources[f"request.{k}"]) for k, v in preset.request.items()]
     rows += [(f"runtime.{k}", v, preset.sources[f"runtime.{k}"]) for k, v in preset.runtime.items()]
+    rows += [(f"parallel.{k}", v, preset.sources[f"parallel.{k}"]) for k, v in preset.parallel.items()]
     for kind, (name, config) in preset.stages.items():
         rows.append((f"{kind}.use", name, preset.sources[f"{kind}.use"]))
         rows += [(f"{kind}.{f.name}", getattr(config, f.name), preset.sources[f"{kind}.{f.name}"])

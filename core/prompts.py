@@ -125,3 +125,27 @@ def _short(value) -> str:
     """A value for an error message: one line, not too long."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """`I/N` with 0 <= I < N: zero-based, like `--array=0-3` in Slurm, so SLURM_ARRAY_TASK_ID fits as is."""
+    index, sep, count = text.partition("/")
+    if not sep or not index.strip().isdigit() or not count.strip().isdigit():
+        raise UsageError(f"--shard {text!r} is not I/N", "e.g. --shard 0/4 ... --shard 3/4 for four runs")
+    index, count = int(index), int(count)
+    if count < 1 or index >= count:
+        raise UsageError(f"--shard {text}: shard {index} of {count} does not exist",
+                         f"I counts from 0: pass 0/{count} to {count - 1}/{count}" if count else "N is at least 1")
+    return index, count
+
+
+def shard_requests(requests: list[Request], shard: tuple[int, int] | None) -> list[Request]:
+    """Prompt number i of the file (0-based, blank and comment lines not counted) goes to shard i mod N.
+
+    Round-robin rather than contiguous blocks: shards stay balanced, and appending prompts to the file never moves
+    an existing one to another shard. Requests keep their index, so seeds and file names are those of an
+    unsharded run."""
+    if shard is None:
+        return requests
+    index, count = shard
+    return [request for request in requests if request.index % count == index]

@@ -96,14 +96,9 @@ class Renderer:
             clip = clips.pop(0)
             if clip.request.index in failed:
                 continue
-            claim = outputs.ClipClaim(clip.path)
-            if not claim.acquire():
-                yield self.finish(clip, status="busy")
-                continue
-            if not force and already_done(clip.request, out_dir, self.preset.name, save_latents):
-                # an overlapping run finished it after this run started
-                claim.release()
-                yield self.finish(clip, status="skipped")
+            status, claim, error = self.admit(clip, force)
+            if status or error:
+                yield self.finish(clip, error, status=status)
                 continue
             self.claim_on_device = claim  # a signal can land mid-clip: close() gives this one back
             self.render_one(clip, claim)
@@ -111,6 +106,17 @@ class Renderer:
             memory.release(self.runtime.device)
             yield from self.collect(wait=False)
         yield from self.collect(wait=True)
+
+    def admit(self, clip: Clip, force: bool) -> tuple[str, object, str]:
+        """(status, claim, error): the claim when this run renders the clip; status "busy" when another run holds
+        it, "skipped" when an overlapping run finished it after this one started."""
+        claim = outputs.ClipClaim(clip.path)
+        if not claim.acquire():
+            return "busy", None, ""
+        if not force and already_done(clip.request, self.out_dir, self.preset.name, self.save_latents):
+            claim.release()
+            return "skipped", None, ""
+        return "", claim, ""
 
     def encode_all(self, clips: list[Clip]):
         """Encode every prompt (the embedding cache first), then free the encoder; yields the clips that failed."""

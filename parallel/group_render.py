@@ -1,0 +1,63 @@
+"""One rank of a group of k > 1 ranks that render each clip together.
+
+Every rank loads every stage, then each stage spreads itself over the group (`Stage.parallelize`). All ranks then
+take the same clips through encode, sampler and vae; the group's first rank alone claims, checks the disk, muxes
+and writes (MP4, latents, manifest) and reports. Whether a clip is rendered at all is the first rank's decision,
+sent to the others before the clip starts, so the ranks never disagree about which collectives come next.
+"""
+
+from __future__ import annotations
+
+from h3gen.errors import ClipError
+from h3gen.render import Renderer, check_disk
+
+PARALLEL_STAGES = ("encode", "sampler", "vae")
+GO, PASS = 0, 1  # the first rank's word on a clip: render it, or leave it (busy, skipped, failed)
+
+
+class GroupRenderer(Renderer):
+    def __init__(self, preset, registry, repo, reporter, group, leader: int):
+        import torch.distributed as dist
+
+        super().__init__(preset, registry, repo, reporter)
+        self.group, self.leader = group, leader
+        self.leads = dist.get_rank() == leader
+        for kind in PARALLEL_STAGES:
+            self.stages[kind].parallelize(group)
+
+    def admit(self, clip, force):
+        import torch
+        import torch.distributed as dist
+
+        status, claim, error = "", None, ""
+        if self.leads:
+            status, claim, error = super().admit(clip, force)
+            if claim is not None:
+                try:  # here rather than in render_one: the others must hear of it before the sampler starts
+                    check_disk(self.out_dir, clip.request)
+                except ClipError as e:
+                    claim.release()
+                    claim, error = None, str(e)
+        # A CPU tensor: gloo carries it on a CPU run, and the cpu:gloo half of the backend on a GPU run.
+        word = torch.tensor([PASS if status or error else GO])
+        dist.broadcast(word, src=self.leader, group=self.group)
+        if self.leads:
+            return status, claim, error
+        return ("", None, "") if int(word) == GO else ("followed", None, "")
+
+    def render_one(self, clip, claim) -> None:
+        if self.leads:
+            return super().render_one(clip, claim)
+        try:
+            for kind in ("sampler", "vae"):
+                clip = self.stages[kind](clip)
+        except Exception:  # the first rank meets the same error and reports the clip; this rank only lent a share
+            pass
+        clip.drop_tensors()
+
+    def finish(self, clip, error: str = "", status: str = "", claim=None):
+        if self.leads:
+            return super().finish(clip, error, status, claim)
+        clip.drop_tensors()
+        clip.notes.clear()
+        return None

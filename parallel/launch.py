@@ -1,0 +1,157 @@
+"""The launcher side of `--gpus N` / `--cpu-workers N`: check what can be checked here, then start N workers
+through torchrun's elastic agent (in this process, so a failure comes back as data rather than a log to parse).
+
+Bad input never starts a worker: the prompts file, preset, model and output directory were checked by the caller;
+this module checks the worker counts and the layout. The workers' rank 0 reports the run; this process prints one
+line only when a worker failed, naming its root cause.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from h3gen.errors import H3genError, UsageError
+from h3gen.parallel.layout import check_ulysses
+
+
+class WorkerFailed(H3genError):
+    """A worker died or raised: the run stopped; a rerun renders what is missing."""
+
+    exit_code = 1
+
+
+def dit_heads(repo) -> int:
+    config = json.loads((Path(repo.root) / "transformer" / "config.json").read_text())
+    return int(config["num_attention_heads"])
+
+
+def sampler_splits(preset) -> bool:
+    """Whether the default layout may split a clip: the built-in sampler runs Ulysses on its own DiT only
+    (sampler.dit = "h3gen"), and refuses it on diffusers' transformer. An explicit --ulysses is passed on as
+    asked, and the sampler's refusal reported."""
+    return getattr(preset.stages["sampler"][1], "dit", "h3gen") == "h3gen"
+
+
+def check_workers(parallel: dict, preset, heads: int) -> None:
+    gpus = parallel.get("gpus")
+    if gpus:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"--gpus {gpus}: no CUDA device is visible",
+                             f"use --cpu-workers {gpus} to run {gpus} workers on the CPU")
+        if gpus > torch.cuda.device_count():
+            raise UsageError(f"--gpus {gpus}: this machine shows {torch.cuda.device_count()} GPU(s)",
+                             "ask for at most that many (CUDA_VISIBLE_DEVICES limits what is shown)")
+        if preset.runtime["device"] == "cpu":
+            raise UsageError(f"--gpus {gpus}: preset {preset.name} runs on the CPU ([runtime] device = \"cpu\")",
+                             "use --cpu-workers, or --set runtime.device=auto")
+    per_node = gpus or parallel["cpu_workers"]
+    if parallel.get("ulysses"):
+        check_ulysses(parallel["ulysses"], per_node, heads, "--gpus" if gpus else "--cpu-workers")
+    nnodes, node_rank = parallel.get("nnodes") or 1, parallel.get("node_rank")
+    if nnodes < 1:
+        raise UsageError(f"--nnodes {nnodes}: at least one machine", "pass --nnodes 1 or more")
+    if nnodes > 1 and not parallel.get("rdzv_endpoint"):
+        raise UsageError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT",
+                         "the address of a machine of the job every node can reach")
+    if node_rank is not None and not 0 <= node_rank < nnodes:
+        raise UsageError(f"--node-rank {node_rank} is not one of 0..{nnodes - 1}", "number the machines from 0")
+
+
+def launch_config(parallel: dict, per_node: int):
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+
+    nnodes, endpoint = parallel.get("nnodes") or 1, parallel.get("rdzv_endpoint")
+    if nnodes == 1 and not endpoint:  # torchrun --standalone: a store of its own on a free local port
+        backend, endpoint, configs, run_id = "c10d", "localhost:0", {}, uuid.uuid4().hex
+    elif parallel.get("node_rank") is not None:  # torchrun --node-rank: node 0 hosts the store at the endpoint
+        backend, configs, run_id = "static", {"rank": parallel["node_rank"]}, parallel.get("rdzv_id") or "h3gen"
+    else:  # torchrun --rdzv-backend c10d: the nodes meet at the endpoint and get their ranks in arrival order
+        backend, configs, run_id = "c10d", {}, parallel.get("rdzv_id") or "h3gen"
+    # max_restarts 0: a restarted worker would render clips its group already wrote; a rerun resumes instead.
+    return LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=per_node, run_id=run_id,
+                        role="h3gen", rdzv_endpoint=endpoint, rdzv_backend=backend, rdzv_configs=configs,
+                        max_restarts=0, monitor_interval=0.5, start_method="spawn",
+                        logs_specs=DefaultLogsSpecs())
+
+
+def launch_workers(batch, parallel, preset_name, overrides, prompts, output, model, seed, json_out, save_latents,
+                   force, strict_plugins, shard) -> int:
+    heads = dit_heads(batch.repo)
+    check_workers(parallel, batch.preset, heads)
+    per_node = parallel.get("gpus") or parallel["cpu_workers"]
+    # On the CPU a clip depends on the intra-op thread count (MKL and ATen split their sums by thread): give each
+    # worker its share of the cores, and say so in the README, rather than torchrun's silent one thread each.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_node)))
+    with tempfile.TemporaryDirectory(prefix="h3gen-run-") as scratch:
+        status_file = Path(scratch) / "status"
+        job = {"prompts": str(Path(prompts).resolve()), "output": str(Path(output).resolve()),
+               "preset": preset_name, "overrides": list(overrides),
+               "model": str(Path(model).resolve()) if model else None, "seed": seed, "json": json_out,
+               "save_latents": save_latents, "force": force, "strict_plugins": strict_plugins,
+               "shard": list(shard) if shard else None, "ulysses": parallel.get("ulysses") or 0,
+               "device": "gpu" if parallel.get("gpus") else "cpu", "status_file": str(status_file),
+               "split_heads": heads if sampler_splits(batch.preset) else 1}
+        stopped = run(launch_config(parallel, per_node), job)
+        if stopped:
+            return stopped
+        if status_file.is_file():
+            return int(status_file.read_text())
+    # Rank 0 ran on another machine of the job and reported there.
+    print("h3gen: this machine's workers finished; the run is reported where rank 0 ran", file=sys.stderr)
+    return 0
+
+
+def run(config, job: dict) -> int:
+    """Start the workers and wait for them; 128 + the signal number when this process was stopped by one."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    quiet_agent()
+    try:
+        elastic_launch(config, sys.executable)("-m", "h3gen.parallel.worker", json.dumps(job))
+        return 0
+    except ChildFailedError as failed:
+        raise root_cause(failed, job["device"]) from None
+    except SignalException as stop:
+        # The agent passed the signal on to the workers, whose rank 0 printed the summary.
+        return 128 + int(stop.sigval)
+
+
+def root_cause(failed, device: str) -> H3genError:
+    """The first failure, in one line: an h3gen error as the worker raised it, a signal, or an exception."""
+    rank, failure = failed.get_first_failure()
+    worker = f"{'GPU' if device == 'gpu' else 'CPU'} worker {rank}"
+    data = failure.error_file_data.get("message")
+    info = data.get("extraInfo", {}) if isinstance(data, dict) else {}
+    if "h3gen_exit_code" in info:  # an H3genError: as a one-process run would print it
+        error = H3genError(data["message"])
+        error.exit_code = int(info["h3gen_exit_code"])
+        return error
+    again = "run the same command again to render the rest; clips already written are kept and skipped"
+    if failure.exitcode < 0:
+        return WorkerFailed(f"{worker} (pid {failure.pid}) was killed by {failure.signal_name()}, so the run was "
+                            f"stopped", again)
+    if isinstance(data, dict) and data.get("message"):
+        return WorkerFailed(f"{worker} (pid {failure.pid}) failed: {data['message'].splitlines()[0]}", again)
+    return WorkerFailed(f"{worker} (pid {failure.pid}) exited with status {failure.exitcode}", again)
+
+
+def quiet_agent() -> None:
+    """The agent logs its life at INFO and WARNING; the user gets the workers' own lines and one line on failure."""
+    agent_log = logging.getLogger("torch.distributed")
+    agent_log.addHandler(logging.NullHandler())
+    agent_log.propagate = False
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+

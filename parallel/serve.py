@@ -1,0 +1,137 @@
+"""What a worker does between init_process_group and exit: hear the plan, join its group, render, report."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from h3gen.parallel import events
+from h3gen.parallel.layout import Layout, choose_layout
+
+
+class Worker:
+    def __init__(self, job: dict, device: str):
+        import torch.distributed as dist
+
+        self.job, self.device = job, device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+        self.store = events.connect()
+        self.batch = None  # rank 0's checked run
+
+    def run(self) -> int:
+        plan = self.make_plan() if self.rank == 0 else events.receive_plan(self.store)
+        if "error" in plan:
+            return 0  # rank 0 stopped at its checks and reports why
+        layout, pending = Layout(*plan["layout"]), plan["pending"]
+        index = layout.group_of(self.rank)
+        leader = layout.ranks_of(index)[0]
+        group = make_groups(layout, index)
+        share = pending[index::layout.groups]
+        if self.rank == 0:
+            return self.report(layout, pending, plan["finished"], share, group)
+        reporter = events.RemoteReporter(self.store, index) if self.rank == leader else silent()
+        try:
+            self.render(share, reporter, group, leader)
+        finally:
+            if self.rank == leader:
+                reporter.finished()
+        return 0
+
+    def make_plan(self) -> dict:
+        """Rank 0 checks the run as a one-process run would, with the same reporter, and publishes the plan."""
+        from h3gen.cli.run import prepare, skip_finished
+
+        job = self.job
+        try:
+            preset, found = self.preset()
+            self.batch = prepare(Path(job["prompts"]), Path(job["output"]), preset, found, job["model"],
+                                 job["seed"], job["json"], job["strict_plugins"],
+                                 tuple(job["shard"]) if job["shard"] else None)
+            self.batch.reporter = events.SharedReporter(self.batch.reporter)
+            requests, reporter = self.batch.requests, self.batch.reporter
+            finished = [] if job["force"] else skip_finished(requests, Path(job["output"]), preset.name,
+                                                              job["save_latents"], reporter)
+            done = {result.request.index for result in finished}
+            pending = [request for request in requests if request.index not in done]
+            layout = choose_layout(self.world, self.per_node, len(pending), job["split_heads"], job["ulysses"])
+        except BaseException:
+            events.publish_plan(self.store, {"error": True})
+            raise
+        worker = "GPU" if job["device"] == "gpu" else "CPU worker"
+        reporter.say(f"h3gen: layout {layout.describe(worker)}")
+        if pending:
+            reporter.say(f"h3gen: {len(pending)} clip(s) to render, preset {preset.name}, model "
+                         f"{self.batch.repo.root}, {self.world} worker(s)")
+        events.publish_plan(self.store, {"layout": (layout.groups, layout.ulysses), "pending": pending})
+        return {"layout": (layout.groups, layout.ulysses), "pending": pending, "finished": finished}
+
+    def preset(self):
+        from h3gen.plugins.manager import registry
+        from h3gen.preset import resolve
+
+        found = registry()
+        preset = resolve(self.job["preset"], found, self.job["overrides"])
+        preset.runtime["device"] = self.device  # this worker's own GPU (cuda:LOCAL_RANK), or the CPU
+        return preset, found
+
+    def render(self, share: list, reporter, group, leader: int) -> list:
+        from h3gen.cli.run import render_pending
+        from h3gen.repo import ModelRepo
+
+        if not share:
+            return []  # a group with nothing to do loads nothing
+        if self.batch is not None:
+            preset, found, repo = self.batch.preset, self.batch.found, self.batch.repo
+            preset.runtime["device"] = self.device
+        else:
+            from h3gen.tiny import ensure_tiny_model
+
+            preset, found = self.preset()
+            repo = ModelRepo(self.job["model"] or ensure_tiny_model())
+        job = self.job
+        return render_pending(share, Path(job["output"]), job["save_latents"], preset, found, repo, reporter,
+                              job["force"], group, leader)
+
+    def report(self, layout: Layout, pending: list, finished: list, share: list, group) -> int:
+        """Rank 0: render its own group's share while a thread replays the other groups' events; then the
+        summary, and the run's exit status for the launcher."""
+        from h3gen.cli.run import Interrupted, report_end
+
+        reporter = self.batch.reporter
+        pump = events.EventPump(reporter, pending, layout.groups - 1) if layout.groups > 1 else None
+        reporter.begin()
+        if pump:
+            pump.start()
+        results, stopped = [], None
+        try:
+            results = self.render(share, reporter, group, 0)
+            if pump:
+                pump.join()
+        except Interrupted as stop:
+            results, stopped = stop.results, stop
+        finally:
+            reporter.end()
+        results = finished + results + (pump.results if pump else [])
+        code = report_end(reporter, results, len(self.batch.requests), stopped)
+        Path(self.job["status_file"]).write_text(str(code))
+        if stopped:
+            raise stopped
+        return 0
+
+
+def make_groups(layout: Layout, index: int):
+    """Every rank creates every group (torch.distributed asks all ranks to enter new_group), keeping its own.
+    No group for k = 1: a lone rank renders exactly as a one-process run does."""
+    import torch.distributed as dist
+
+    if layout.ulysses == 1:
+        return None
+    groups = [dist.new_group(layout.ranks_of(g)) for g in range(layout.groups)]
+    return groups[index]
+
+
+def silent():
+    from h3gen.cli.ui import SilentReporter
+
+    return SilentReporter()

@@ -1,0 +1,73 @@
+"""One torchrun worker: `python -m h3gen.parallel.worker JOB`, JOB being the launcher's JSON.
+
+Global rank 0 reads the prompts file, skips what is already written, picks the layout and publishes the plan; then
+every group renders its share of the pending clips (round-robin in file order) and rank 0 reports them all.
+
+The handout is static: a group encodes exactly the prompts it will render, frees the text encoder, and only then
+gives the DiT the memory. A dynamic handout would have to keep the encoder resident or move embeddings between
+groups; the clips of one batch mostly share one size, so round-robin keeps the groups about equally busy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+from h3gen.errors import H3genError
+
+
+def main(argv: list[str]) -> int:
+    from h3gen.cli.run import Interrupted, stop_on_signals
+
+    job = json.loads(argv[0])
+    try:
+        with stop_on_signals():
+            return serve(job)
+    except H3genError as error:
+        record_error(error)
+        return error.exit_code
+    except Interrupted as stop:
+        # Die by the signal itself, so the launcher reports a stopped worker as stopped rather than as a crash.
+        os.kill(os.getpid(), getattr(signal, stop.signal_name))
+        return stop.exit_code
+
+
+def record_error(error: H3genError) -> None:
+    """Into torchrun's error file, marked as h3gen's, so the launcher prints it as the one line it is."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        print(f"h3gen: error: {error}", file=sys.stderr)
+        return
+    with open(path, "w") as f:
+        json.dump({"message": {"message": str(error), "extraInfo": {
+            "timestamp": str(int(time.time())), "h3gen_exit_code": error.exit_code}}}, f)
+
+
+def serve(job: dict) -> int:
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if job["device"] == "gpu":
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(local_rank)
+        # gloo beside nccl: the runtime's small CPU messages never wait on a CUDA stream
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device(device))
+    else:
+        device = "cpu"
+        dist.init_process_group("gloo")
+    try:
+        from h3gen.parallel.serve import Worker
+
+        return Worker(job, device).run()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(main)(sys.argv[1:]))
