@@ -234,7 +234,33 @@ def phase_attention():
         except Exception as exc:  # an optional backend may be missing on this machine
             log(f"attention_{name}_error", repr(exc)[:300])
     if DEVICE.type == "cuda":
+        flash_attn_4_tiles(q, k, v, expected)
         fp8_attention_configs(q, k, v, expected)
+
+
+def attention_row(run, expected, seq_len):
+    out, first = timed(run)
+    _, seconds = timed(run)
+    return dict(seconds=round(seconds, 4), first_call_s=round(first, 2),
+                tflops=round(4 * seq_len**2 * 56 * 128 / seconds / 1e12, 1),
+                rel_err_vs_first=float((out.float() - expected.float()).norm() / expected.float().norm()))
+
+
+def flash_attn_4_tiles(q, k, v, expected):
+    """flash-attn-4's Hopper forward per tile shape; the fastest one the `fast` phase's tile variant uses."""
+    try:
+        from flash_attn.cute.interface import _flash_attn_fwd
+    except Exception:
+        return
+    best = (results.get("attention_flash-attn-4", {}).get("seconds", float("inf")), None)
+    for tile in ((128, 176), (128, 160), (128, 192), (128, 144), (192, 128)):
+        try:
+            row = attention_row(lambda: _flash_attn_fwd(q, k, v, tile_mn=tile)[0], expected, q.shape[1])
+            log(f"attention_flash-attn-4_tile{tile[0]}x{tile[1]}", row)
+            best = min(best, (row["seconds"], tile), key=lambda pair: pair[0])
+        except Exception as exc:
+            log(f"attention_flash-attn-4_tile{tile[0]}x{tile[1]}_error", repr(exc)[:300])
+    log("flash_attn_4_best_tile", best[1])
 
 
 def fp8_attention_configs(q, k, v, expected):
@@ -244,17 +270,13 @@ def fp8_attention_configs(q, k, v, expected):
     seq_len = q.shape[1]
     _, seconds = timed(lambda: attention_fp8.quantize(q, k, v))
     log("attention_fp8_quantize", dict(seconds=round(seconds, 4)))
-    for warps, stages in ((8, 2), (8, 3), (4, 2), (4, 3), (8, 4)):
+    for block_m, block_n, warps, stages in ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 4), (64, 128, 4, 3)):
+        name = f"attention_triton-fp8_m{block_m}n{block_n}w{warps}s{stages}"
         try:
-            run = lambda: attention_fp8.attention_fp8_triton(q, k, v, num_warps=warps, num_stages=stages)
-            out, first = timed(run)
-            _, seconds = timed(run)
-            log(f"attention_triton-fp8_w{warps}s{stages}", dict(
-                seconds=round(seconds, 4), first_call_s=round(first, 2),
-                tflops=round(4 * seq_len**2 * 56 * 128 / seconds / 1e12, 1),
-                rel_err_vs_first=float((out.float() - expected.float()).norm() / expected.float().norm())))
+            log(name, attention_row(lambda: attention_fp8.attention_fp8_triton(
+                q, k, v, block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages), expected, seq_len))
         except Exception as exc:
-            log(f"attention_triton-fp8_w{warps}s{stages}_error", repr(exc)[:300])
+            log(f"{name}_error", repr(exc)[:300])
 
 
 def run_reference(config, inputs, time_forwards):
@@ -309,6 +331,9 @@ def run_fast(config, inputs, schedule, reference, outputs):
                 ("fused+triton+table", dict(use_triton=True, adaln_table=True, attention_backend=cudnn))]
     if fa4:
         variants.append(("fused+triton+table+fa4", dict(use_triton=True, adaln_table=True, attention_backend=fa4)))
+        if results.get("flash_attn_4_best_tile"):
+            variants += ["fa4-best-tile", ("table+fa4-best-tile", dict(use_triton=True, adaln_table=True,
+                                                                        attention_backend=fa4))]
     best_attention = fa4 or cudnn
     # FP8 attention on bf16 linears, then FP8 linears (the swap is for good: these come after every bf16 variant).
     fp8_attention = ["triton-fp8"] + ([] if TINY else ["cudnn-fp8"])
@@ -327,6 +352,12 @@ def run_fast(config, inputs, schedule, reference, outputs):
             log("adaln_precompute", dict(seconds=round(seconds, 2), timesteps=int(model.adaln_timesteps.numel()),
                                          weights_GiB=gib(model.resident_bytes()),
                                          table_GiB=gib(sum(b.adaln_table.numel() * 2 for b in model.transformer_blocks))))
+            continue
+        if variant == "fa4-best-tile":
+            from h3gen.kernels import attention as attention_module
+
+            attention_module.FLASH_ATTN_4_TILE = tuple(results["flash_attn_4_best_tile"])
+            attention_module._flash_attn_4.cache_clear()
             continue
         if variant == "fp8-linears":
             if not ONLY or any(name.startswith("fp8+") for name in ONLY):

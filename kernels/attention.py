@@ -11,13 +11,20 @@ FP8_BACKENDS = ("triton-fp8", "cudnn-fp8")
 _SDPA_FORCED = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION}
 
 
+# flash-attn-4's Hopper forward tile (rows of Q, rows of K per step); None keeps the library's choice.
+FLASH_ATTN_4_TILE = None
+
+
 @functools.cache
 def _flash_attn_4():
     try:
         from flash_attn.cute import flash_attn_func
+        from flash_attn.cute.interface import _flash_attn_fwd
     except Exception:  # an optional dependency; a broken install counts as absent
         return None
-    return flash_attn_func
+    if FLASH_ATTN_4_TILE is None:
+        return flash_attn_func
+    return functools.partial(_flash_attn_fwd, tile_mn=FLASH_ATTN_4_TILE)
 
 
 def attention_backend(device=None, requested="auto"):

@@ -45,24 +45,24 @@ def quantize(q, k, v):
     return q8.contiguous(), q_scale.contiguous(), k8.contiguous(), k_scale.contiguous(), v8, v_scale.contiguous()
 
 
-def attention_fp8_reference(q, k, v, block=BLOCK):
+def attention_fp8_reference(q, k, v, block_n=BLOCK):
     """`q`, `k`, `v` (B, L, H, D) -> (B, L, H, D) in q's dtype: the kernel's arithmetic in torch."""
     length, d = q.shape[1], q.shape[-1]
     q8, q_scale, k8, k_scale, v8, v_scale = quantize(q, k, v)
     sm_scale = LOG2E / math.sqrt(d)
-    query = q8.float() * (q_scale.repeat_interleave(block, dim=2)[..., :length, None] * sm_scale)
+    query = q8.float() * (q_scale.repeat_interleave(BLOCK, dim=2)[..., :length, None] * sm_scale)
     row_max = torch.full(query.shape[:3], -math.inf)
     row_sum = torch.zeros(query.shape[:3])
     acc = torch.zeros(query.shape)
-    for start in range(0, length, block):
-        keys = k8[:, :, start:start + block].float()
-        scores = (query @ keys.transpose(-1, -2)) * k_scale[:, :, start // block, None, None]
+    for start in range(0, length, block_n):
+        keys = k8[:, :, start:start + block_n].float()
+        scores = (query @ keys.transpose(-1, -2)) * k_scale[:, :, start // BLOCK, None, None]
         new_max = torch.maximum(row_max, scores.amax(dim=-1))
         probs = torch.exp2(scores - new_max[..., None])
         alpha = torch.exp2(row_max - new_max)
         row_sum = row_sum * alpha + probs.sum(dim=-1)
         probs8 = (probs * P_SCALE).to(FP8).float()
-        acc = acc * alpha[..., None] + probs8 @ v8[:, :, :, start:start + block].float().transpose(-1, -2)
+        acc = acc * alpha[..., None] + probs8 @ v8[:, :, :, start:start + block_n].float().transpose(-1, -2)
         row_max = new_max
     out = acc * (v_scale[..., None, None] / P_SCALE) / row_sum[..., None]
     return out.transpose(1, 2).to(q.dtype)
@@ -84,7 +84,8 @@ def _to_fp8(x, EMULATE_ROUNDING: tl.constexpr):
 
 @triton.jit
 def _attend_block(acc, row_max, row_sum, q, qk_scale, k_ptrs, v_ptrs, k_scale_ptr, start, length, stride_kl,
-                  stride_vl, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, P_SCALE: tl.constexpr, EMULATE_ROUNDING: tl.constexpr):
+                  stride_vl, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr,
+                  P_SCALE: tl.constexpr, EMULATE_ROUNDING: tl.constexpr):
     cols = start + tl.arange(0, BLOCK_N)
     if MASKED:
         keys = tl.load(k_ptrs + start * stride_kl, mask=cols[None, :] < length, other=0.0)
@@ -93,7 +94,7 @@ def _attend_block(acc, row_max, row_sum, q, qk_scale, k_ptrs, v_ptrs, k_scale_pt
         keys = tl.load(k_ptrs + start * stride_kl)
         values = tl.load(v_ptrs + start * stride_vl)
     # The scales multiply the exact FP8 products: folding them into Q or K first would round twice.
-    scores = tl.dot(q, keys) * (qk_scale * tl.load(k_scale_ptr + start // BLOCK_N))
+    scores = tl.dot(q, keys) * (qk_scale * tl.load(k_scale_ptr + start // QBLOCK))
     if MASKED:
         scores = tl.where(cols[None, :] < length, scores, -float("inf"))
     new_max = tl.maximum(row_max, tl.max(scores, 1))
@@ -108,7 +109,8 @@ def _attend_block(acc, row_max, row_sum, q, qk_scale, k_ptrs, v_ptrs, k_scale_pt
 @triton.jit
 def _attention_fp8_kernel(q_ptr, k_ptr, v_ptr, out_ptr, q_scale_ptr, k_scale_ptr, v_scale_ptr, sm_scale, length,
                           heads, blocks, stride_out_l, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, P_SCALE: tl.constexpr, EMULATE_ROUNDING: tl.constexpr):
+                          BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr, P_SCALE: tl.constexpr,
+                          EMULATE_ROUNDING: tl.constexpr):
     block_m = tl.program_id(0)
     batch_head = tl.program_id(1).to(tl.int64)
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -117,7 +119,7 @@ def _attention_fp8_kernel(q_ptr, k_ptr, v_ptr, out_ptr, q_scale_ptr, k_scale_ptr
     head_offset = batch_head * length * HEAD_DIM
     q = tl.load(q_ptr + head_offset + rows[:, None] * HEAD_DIM + dims[None, :], mask=rows[:, None] < length,
                 other=0.0)
-    qk_scale = tl.load(q_scale_ptr + batch_head * blocks + block_m) * sm_scale
+    qk_scale = tl.load(q_scale_ptr + batch_head * blocks + block_m * BLOCK_M // QBLOCK) * sm_scale
     k_ptrs = k_ptr + head_offset + tl.arange(0, BLOCK_N)[None, :] * HEAD_DIM + dims[:, None]
     v_ptrs = v_ptr + head_offset + dims[None, :] * length + tl.arange(0, BLOCK_N)[:, None]
     k_scale_ptr = k_scale_ptr + batch_head * blocks
@@ -127,11 +129,11 @@ def _attention_fp8_kernel(q_ptr, k_ptr, v_ptr, out_ptr, q_scale_ptr, k_scale_ptr
     full_blocks = length // BLOCK_N
     for block_n in range(0, full_blocks):
         acc, row_max, row_sum = _attend_block(acc, row_max, row_sum, q, qk_scale, k_ptrs, v_ptrs, k_scale_ptr,
-                                              block_n * BLOCK_N, length, HEAD_DIM, 1, False, BLOCK_N, P_SCALE,
+                                              block_n * BLOCK_N, length, HEAD_DIM, 1, False, BLOCK_N, QBLOCK, P_SCALE,
                                               EMULATE_ROUNDING)
     if full_blocks * BLOCK_N < length:
         acc, row_max, row_sum = _attend_block(acc, row_max, row_sum, q, qk_scale, k_ptrs, v_ptrs, k_scale_ptr,
-                                              full_blocks * BLOCK_N, length, HEAD_DIM, 1, True, BLOCK_N, P_SCALE,
+                                              full_blocks * BLOCK_N, length, HEAD_DIM, 1, True, BLOCK_N, QBLOCK, P_SCALE,
                                               EMULATE_ROUNDING)
     out = acc * (tl.load(v_scale_ptr + batch_head) / P_SCALE) / row_sum[:, None]
     batch, head = batch_head // heads, batch_head % heads
@@ -139,15 +141,17 @@ def _attention_fp8_kernel(q_ptr, k_ptr, v_ptr, out_ptr, q_scale_ptr, k_scale_ptr
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] < length)
 
 
-def attention_fp8_triton(q, k, v, num_warps=8, num_stages=2):
-    """`q`, `k`, `v` (B, L, H, D) -> (B, L, H, D) in q's dtype."""
+def attention_fp8_triton(q, k, v, block_m=BLOCK, block_n=BLOCK, num_warps=8, num_stages=3):
+    """`q`, `k`, `v` (B, L, H, D) -> (B, L, H, D) in q's dtype. The tiles divide the quantization block."""
+    assert BLOCK % block_m == 0 and BLOCK % block_n == 0, (block_m, block_n)
     batch, length, heads, head_dim = q.shape
     q8, q_scale, k8, k_scale, v8, v_scale = quantize(q, k, v)
     out = torch.empty_like(q)
-    grid = (triton.cdiv(length, BLOCK), batch * heads)
+    grid = (triton.cdiv(length, block_m), batch * heads)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     _attention_fp8_kernel[grid](q8, k8, v8, out, q_scale, k_scale, v_scale, LOG2E / math.sqrt(head_dim), length,
-                                heads, q_scale.shape[-1], heads * head_dim, HEAD_DIM=head_dim, BLOCK_M=BLOCK,
-                                BLOCK_N=BLOCK, P_SCALE=P_SCALE, EMULATE_ROUNDING=os.environ.get("TRITON_INTERPRET") == "1",
+                                heads, q_scale.shape[-1], heads * head_dim, HEAD_DIM=head_dim, BLOCK_M=block_m,
+                                BLOCK_N=block_n, QBLOCK=BLOCK, P_SCALE=P_SCALE, EMULATE_ROUNDING=interpreted,
                                 num_warps=num_warps, num_stages=num_stages)
     return out
 
