@@ -12,10 +12,11 @@ def h3gen_register_stages(register):
     from h3gen.stages.mux import PyAVMux
     from h3gen.stages.quant import FP8Rowwise, Int8WeightOnly, NoQuant
     from h3gen.stages.sampler import EulerSampler
+    from h3gen.stages.fast_vae import FastVAE
     from h3gen.stages.vae import ReferenceVAE
 
-    for stage in (Qwen3VLConditionedEncoder, EulerSampler, ReferenceVAE, NoQuant, FP8Rowwise, Int8WeightOnly,
-                  PyAVMux, DiffusersEncode, DiffusersSampler, DiffusersDecode):
+    for stage in (Qwen3VLConditionedEncoder, EulerSampler, ReferenceVAE, FastVAE, NoQuant, FP8Rowwise,
+                  Int8WeightOnly, PyAVMux, DiffusersEncode, DiffusersSampler, DiffusersDecode):
         register(stage)
 
 

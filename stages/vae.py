@@ -41,15 +41,15 @@ class ReferenceVAE(Stage):
     def decode_video(self, latents):
         import torch
 
+        from h3gen.kernels.frames import frames_reference
+
         device, config = self.runtime.device, self.vae.config
         mean = torch.tensor(config.latents_mean, device=device).view(1, -1, 1, 1, 1)
         std = torch.tensor(config.latents_std, device=device).view(1, -1, 1, 1, 1)
         video = self.vae.decode((latents * std + mean).to(self.vae.dtype), return_dict=False)[0]
-        pixel_mean = torch.tensor(PIXEL_MEAN, device=device).view(1, -1, 1, 1, 1)
-        pixel_std = torch.tensor(PIXEL_STD, device=device).view(1, -1, 1, 1, 1)
-        video = (video.float() * pixel_std + pixel_mean).clamp(0, 1)
         # Frames become uint8 once, on the device, in the (T, H, W, RGB) layout the encoder reads.
-        return (video[0] * 255).round().to(torch.uint8).permute(1, 2, 3, 0)
+        pixel_mean, pixel_std = torch.tensor(PIXEL_MEAN, device=device), torch.tensor(PIXEL_STD, device=device)
+        return frames_reference(video[0], pixel_mean, pixel_std)
 
     def decode_audio(self, latents):
         import torch

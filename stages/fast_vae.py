@@ -1,0 +1,225 @@
+"""The fast video decode: diffusers' AutoencoderKLMiniMaxH3 weights, the tiles of a whole clip batched through the
+ViT decoder, frames made uint8 on the device and copied to host memory chunk by chunk while the decode goes on.
+
+Where diffusers' decode spends its time, and what this stage does about it:
+- a Python loop of one decoder forward per tile and temporal chunk (392 for the 10 s 1344x768 clip): every tile of
+  every chunk has the same shape, so `tile_batch` of them share a forward, sized from free device memory;
+- the decoder itself (separate Q/K/V GEMMs, SDPA's default attention pick, unfused elementwise passes): see
+  stages/vae_vit.py; `exact = true` keeps diffusers' own decoder modules;
+- the whole clip decoded to one bf16 tensor, then turned into float, normalized and rounded in several passes, then
+  copied to the host at the end: here each chunk's finished frames go through one Triton kernel into uint8 and are
+  copied to pinned host memory on a side stream while the next tiles decode.
+Blending is diffusers' own arithmetic (stages/vae_tiles.py), so batching or splitting the tiles over ranks does not
+change the frames.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from h3gen.errors import UsageError
+from h3gen.stages.vae import PIXEL_MEAN, PIXEL_STD, ReferenceVAE
+
+DIFFUSERS_TILE, DIFFUSERS_OVERLAP = 256, 64
+
+
+@dataclasses.dataclass
+class FastVAEConfig:
+    # diffusers' own decoder modules and default tiling: the reference stage's frames, only batched.
+    exact: bool = False
+    # Tile edge and minimum overlap in pixels (multiples of 16); diffusers' defaults keep its tiling.
+    tile_height: int = DIFFUSERS_TILE
+    tile_width: int = DIFFUSERS_TILE
+    overlap: int = DIFFUSERS_OVERLAP
+    # Tiles per decoder forward; 0 picks the most that half the free device memory holds, up to max_tile_batch.
+    tile_batch: int = 0
+    max_tile_batch: int = 16
+    # Attention backend of the fast decoder (h3gen.kernels.attention): auto, flash-attn-4, sdpa-cudnn, sdpa-flash, sdpa.
+    attention: str = "auto"
+    # torch.compile around one decoder block (one compile serves all blocks; the first clip pays for it).
+    compile: bool = False
+
+
+class FastVAE(ReferenceVAE):
+    kind, name = "vae", "fast"
+    Config = FastVAEConfig
+    description = ("AutoencoderKLMiniMaxH3 with the clip's tiles batched, fused QKV and cuDNN/flash attention, uint8 "
+                   "frames on the device copied out chunk by chunk; exact = true reproduces diffusers' decode")
+
+    def __init__(self, config, runtime):
+        super().__init__(config, runtime)
+        self.group = None
+        self.check_config()
+
+    def check_config(self):
+        config = self.config
+        sizes = (config.tile_height, config.tile_width, config.overlap)
+        if any(size <= 0 or size % 16 for size in sizes) or config.overlap >= min(sizes[:2]):
+            raise UsageError(f"vae tile {config.tile_height}x{config.tile_width} with overlap {config.overlap} "
+                             "is not a tiling", "use positive multiples of 16, the overlap smaller than the tile")
+        if config.exact and sizes != (DIFFUSERS_TILE, DIFFUSERS_TILE, DIFFUSERS_OVERLAP):
+            raise UsageError("vae.exact = true decodes with diffusers' tiling",
+                             "leave tile_height, tile_width and overlap at 256, 256, 64, or set exact = false")
+        if config.tile_batch < 0 or config.max_tile_batch < 1:
+            raise UsageError("vae.tile_batch must be 0 (auto) or more, vae.max_tile_batch 1 or more")
+
+    def load(self, repo):
+        from h3gen.stages.vae_vit import FastViTDecoder
+
+        super().load(repo)
+        vae = self.vae
+        if self.config.exact:
+            self.decoder = lambda tiles: vae.decoder(vae.post_quant_conv(tiles))
+        else:
+            self.decoder = FastViTDecoder(vae, self.config.attention, self.config.compile)
+
+    def lead(self) -> bool:
+        """Whether this rank ends up with the frames: always alone, the group's first rank in a group."""
+        from h3gen.parallel.vae_split import is_lead
+
+        return self.group is None or is_lead(self.group)
+
+    def parallelize(self, group) -> None:
+        """Split the clip's tile batches over `group`; the group's first rank gathers them and alone gets frames
+        and audio (the others get None). The batches are the one-rank decode's, so the frames are identical."""
+        self.group = group
+
+    def run(self, clip):
+        import torch
+
+        measure = self.runtime.timer.measure
+        lead = self.lead()
+        with torch.inference_mode():
+            with measure(clip, "vae_video", report=False):
+                frames = self.decode_frames(clip.video_latents)
+            with measure(clip, "vae_audio", report=False):
+                audio = self.decode_audio(clip.audio_latents) if lead else None
+            with measure(clip, "transfer", report=False):
+                clip.frames = frames.wait() if lead else None
+                clip.audio = audio.cpu().numpy() if lead else None
+        clip.notes["sample_rate"] = self.sample_rate
+        return clip
+
+    def decode_frames(self, latents):
+        """uint8 frames of `latents` (1, C, T, H, W) on their way to host memory: a `HostFrames` (None off the lead)."""
+        import torch
+
+        frames = None
+        if self.lead():
+            frames = HostFrames(self.plan(latents.shape), torch.device(self.runtime.device))
+        self.decode(latents, frames.write if frames is not None else None)
+        return frames
+
+    def plan(self, latent_shape):
+        from h3gen.stages.vae_tiles import plan_decode
+
+        config = self.config
+        return plan_decode(self.vae, latent_shape, config.tile_height, config.tile_width, config.overlap,
+                           config.overlap)
+
+    def decode(self, latents, emit) -> None:
+        """Decode `latents` (1, C, T, H, W) and hand the frames, in the VAE's normalized pixel space, to
+        `emit((3, n, H, W))` in clip order; across a group only the first rank emits (the others pass None)."""
+        import torch
+
+        from h3gen.parallel import vae_split
+        from h3gen.stages.vae_tiles import ChunkJoiner, pad_latents
+
+        vae, device, plan = self.vae, self.runtime.device, self.plan(latents.shape)
+        mean = torch.tensor(vae.config.latents_mean, device=device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std, device=device).view(1, -1, 1, 1, 1)
+        # The reference's casts, in its order: the model's dtype, then the first decoder module's.
+        latents = (latents * std + mean).to(vae.dtype).to(vae.post_quant_conv.weight.dtype)
+        latents = pad_latents(latents[0], plan)
+        batches = self.batches(plan)
+        joiner = ChunkJoiner(plan, emit) if emit is not None else None
+
+        def decode(items):
+            return self.decoder(torch.stack([plan.latent_tile(latents, i) for i in items]))
+
+        if self.group is not None:
+            vae_split.decode_across(self.group, batches, decode, joiner, self.tile_shape(plan))
+            return
+        for items in batches:
+            for item, tile in zip(items, decode(items)):
+                joiner.add(item, tile)
+        assert joiner.done
+
+    def tile_shape(self, plan):
+        """(channels, frames, height, width) and dtype of one decoded tile."""
+        decoder = self.vae.decoder
+        return (decoder.out_channels, plan.chunk_frames, plan.tile_height, plan.tile_width), decoder.proj_out.weight.dtype
+
+    def batches(self, plan) -> list[range]:
+        from h3gen.parallel import vae_split
+
+        size = self.config.tile_batch or self.auto_tile_batch(plan)
+        if self.group is not None:
+            size = vae_split.agree_tile_batch(size, self.group)
+        return [range(start, min(start + size, plan.items)) for start in range(0, plan.items, size)]
+
+    def auto_tile_batch(self, plan) -> int:
+        """The most tiles half the free device memory holds (the CPU gains nothing from more than a few)."""
+        import torch
+
+        cap = self.config.max_tile_batch
+        if not self.runtime.device.startswith("cuda"):
+            return min(cap, 4)
+        free, _ = torch.cuda.mem_get_info()
+        free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # torch's cache is free to it
+        return max(1, min(cap, int(free * 0.5 // self.tile_bytes(plan))))
+
+    def tile_bytes(self, plan) -> int:
+        """Peak bytes one tile adds to a forward: about 80 bytes per token and model channel (float32 residual,
+        its norm, QKV, float32 Q/K, the 8x-wide SwiGLU input and output), plus the decoded pixels a few times over."""
+        decoder, ratio = self.vae.decoder, plan.ratio
+        tokens = plan.chunk_latents * (plan.tile_height // ratio) * (plan.tile_width // ratio)
+        (channels, frames, height, width), _ = self.tile_shape(plan)
+        return tokens * decoder.proj_in.out_features * 80 + channels * frames * height * width * 2 * 4
+
+
+class HostFrames:
+    """uint8 (T, H, W, 3) frames in host memory, filled chunk by chunk as the decode finishes them.
+
+    On CUDA each chunk becomes uint8 on the device (one Triton pass) and is copied on a side stream into pinned
+    memory, so the copy overlaps the next tiles' decode; on the CPU the frames are written in place."""
+
+    def __init__(self, plan, device):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        height = plan.row_starts[-1] + plan.tile_height
+        width = plan.col_starts[-1] + plan.tile_width
+        self.frames = torch.empty((plan.frames, height, width, 3), dtype=torch.uint8, pin_memory=self.cuda)
+        self.mean = torch.tensor(PIXEL_MEAN, device=device)
+        self.std = torch.tensor(PIXEL_STD, device=device)
+        self.copies = torch.cuda.Stream(device) if self.cuda else None
+        self.written = 0
+
+    def write(self, video) -> None:
+        """`video` (3, n, H, W): the clip's next n frames, in the VAE's normalized pixel space."""
+        import torch
+
+        from h3gen.kernels.frames import to_frames
+
+        target = self.frames[self.written:self.written + video.shape[1]]
+        self.written += video.shape[1]
+        if not self.cuda:
+            to_frames(video, self.mean, self.std, out=target)
+            return
+        staged = to_frames(video, self.mean, self.std)
+        self.copies.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.copies):
+            target.copy_(staged, non_blocking=True)
+        staged.record_stream(self.copies)
+
+    def wait(self):
+        """The frames as a numpy array, once every copy has landed."""
+        import torch
+
+        assert self.written == self.frames.shape[0], (self.written, self.frames.shape)
+        if self.cuda:
+            # The current stream waits too, so the stage timer's events span the copies.
+            torch.cuda.current_stream().wait_stream(self.copies)
+            self.copies.synchronize()
+        return self.frames.numpy()

@@ -1,0 +1,131 @@
+"""The video VAE's ViT decoder run fast on diffusers' own weights: a batch of tiles per forward, one fused QKV
+projection, attention on the fastest backend (cuDNN or flash-attn-4 on Hopper), optionally a compiled block.
+
+What diffusers' decoder costs, read from its code: one forward per tile (392 for the 10 s 1344x768 clip, each of
+only 1797 tokens, so the GEMMs run far from peak and every one of the ~40 kernels per block launches 392 times per
+block), three separate Q/K/V GEMMs, attention through SDPA's default pick (FA2 on Hopper), and a float32 residual
+stream with its norms, casts, RoPE and scale-adds as separate elementwise passes. The numerics are kept: float32
+residual and norms, Q/K normalized in float32 then rounded, RoPE in the compute dtype, as diffusers rounds them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from h3gen.kernels.attention import attention
+from h3gen.kernels.swiglu import swiglu, swiglu_reference
+
+
+class BlockWeights(NamedTuple):
+    norm1: torch.Tensor
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor
+    out_weight: torch.Tensor
+    out_bias: torch.Tensor
+    scale1: torch.Tensor
+    norm2: torch.Tensor
+    up_gate_weight: torch.Tensor
+    up_gate_bias: torch.Tensor
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor
+    scale2: torch.Tensor
+
+
+class BlockShape(NamedTuple):
+    heads: int
+    norm_eps: float
+    qk_eps: float
+    backend: str
+    triton_swiglu: bool  # eager on CUDA; a compiled block lets inductor fuse the reference instead
+
+
+def fuse_qkv(attn) -> tuple[torch.Tensor, torch.Tensor]:
+    """One (3 * inner, dim) projection; to_q/to_k/to_v become views of it, so the weights are not held twice."""
+    weight = torch.cat([attn.to_q.weight, attn.to_k.weight, attn.to_v.weight]).detach()
+    bias = torch.cat([attn.to_q.bias, attn.to_k.bias, attn.to_v.bias]).detach()
+    for i, linear in enumerate((attn.to_q, attn.to_k, attn.to_v)):
+        rows = slice(i * linear.out_features, (i + 1) * linear.out_features)
+        linear.weight = torch.nn.Parameter(weight[rows], requires_grad=False)
+        linear.bias = torch.nn.Parameter(bias[rows], requires_grad=False)
+    return weight, bias
+
+
+def block_weights(block) -> BlockWeights:
+    qkv_weight, qkv_bias = fuse_qkv(block.attn)
+    out, up_gate, down = block.attn.to_out[0], block.ff.net[0].proj, block.ff.net[2]
+    return BlockWeights(block.norm1.weight, qkv_weight, qkv_bias, out.weight, out.bias, block.scale1,
+                        block.norm2.weight, up_gate.weight, up_gate.bias, down.weight, down.bias, block.scale2)
+
+
+def rotate(x, cos, sin):
+    """diffusers' rotate-half RoPE on the leading `cos.shape[-1]` channels, in `x`'s dtype."""
+    rotary_dim = cos.shape[-1]
+    rotary, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+    first, second = rotary.chunk(2, dim=-1)
+    rotated = torch.cat((-second, first), dim=-1)
+    return torch.cat((rotary * cos + rotated * sin, passed), dim=-1)
+
+
+def block_forward(hidden, w: BlockWeights, cos, sin, shape: BlockShape):
+    """One decoder block on (B, L, dim); `cos`/`sin` (1, L, 1, 1, rotary_dim) in the compute dtype."""
+    dtype, dim = w.qkv_weight.dtype, hidden.shape[-1]
+    normed = F.rms_norm(hidden.float(), (dim,), w.norm1, shape.norm_eps).to(dtype)
+    qkv = F.linear(normed, w.qkv_weight, w.qkv_bias).unflatten(-1, (3, shape.heads, -1))
+    # Q and K together: normalized in float32, rounded, rotated in the compute dtype, as diffusers does each.
+    qk = F.rms_norm(qkv[:, :, :2].float(), (qkv.shape[-1],), None, shape.qk_eps).to(dtype)
+    q, k = rotate(qk, cos, sin).unbind(2)
+    attended = attention(q, k, qkv[:, :, 2], shape.backend).flatten(2)
+    hidden = torch.addcmul(hidden.float(), F.linear(attended, w.out_weight, w.out_bias), w.scale1)
+    normed = F.rms_norm(hidden, (dim,), w.norm2, shape.norm_eps).to(dtype)
+    up_gate = F.linear(normed, w.up_gate_weight, w.up_gate_bias)
+    activated = swiglu(up_gate) if shape.triton_swiglu else swiglu_reference(up_gate)
+    return torch.addcmul(hidden, F.linear(activated, w.down_weight, w.down_bias), w.scale2)
+
+
+class FastViTDecoder:
+    """`post_quant_conv` + ViT decoder of a loaded `AutoencoderKLMiniMaxH3`, on (B, C, T, h, w) latent tiles."""
+
+    def __init__(self, vae, backend: str = "auto", compile: bool = False):
+        decoder = vae.decoder
+        self.vae, self.decoder = vae, decoder
+        blocks = decoder.transformer_blocks
+        self.weights = [block_weights(block) for block in blocks]
+        attn = blocks[0].attn
+        self.shape = BlockShape(attn.heads, blocks[0].norm1.eps, attn.norm_q.eps, backend, not compile)
+        self.rotary_tables = {}
+        self.block = torch.compile(block_forward, dynamic=False) if compile else block_forward
+
+    def rotary(self, frames: int, height: int, width: int, device, dtype):
+        """cos, sin for one tile's token grid plus the register and zero tokens (all at position 0)."""
+        key = (frames, height, width, str(device), dtype)
+        if key not in self.rotary_tables:
+            self.rotary_tables[key] = self._rotary(frames, height, width, device, dtype)
+        return self.rotary_tables[key]
+
+    def _rotary(self, frames, height, width, device, dtype):
+        grids = [2.0 * (torch.arange(0.5, size, dtype=torch.float32, device=device) / size) - 1.0
+                 for size in (frames, height, width)]
+        positions = torch.stack(torch.meshgrid(*grids, indexing="ij"), dim=-1).flatten(0, 2)
+        suffix = positions.new_zeros((self.decoder.num_register_tokens + 1, 3))
+        cos, sin = self.decoder.rope(torch.cat([positions, suffix])[None])
+        return cos.to(dtype).unsqueeze(2), sin.to(dtype).unsqueeze(2)
+
+    def __call__(self, latents):
+        decoder = self.decoder
+        latents = self.vae.post_quant_conv(latents.to(self.vae.post_quant_conv.weight.dtype))
+        batch, channels, frames, height, width = latents.shape
+        tokens = decoder.proj_in(latents.permute(0, 2, 3, 4, 1).reshape(batch, -1, channels))
+        patches = tokens.shape[1]
+        registers = decoder.register_tokens.expand(batch, -1, -1).to(tokens.dtype)
+        hidden = torch.cat([tokens, registers, tokens.new_zeros((batch, 1, tokens.shape[-1]))], dim=1)
+        cos, sin = self.rotary(frames, height, width, latents.device, self.weights[0].qkv_weight.dtype)
+        for weights in self.weights:
+            hidden = self.block(hidden, weights, cos, sin, self.shape)
+        hidden = decoder.proj_out(decoder.norm_out(hidden).to(decoder.proj_out.weight.dtype))[:, :patches]
+        p, pt = decoder.patch_size, decoder.patch_size_t
+        hidden = hidden.view(batch, frames, height, width, decoder.out_channels, pt, p, p)
+        return hidden.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(batch, decoder.out_channels, frames * pt,
+                                                                height * p, width * p)

@@ -1,0 +1,181 @@
+"""The fast video decode against diffusers' AutoencoderKLMiniMaxH3 decode, in float32 on the CPU (tiny model).
+
+Tolerances: the tile layout, the blends and the uint8 frames of `exact = true` with one tile per forward are
+diffusers' bit for bit; batching tiles changes only the GEMMs' shapes, so the frames move by float32 rounding
+(measured 1e-6, bound 1e-5 in the VAE's normalized pixel space); the fast decoder (fused QKV, addcmul, one
+rms_norm for Q and K) likewise (measured ~2e-6, bound 2e-5), which never moves a uint8 value by more than 1.
+"""
+
+import pytest
+import torch
+
+from h3gen.stages.vae_tiles import ChunkJoiner, DecodePlan, plan_decode, split_tiles, stitch
+
+EXACT_FLOAT, FAST_FLOAT = 1e-5, 2e-5
+
+
+@pytest.fixture(scope="module")
+def vae():
+    """A tiny AutoencoderKLMiniMaxH3 whose decoder blocks do something: diffusers initializes their residual scales
+    and register tokens to zero, which would leave attention and the MLP out of every comparison."""
+    from diffusers import AutoencoderKLMiniMaxH3
+
+    torch.manual_seed(0)
+    model = AutoencoderKLMiniMaxH3(block_out_channels=(8,) * 6, layers_per_block=1, norm_num_groups=4,
+                                   decoder_num_layers=2, decoder_num_attention_heads=2, decoder_attention_head_dim=16,
+                                   latents_mean=(torch.randn(24) * 0.1).tolist(),
+                                   latents_std=(1 + torch.rand(24) * 0.5).tolist()).eval()
+    randomize_decoder(model)
+    return model
+
+
+def randomize_decoder(model):
+    with torch.no_grad():
+        for name, param in model.decoder.named_parameters():
+            if "scale" in name or "register" in name:
+                param.normal_(0, 0.5)
+
+
+def test_split_tiles_is_diffusers(vae):
+    for length in range(16, 1600, 16):
+        for tile, overlap in ((256, 64), (192, 32), (64, 16), (320, 48)):
+            starts, size, overlaps = split_tiles(length, tile, overlap, 16)
+            theirs = vae._split_tiles(length, tile, overlap)
+            assert (starts, [size] * len(starts), overlaps) == theirs, (length, tile, overlap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stitch_is_diffusers_bit_for_bit(vae, dtype):
+    plan = DecodePlan(16, 4, 5, 7, 1, 0, 3, 5, True, (0, 48, 80), (0, 40, 96), 64, 64, (16, 32), (24, 8), 22)
+    tiles = [[torch.randn(3, 4, 64, 64).to(dtype) for _ in range(3)] for _ in range(3)]
+    expected = vae._stitch_tiles([[t[None] for t in row] for row in tiles], list(plan.row_overlaps),
+                                 list(plan.col_overlaps))
+    assert torch.equal(stitch(tiles, plan), expected[0])
+
+
+@pytest.mark.parametrize("latent_frames", [7, 12, 9, 10])
+def test_plan_frame_count(vae, latent_frames):
+    plan = plan_decode(vae, (1, 24, latent_frames, 2, 2), 256, 256, 64, 64)
+    with torch.inference_mode():
+        expected = vae.decode(torch.randn(1, 24, latent_frames, 2, 2)).sample.shape[2]
+    assert plan.frames == expected
+    if latent_frames % 5 == 2:  # 17n+5 frames, the only lengths h3gen asks for
+        assert plan.frames == (latent_frames - 2) // 5 * 17 + 5
+
+
+def stage(vae, **config):
+    from h3gen.render import Runtime
+    from h3gen.stages.fast_vae import FastVAE, FastVAEConfig
+    from h3gen.stages.vae_vit import FastViTDecoder
+    from h3gen.timing import StageTimer
+
+    fast = FastVAE(FastVAEConfig(**config), Runtime("cpu", torch.float32, StageTimer("cpu")))
+    fast.vae = vae
+    exact = fast.config.exact
+    fast.decoder = (lambda tiles: vae.decoder(vae.post_quant_conv(tiles))) if exact else FastViTDecoder(vae)
+    return fast
+
+
+def decoded(fast, latents):
+    chunks = []
+    with torch.inference_mode():
+        fast.decode(latents, chunks.append)
+    return torch.cat(chunks, dim=1)
+
+
+def diffusers_decode(vae, latents, tile=256, overlap=64):
+    """What the reference stage asks of diffusers: denormalized latents through `decode`."""
+    vae.enable_tiling(tile, tile, overlap, overlap)
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    with torch.inference_mode():
+        video = vae.decode(latents * std + mean).sample[0]
+    vae.enable_tiling(256, 256, 64, 64)
+    return video
+
+
+# 12 latent frames = 39 frames in 2 chunks; 20x22 latents = 320x352 px, 2x2 tiles at diffusers' default.
+LATENTS = (1, 24, 12, 20, 22)
+
+
+def test_exact_one_tile_per_forward_is_diffusers_bit_for_bit(vae):
+    latents = torch.randn(LATENTS)
+    fast = stage(vae, exact=True, tile_batch=1)
+    assert fast.plan(LATENTS).items == 2 * 4
+    assert torch.equal(decoded(fast, latents), diffusers_decode(vae, latents))
+
+
+@pytest.mark.parametrize("tile_batch", [3, 8])
+def test_exact_batched(vae, tile_batch):
+    latents = torch.randn(LATENTS)
+    error = (decoded(stage(vae, exact=True, tile_batch=tile_batch), latents) - diffusers_decode(vae, latents)).abs()
+    assert error.max() < EXACT_FLOAT, error.max()
+
+
+@pytest.mark.parametrize("tile, overlap, tile_batch", [(256, 64, 5), (64, 16, 7), (96, 32, 4)])
+def test_fast_decoder(vae, tile, overlap, tile_batch):
+    """Smaller tiles than diffusers' (the tile knobs) against diffusers tiled the same way."""
+    latents = torch.randn(LATENTS)
+    fast = stage(vae, tile_height=tile, tile_width=tile, overlap=overlap, tile_batch=tile_batch)
+    error = (decoded(fast, latents) - diffusers_decode(vae, latents, tile, overlap)).abs()
+    assert error.max() < FAST_FLOAT, error.max()
+
+
+def test_joiner_takes_tiles_in_any_order(vae):
+    """Ranks hand tiles over in whatever order they finish: the frames do not depend on it."""
+    latents = torch.randn(LATENTS)
+    fast = stage(vae, exact=True, tile_batch=1)
+    tiles, decoder = [], fast.decoder
+    fast.decoder = lambda batch: tiles.append(decoder(batch)[0]) or tiles[-1][None]
+    in_order = decoded(fast, latents)
+    plan = fast.plan(LATENTS)
+    chunks = []
+    joiner = ChunkJoiner(plan, chunks.append)
+    for item in reversed(range(plan.items)):
+        joiner.add(item, tiles[item])
+    assert joiner.done and torch.equal(torch.cat(chunks, dim=1), in_order)
+
+
+def test_stage_frames_equal_the_reference_stage(tiny_model, tmp_path):
+    """The registered stage on the tiny model: uint8 frames and audio as the reference stage makes them."""
+    from h3gen.clip import Clip, Request
+    from h3gen.plugins.manager import registry as load_registry
+    from h3gen.render import Runtime
+    from h3gen.repo import ModelRepo
+    from h3gen.timing import StageTimer
+
+    registry, repo = load_registry(), ModelRepo(tiny_model)
+    runtime = Runtime("cpu", torch.float32, StageTimer("cpu"))
+    request = Request(index=0, prompt="p", seed=1, width=352, height=320, frames=39)
+    results = {}
+    for name, config in (("reference", {}), ("fast", {"exact": True, "tile_batch": 1}), ("fast", {"tile_batch": 3})):
+        cls = registry.stage("vae", name)
+        vae = cls(cls.Config(**config), runtime)
+        vae.load(repo)
+        torch.manual_seed(5)  # the same decoder and latents for every stage
+        randomize_decoder(vae.vae)
+        clip = Clip(request=request, path=tmp_path / "clip.mp4", video_latents=torch.randn(request.video_latent_shape),
+                    audio_latents=torch.randn(request.audio_latent_shape))
+        results[name, bool(config.get("exact"))] = vae(clip, report=False)
+    reference = results["reference", False]
+    assert reference.frames.shape == (39, 320, 352, 3)
+    for key in (("fast", True), ("fast", False)):
+        clip = results[key]
+        assert clip.frames.dtype == reference.frames.dtype and clip.frames.shape == reference.frames.shape
+        assert (clip.audio == reference.audio).all() and clip.notes["sample_rate"] == reference.notes["sample_rate"]
+        assert {"vae_video", "vae_audio", "transfer"} <= set(clip.seconds)
+    assert (results["fast", True].frames == reference.frames).all()
+    difference = abs(results["fast", False].frames.astype(int) - reference.frames.astype(int))
+    assert difference.max() <= 1
+
+
+def test_config_checks():
+    from h3gen.errors import UsageError
+    from h3gen.render import Runtime
+    from h3gen.stages.fast_vae import FastVAE, FastVAEConfig
+    from h3gen.timing import StageTimer
+
+    runtime = Runtime("cpu", torch.float32, StageTimer("cpu"))
+    for bad in ({"exact": True, "tile_height": 320}, {"overlap": 256}, {"tile_width": 100}, {"tile_batch": -1}):
+        with pytest.raises(UsageError):
+            FastVAE(FastVAEConfig(**bad), runtime)
