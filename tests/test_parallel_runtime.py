@@ -1,0 +1,202 @@
+"""Several workers through torchrun on the CPU (gloo), on the tiny model: the files a one-process run writes.
+
+Every multi-worker run costs tens of seconds on a small machine, so each runs once per module and several tests
+read it. All runs here use one intra-op thread per process: on the CPU a clip depends on the thread count (MKL
+and ATen split their sums by thread), and that is the only setting that makes a one-process run comparable with
+workers sharing two cores. `sampler.dit=h3gen` because Ulysses splits h3gen's own DiT.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import h3gen
+from h3gen.validate import validate_clip
+
+ENV = {"OMP_NUM_THREADS": "1"}
+PRESET = ["--set", "sampler.dit=h3gen"]
+PROMPTS = ('a red fox in the snow\n{"id": "waves", "prompt": "waves on rocks", "seed": 5}\n'
+           'a lighthouse at night\n{"id": "rain", "prompt": "rain on a window", "seed": 9}\n')
+# fp32 on one CPU: Ulysses moves rows and heads between ranks, it does not reorder a sum over them, so the
+# latents agree to rounding; this bound still allows an all-to-all that changes the order of a reduction.
+LATENT_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
+
+
+def render(prompts, out, *args):
+    return h3gen("render", prompts, "-o", out, "--json", "--save-latents", *PRESET, *args, env=ENV)
+
+
+def outputs(out) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(out.glob("*.mp4"))}
+
+
+def latents(out) -> dict:
+    from safetensors.torch import load_file
+
+    return {p.name: load_file(str(p)) for p in sorted(out.glob("*.latents.safetensors"))}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model):
+    """The same four prompts in one process, in 2 and 4 data-parallel workers, and Ulysses 2 in one group."""
+    root = tmp_path_factory.mktemp("parallel")
+    prompts = root / "prompts.txt"
+    prompts.write_text(PROMPTS)
+    found = {}
+    for name, args in (("one", ()), ("dp2", ("--cpu-workers", 2)), ("dp4", ("--cpu-workers", 4)),
+                       ("ulysses2", ("--cpu-workers", 2, "--ulysses", 2))):
+        began = time.monotonic()
+        found[name] = (render(prompts, root / name, *args), root / name, time.monotonic() - began)
+    return found
+
+
+def test_runs_finish(runs):
+    for name, (result, out, seconds) in runs.items():
+        assert result.returncode == 0, (name, result.stderr[-3000:])
+        assert len(list(out.glob("*.mp4"))) == 4, name
+
+
+def test_data_parallel_groups_write_the_files_of_one_process(runs):
+    one = outputs(runs["one"][1])
+    for name, layout in (("dp2", "2 group(s) x 1 CPU worker"), ("dp4", "4 group(s) x 1 CPU worker")):
+        result, out, _ = runs[name]
+        assert f"h3gen: layout {layout}" in result.stderr
+        assert outputs(out) == one, name  # byte for byte
+
+
+def test_ulysses_group_writes_the_files_of_one_process(runs):
+    result, out, _ = runs["ulysses2"]
+    assert "h3gen: layout 1 group(s) x 2 CPU workers: Ulysses 2" in result.stderr
+    import torch
+
+    expected = latents(runs["one"][1])
+    for name, tensors in latents(out).items():
+        for key in ("video", "audio"):
+            torch.testing.assert_close(tensors[key], expected[name][key], **LATENT_TOLERANCE)
+    assert outputs(out) == outputs(runs["one"][1])
+
+
+def test_json_records_from_workers_match_one_process(runs):
+    def records(name):
+        return sorted((json.loads(line) for line in runs[name][0].stdout.splitlines()), key=lambda r: r["line"])
+
+    one = records("one")
+    for name in ("dp2", "dp4", "ulysses2"):
+        found = records(name)
+        assert [sorted(r) for r in found] == [sorted(r) for r in one]
+        assert [(r["id"], r["seed"], r["ok"], r["forwards"]) for r in found] == \
+               [(r["id"], r["seed"], r["ok"], r["forwards"]) for r in one]
+        assert all(set(r["seconds"]) == set(one[0]["seconds"]) for r in found)
+        # Every clip is reported once, by rank 0, in the plain lines too.
+        assert sum(" wrote " in line for line in runs[name][0].stderr.splitlines()) == 4
+    assert [r["path"].rsplit("/", 1)[1] for r in records("dp2")] == [r["path"].rsplit("/", 1)[1] for r in one]
+
+
+def test_one_prompt_on_four_workers_finishes(runs, tmp_path):
+    """Fewer clips than groups: the layout gives the spare ranks to Ulysses, and the idle group exits cleanly."""
+    prompts = tmp_path / "one.txt"
+    prompts.write_text(PROMPTS.splitlines()[0] + "\n")
+    result = render(prompts, tmp_path / "out", "--cpu-workers", 4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "h3gen: layout 2 group(s) x 2 CPU workers" in result.stderr
+    (name,) = outputs(tmp_path / "out")
+    assert outputs(tmp_path / "out")[name] == outputs(runs["one"][1])[name]
+
+
+def workers_of(pid: int) -> dict:
+    """The torchrun workers the h3gen process started, by global rank."""
+    found = {}
+    for child in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split():
+        try:
+            environ = open(f"/proc/{child}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        ranks = [v.split(b"=", 1)[1] for v in environ if v.startswith(b"RANK=")]
+        if ranks:
+            found[int(ranks[0])] = int(child)
+    return found
+
+
+def written(out) -> dict:
+    """Each MP4 with its inode and mtime: a rewrite, even in place, changes one of them. (A worker killed while
+    muxing leaves its hidden partial file, which the rerun's mux of that clip replaces.)"""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("*.mp4") if not p.name.startswith(".")}
+
+
+def test_killed_worker_fails_the_run_and_a_rerun_finishes_the_rest(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"prompt number {i}\n" for i in range(8)))
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "h3gen.cli.main", "render", str(prompts), "-o", str(out), "--cpu-workers", "2"]
+    run = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, **ENV})
+    manifest = out / "manifest.jsonl"
+    deadline = time.monotonic() + 120
+    while not (manifest.is_file() and '"status": "ok"' in manifest.read_text()):  # one clip written: mid-run
+        assert run.poll() is None and time.monotonic() < deadline, "the run ended before a clip was written"
+        time.sleep(0.05)
+    os.kill(workers_of(run.pid)[1], signal.SIGKILL)
+    stderr = run.communicate(timeout=120)[1]
+    assert run.returncode == 1, stderr[-3000:]
+    assert "h3gen: error: CPU worker 1" in stderr and "was killed by SIGKILL" in stderr
+    assert "run the same command again" in stderr.splitlines()[-1]
+
+    finished = written(out)
+    assert 0 < len(finished) < 8
+    again = h3gen("render", prompts, "-o", out, "--cpu-workers", "2", env=ENV, check_code=0)
+    assert f"{len(finished)} already there and valid (skipped)" in again.stderr
+    after = written(out)
+    assert len(after) == 8 and all(after[name] == finished[name] for name in finished)
+    assert all(validate_clip(out / name, expected_frames=124) == [] for name in after)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--cpu-workers", 4, "--ulysses", 3), "--ulysses 3 does not divide --cpu-workers 4"),
+    (("--cpu-workers", 4, "--ulysses", 4), "--ulysses 4 does not divide the DiT's 2 attention heads"),
+    (("--ulysses", 2), "this run has one process"),
+    (("--gpus", 2, "--cpu-workers", 2), "--gpus and --cpu-workers both given"),
+    (("--cpu-workers", 0), "at least one worker"),
+    (("--cpu-workers", 2, "--nnodes", 2), "needs --rdzv-endpoint"),
+])
+def test_impossible_layouts_fail_before_any_worker_starts(args, message, prompts_file, tmp_path):
+    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", *args, check_code=2)
+    assert result.stderr.startswith("h3gen: error: ") and message in result.stderr
+    assert "layout" not in result.stderr and not (tmp_path / "out" / "manifest.jsonl").exists()
+
+
+def test_gpus_without_cuda_points_to_cpu_workers(prompts_file, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--gpus", 2, check_code=2)
+    assert "no CUDA device is visible" in result.stderr and "--cpu-workers 2" in result.stderr
+
+
+def test_layout_rule():
+    from h3gen.parallel.layout import Layout, choose_layout
+
+    assert choose_layout(8, 8, 100, 56) == Layout(8, 1)  # enough clips: every GPU its own
+    assert choose_layout(8, 8, 3, 56) == Layout(2, 4)  # three clips: two groups of four
+    assert choose_layout(8, 8, 1, 56) == Layout(1, 8)
+    assert choose_layout(8, 8, 0, 56) == Layout(1, 8)
+    assert choose_layout(6, 6, 1, 56) == Layout(3, 2)  # 3 and 6 do not divide 56 heads
+    assert choose_layout(4, 4, 1, 1) == Layout(4, 1)  # a sampler that cannot split: data parallel only
+    assert choose_layout(16, 8, 2, 56) == Layout(2, 8)  # two machines: a group stays on one
+    assert choose_layout(8, 8, 100, 56, ulysses=2) == Layout(4, 2)
+
+
+def test_parallel_section_of_a_preset(tmp_path):
+    from h3gen.errors import UsageError
+    from h3gen.plugins.manager import registry
+    from h3gen.preset import resolve
+
+    preset = resolve("tiny", registry(), ["parallel.cpu_workers=2", "parallel.ulysses=2"])
+    assert preset.parallel == {"gpus": 0, "cpu_workers": 2, "ulysses": 2}
+    for bad in (["parallel.gpus=-1"], ["parallel.gpus=2", "parallel.cpu_workers=2"], ["parallel.nodes=2"]):
+        with pytest.raises(UsageError):
+            resolve("tiny", registry(), bad)
