@@ -30,8 +30,11 @@ def main(argv: list[str]) -> int:
         record_error(error)
         return error.exit_code
     except Interrupted as stop:
-        # Die by the signal itself, so the launcher reports a stopped worker as stopped rather than as a crash.
-        os.kill(os.getpid(), getattr(signal, stop.signal_name))
+        # Die by the signal itself, so the launcher reports a stopped worker as stopped rather than as a crash;
+        # at once, without the interpreter's teardown of the store and process-group threads.
+        signum = getattr(signal, stop.signal_name)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
         return stop.exit_code
 
 
