@@ -41,7 +41,7 @@ def weights_source(random_weights, model):
 
 
 def run_bench_command(presets, baseline, durations, size, repeat, warmup, random_weights, model, stages, forwards,
-                      text_tokens, output):
+                      text_tokens, output, batch=None):
     import sys
 
     from h3gen.bench import run_bench
@@ -60,8 +60,12 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     def say(text):
         print(text, file=sys.stderr, flush=True)
 
-    records = run_bench(plan, found, source, random_weights, say)
-    paths = write_results(records, output)
+    if batch:
+        from h3gen.bench_batch import run_batch, write_batch_results
+
+        paths = write_batch_results(run_batch(plan, found, source, random_weights, batch, say), output)
+    else:
+        paths = write_results(run_bench(plan, found, source, random_weights, say), output)
     say(paths["md"].read_text())
     for path in paths.values():
         print(path)

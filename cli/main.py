@@ -102,13 +102,17 @@ def bench(
                                                     help="Time K DiT forwards and scale to the preset's count.")] = None,
     text_tokens: Annotated[int, typer.Option("--text-tokens", min=1, help="Prompt length in tokens.")] = 256,
     output: Annotated[Path, typer.Option("-o", "--output", help="Results directory.")] = Path("bench/results"),
+    batch: Annotated[Optional[int], typer.Option("--batch", min=1, help="Render N clips per preset as `render` "
+                                                                        "does and time the batch instead.")] = None,
 ):
-    """Time presets against the diffusers baseline, stage by stage; write JSON, a markdown table and a chart."""
+    """Time presets against the diffusers baseline, stage by stage; write JSON, a markdown table and a chart.
+    With --batch N: N clips through the renderer per preset (the baseline clip by clip), the time each clip adds
+    beyond its DiT, and clips per hour."""
     from h3gen.cli.bench import run_bench_command
 
     try:
         run_bench_command(presets or ["h3-base"], baseline, durations, size, repeat, warmup, random_weights, model,
-                          stages, forwards, text_tokens, output)
+                          stages, forwards, text_tokens, output, batch)
     except H3genError as e:
         fail(e)
 

@@ -41,3 +41,20 @@ def test_bench_stage_subset_uses_random_stand_ins(tmp_path):
 def test_bench_rejects_unknown_stage(tmp_path):
     result = h3gen("bench", "--stages", "dit,paint", "-o", tmp_path)
     assert result.returncode == 2 and "unknown stage 'paint'" in result.stderr
+
+
+def test_bench_batch_times_clips_through_the_renderer(tmp_path):
+    # The baseline renders clip by clip (mux in line); the preset's muxes run behind the next clip's DiT.
+    result = h3gen("bench", "--batch", "2", "--preset", "tiny", "--durations", "5", "--size", "64x32",
+                   "--random-weights", "tiny", "--forwards", "1", "--text-tokens", "8", "-o", tmp_path, check_code=0)
+    paths = result.stdout.split()
+    assert [p.rsplit(".", 1)[1] for p in paths] == ["json", "md"]
+    records = {r["preset"]: r for r in json.loads(open(paths[0]).read())["records"]}
+    tiny, base = records["tiny"], records["diffusers"]
+    assert base["baseline"] and not tiny["baseline"] and tiny["clips"] == base["clips"] == 2
+    assert tiny["forwards"] == 1 and tiny["full_forwards"] == 3 and base["full_forwards"] == 49
+    assert tiny["extra_per_clip_s"] > 0 and tiny["vae_s_per_clip"] > 0 and tiny["mux_s_per_clip"] > 0
+    expected = 3600 / (3 * tiny["per_forward_s"] + tiny["extra_per_clip_s"] + tiny["encode_s"] / 2)
+    assert abs(tiny["clips_per_hour_full"] - expected) < 0.05 * expected
+    assert tiny["vs_baseline"] == round(tiny["clips_per_hour_full"] / base["clips_per_hour_full"], 3)
+    assert "| tiny | 2 |" in open(paths[1]).read()

@@ -1,0 +1,144 @@
+"""`h3gen bench --batch N`: N clips through the renderer exactly as `h3gen render` takes them, one preset after
+another, to measure what a batch costs beyond its DiT forwards.
+
+Per clip, the critical path is the clip's DiT plus whatever the device waits for before the next clip's DiT can
+start (decode, transfer, and the mux when it is not in the background). `extra_per_clip_s` is that wait: the
+batch's wall time (the text encoding and loading excluded) minus the DiT time, over the clips. With `forwards`
+set, clips per hour are also given for the preset's own forward count, from the measured per-forward time and
+the measured extra.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+from h3gen.bench import (BenchPlan, adapter_overrides, bench_frames, cache_overrides, forward_overrides,
+                         preset_forwards)
+from h3gen.clip import Request
+
+
+class BatchReporter:
+    """The renderer's reporter interface, recording the seconds every clip spent per stage."""
+
+    def __init__(self, say):
+        self.say, self.stages = say, {}
+
+    def start(self):
+        return self
+
+    def stop(self):
+        pass
+
+    def clip_started(self, clip):
+        pass
+
+    def step(self, clip, step, steps):
+        pass
+
+    def stage_done(self, clip, kind, seconds):
+        self.stages.setdefault(clip.request.index, {})[kind] = seconds
+
+    def clip_done(self, result):
+        self.say(f"bench: clip {result.request.index + 1} {'ok' if result.ok else 'failed: ' + result.error}")
+
+
+def batch_requests(plan: BenchPlan, seconds: float, clips: int) -> list[Request]:
+    return [Request(index=i, prompt=" ".join([f"clip{i}"] + ["a"] * (plan.text_tokens - 1)), seed=plan.seed + i,
+                    width=plan.width, height=plan.height, frames=bench_frames(seconds), id=f"batch-{i}")
+            for i in range(clips)]
+
+
+def run_batch(plan: BenchPlan, registry, source, random_weights: str | None, clips: int, say=print) -> list[dict]:
+    from h3gen.preset import resolve
+
+    names = ([(plan.baseline, True)] if plan.baseline else []) + [(name, False) for name in plan.presets]
+    records = []
+    with tempfile.TemporaryDirectory(prefix="h3gen-batch-") as workdir:
+        for seconds in plan.durations:
+            for name, baseline in names:
+                preset = resolve(name, registry)
+                full_forwards = preset_forwards(preset)
+                overrides = (forward_overrides(preset, plan.forwards) + cache_overrides(preset)
+                             + adapter_overrides(random_weights))
+                if baseline:  # the baseline renders clip by clip: nothing in the background
+                    overrides.append("mux.workers=0")
+                preset = resolve(name, registry, overrides)
+                say(f"bench: batch of {clips} x {seconds:g} s clips with {name}")
+                try:
+                    records.append(time_batch(preset, registry, source, batch_requests(plan, seconds, clips),
+                                              Path(workdir) / name, full_forwards, baseline, say))
+                except Exception as e:  # one preset failing must not lose the others' numbers
+                    say(f"bench: batch with {name} failed: {type(e).__name__}: {str(e)[:300]}")
+                    records.append(dict(preset=name, baseline=baseline, stage="batch", clips=clips,
+                                        notes=f"failed: {type(e).__name__}: {e}"[:500]))
+    base = next((r for r in records if r.get("baseline") and r.get("clips_per_hour")), None)
+    for record in records:
+        if base and record.get("clips_per_hour"):
+            record["vs_baseline"] = round(record["clips_per_hour_full"] / base["clips_per_hour_full"], 3)
+    return records
+
+
+def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards: int, baseline: bool, say) -> dict:
+    from h3gen.render import Renderer
+
+    reporter = BatchReporter(say)
+    began = time.perf_counter()
+    renderer = Renderer(preset, registry, source, reporter)
+    loaded = time.perf_counter()
+    results = []
+    try:
+        results = list(renderer.render(requests, out_dir))
+    finally:
+        results += renderer.close()
+    wall = time.perf_counter() - loaded
+    failed = [r.error for r in results if not r.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} clip(s) failed: {failed[0]}")
+    per_clip = [reporter.stages.get(r.request.index, {}) | r.seconds for r in results]
+    encode = sum(s.get("encode", 0.0) for s in per_clip)
+    dit = [s.get("sampler", 0.0) for s in per_clip]
+    forwards = max(r.forwards for r in results) or 1
+    per_forward = sum(dit) / len(dit) / forwards
+    extra = (wall - encode - sum(dit)) / len(results)
+    return dict(preset=preset.name, baseline=baseline, stage="batch", clips=len(results),
+                duration_s=round(requests[0].duration, 4), size=f"{requests[0].width}x{requests[0].height}",
+                load_s=round(loaded - began, 2), wall_s=round(wall, 2), encode_s=round(encode, 3),
+                dit_s_per_clip=round(sum(dit) / len(dit), 3), forwards=forwards, per_forward_s=round(per_forward, 3),
+                vae_s_per_clip=round(sum(s.get("vae", 0.0) for s in per_clip) / len(per_clip), 3),
+                mux_s_per_clip=round(sum(s.get("mux", 0.0) for s in per_clip) / len(per_clip), 3),
+                extra_per_clip_s=round(extra, 3), clips_per_hour=round(3600 * len(results) / wall, 1),
+                full_forwards=full_forwards,
+                clips_per_hour_full=round(3600 / (full_forwards * per_forward + extra + encode / len(results)), 1),
+                notes=f"{forwards} forward(s) per clip timed; clips_per_hour_full uses {full_forwards}")
+
+
+BATCH_COLUMNS = ("clips", "per_forward_s", "vae_s_per_clip", "mux_s_per_clip", "extra_per_clip_s", "clips_per_hour",
+                 "clips_per_hour_full", "vs_baseline")
+
+
+def batch_markdown(result: dict) -> str:
+    device = result["device"]
+    lines = [f"Device: {device['name']}; torch {result['versions']['torch']}; commit {str(result['commit'])[:10]}; "
+             f"{result['created']}", "", "| preset | " + " | ".join(BATCH_COLUMNS) + " |",
+             "| --- " * (len(BATCH_COLUMNS) + 1) + "|"]
+    for r in result["records"]:
+        name = r["preset"] + (" (baseline, clip by clip)" if r.get("baseline") else "")
+        lines.append(f"| {name} | " + " | ".join(str(r.get(k, "-")) for k in BATCH_COLUMNS) + " |")
+    notes = sorted({f"{r['preset']}: {r['notes']}" for r in result["records"] if r.get("notes")})
+    return "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n"
+
+
+def write_batch_results(records: list[dict], out_dir: Path) -> dict[str, Path]:
+    import json
+
+    from h3gen.bench_report import environment
+
+    result = {**environment(), "records": records}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = result["created"].replace(":", "").replace("+0000", "Z") + "-batch"
+    paths = {ext: out_dir / f"{stem}.{ext}" for ext in ("json", "md")}
+    paths["json"].write_text(json.dumps(result, indent=1) + "\n")
+    paths["md"].write_text(batch_markdown(result))
+    return paths
