@@ -4,6 +4,8 @@ Usage (h3gen importable, e.g. installed as in bench/offline.sh; otherwise it is 
     python3 bench/quant_error.py [--modes fp8-rowwise,int8-weight-only] [--random-weights full|tiny | --model DIR]
                                  [--size 1344x768] [--duration 5] [--text-tokens 256] [--sigmas 0.5]
                                  [--dit diffusers|h3gen] [--set skip=[]] [--encoder] [--repeat 2]
+A mode may name an attention backend for h3gen's DiT after an @: `none@triton-fp8` is FP8 attention on the
+checkpoint's linears, `fp8-rowwise@cudnn-fp8` both in FP8 (the reference keeps --attention, default auto).
 For each mode the DiT is loaded afresh (random weights are seeded, so every load is the same model), transformed
 by the quant stage (quantized on the device, module by module), and run on the same probe as the reference.
 Reported per mode and noise level: video / audio / overall relative error and cosine similarity, DiT weight GiB,
@@ -53,6 +55,7 @@ def parse_args():
     parser.add_argument("--sigmas", default="0.5", help="noise levels of the probes, comma separated")
     parser.add_argument("--dit", choices=("diffusers", "h3gen"), default="diffusers",
                         help="diffusers' transformer, or h3gen's fast DiT (fused QKV, AdaLN tables) as h3-base runs it")
+    parser.add_argument("--attention", default="auto", help="the reference's attention backend (h3gen DiT)")
     parser.add_argument("--set", action="append", default=[], dest="knobs", help="quant knob, e.g. skip=[]")
     parser.add_argument("--encoder", action="store_true", help="also compare the text encoder")
     parser.add_argument("--repeat", type=int, default=1, help="forwards per probe; the last one is timed")
@@ -77,12 +80,15 @@ def weights_source(args):
     return FullSizeRandom(ModelRepo(ensure_tiny_model()) if args.encoder else None)
 
 
-def load_dit(source, args, dtype, sigmas):
+def load_dit(source, args, dtype, sigmas, attention):
     if args.dit == "h3gen":
         from h3gen.stages.fast_dit import FastH3Transformer
 
         return source.load("transformer", FastH3Transformer, dtype=dtype, device=args.device,
-                           adaln_timesteps=sorted({1.0 - s for s in sigmas}), use_triton=args.device != "cpu")
+                           adaln_timesteps=sorted({1.0 - s for s in sigmas}), use_triton=args.device != "cpu",
+                           attention_backend=attention)
+    if attention != "auto":
+        raise SystemExit("an attention backend per mode needs --dit h3gen")
     from diffusers import MiniMaxH3Transformer3DModel
 
     return source.load("transformer", MiniMaxH3Transformer3DModel, torch_dtype=dtype, device_map=args.device).eval()
@@ -144,15 +150,18 @@ def dit_rows(args, source, modes, dtype, log):
     reference = None
     for mode in ["reference"] + modes:
         free(args.device)
-        dit = load_dit(source, args, dtype, sigmas)
+        quant, _, attention = mode.partition("@")
+        dit = load_dit(source, args, dtype, sigmas, attention or args.attention)
         probes = [make_probe(dit.config, request, args.text_tokens, sigma) for sigma in sigmas]
         began = time.perf_counter()
-        if mode != "reference":
-            dit = quant_stage(mode, args.knobs, args.device, dtype).transform("dit", dit)
+        if quant != "reference":
+            dit = quant_stage(quant, args.knobs, args.device, dtype).transform("dit", dit)
             sync(args.device)
         quantize_s = round(time.perf_counter() - began, 2)
         velocities, forward_s = timed_velocities(dit, probes, args, dtype)
-        row = dict(component="dit", dit=args.dit, mode=mode, knobs=args.knobs, rows=int(probes[0].tensors["token_tags"].numel()),
+        row = dict(component="dit", dit=args.dit, mode=mode, knobs=args.knobs,
+                   attention=getattr(dit, "attention_backend_name", lambda: "sdpa")(),
+                   rows=int(probes[0].tensors["token_tags"].numel()),
                    weight_gib=round(weight_bytes(dit) / 2**30, 2), quantize_s=quantize_s, forward_s=forward_s,
                    peak_gib=peak_gib(args.device))
         if reference is None:
