@@ -2,8 +2,8 @@
 
 Tolerances: the tile layout, the blends and the uint8 frames of `exact = true` with one tile per forward are
 diffusers' bit for bit; batching tiles changes only the GEMMs' shapes, so the frames move by float32 rounding
-(measured 9.5e-7 on values up to 2.8, bound 1e-5, in the VAE's normalized pixel space); the fast decoder (fused QKV, addcmul, one
-rms_norm for Q and K) likewise (measured 1.1e-6, bound 2e-5), and its uint8 frames differ by at most 1.
+(measured 9.5e-7 on values up to 2.8 in the VAE's normalized pixel space; bound 1e-5); the fast decoder (fused
+QKV, addcmul, one rms_norm for Q and K) likewise (measured 1.1e-6; bound 2e-5); its uint8 frames differ by <= 1.
 """
 
 import pytest
