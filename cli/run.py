@@ -144,6 +144,12 @@ def _run_render(prompts, output, preset_name, model, seed, overrides, json_out, 
     if parallel.get("ulysses"):
         raise UsageError("--ulysses splits a clip across workers, and this run has one process",
                          "add --gpus N or --cpu-workers N")
+    machines = [flag for flag, key in (("--nnodes", "nnodes"), ("--node-rank", "node_rank"),
+                                       ("--rdzv-endpoint", "rdzv_endpoint"), ("--rdzv-id", "rdzv_id"))
+                if parallel.get(key) is not None]
+    if machines:
+        raise UsageError(f"{machines[0]} joins machines of a run of workers, and this run has one process",
+                         "add --gpus N or --cpu-workers N")
     batch = prepare(prompts, output, preset, found, model, seed, json_out, strict_plugins, shard)
     reporter, requests = batch.reporter, batch.requests
     results = [] if force else skip_finished(requests, output, preset.name, save_latents, reporter)

@@ -200,3 +200,28 @@ def test_parallel_section_of_a_preset(tmp_path):
     for bad in (["parallel.gpus=-1"], ["parallel.gpus=2", "parallel.cpu_workers=2"], ["parallel.nodes=2"]):
         with pytest.raises(UsageError):
             resolve("tiny", registry(), bad)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_machines_meet_at_a_rendezvous_endpoint(runs, tmp_path):
+    """--nnodes 2 as two launchers on one host (c10d rendezvous): one run of two workers, reported once."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPTS)
+    command = [sys.executable, "-m", "h3gen.cli.main", "render", str(prompts), "-o", str(tmp_path / "out"),
+               *PRESET, "--cpu-workers", "1", "--nnodes", "2", "--rdzv-endpoint", f"localhost:{free_port()}",
+               "--rdzv-id", "test"]
+    machines = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env={**os.environ, **ENV}) for _ in range(2)]
+    finished = [machine.communicate(timeout=180) for machine in machines]
+    assert [machine.returncode for machine in machines] == [0, 0], [err[-2000:] for _, err in finished]
+    reports = [err for _, err in finished if "h3gen: layout 2 group(s) x 1 CPU worker" in err]
+    assert len(reports) == 1 and "4 of 4 clips written" in reports[0]
+    assert any("reported where rank 0 ran" in err for _, err in finished)
+    assert outputs(tmp_path / "out") == outputs(runs["one"][1])
