@@ -27,14 +27,16 @@ def _flash_attn_4():
     return functools.partial(_flash_attn_fwd, tile_mn=FLASH_ATTN_4_TILE)
 
 
-def attention_backend(device=None, requested="auto"):
-    """Name of the backend `attention` runs on `device` for `requested` ("auto" or one of BACKENDS)."""
+def attention_backend(device=None, requested="auto", dtype=None):
+    """Name of the backend `attention` runs on `device` for `requested` ("auto" or one of BACKENDS) and inputs of
+    `dtype` (None: the half-precision types the models run in)."""
     if requested != "auto":
         if requested not in BACKENDS:
             raise ValueError(f"unknown attention backend {requested!r}; choose 'auto' or one of {BACKENDS}")
         return requested
     device = torch.device(device if device is not None else "cpu")
-    if device.type != "cuda":
+    # flash-attn-4 and cuDNN take bf16 / fp16 only; fp32 (tests, CPU-exact runs) goes to SDPA's own choice.
+    if device.type != "cuda" or dtype not in (None, torch.bfloat16, torch.float16):
         return "sdpa"
     major, _ = torch.cuda.get_device_capability(device)
     if major in (9, 10) and _flash_attn_4() is not None:
@@ -46,7 +48,7 @@ def attention_backend(device=None, requested="auto"):
 @torch.compiler.disable
 def attention(q, k, v, backend="auto"):
     """`q`, `k`, `v` (B, L, heads, head_dim) -> (B, L, heads, head_dim), softmax scale 1/sqrt(head_dim)."""
-    name = attention_backend(q.device, backend)
+    name = attention_backend(q.device, backend, q.dtype)
     if name == "triton-fp8":
         from h3gen.kernels.attention_fp8 import attention_fp8
         return attention_fp8(q, k, v)

@@ -72,22 +72,25 @@ class FastH3Transformer(nn.Module):
         return self
 
     @classmethod
-    def from_pretrained(cls, transformer_dir, dtype=torch.bfloat16, device="cpu", adaln_timesteps=None, **switches):
+    def from_pretrained(cls, transformer_dir, dtype=torch.bfloat16, device="cpu", adaln_timesteps=None,
+                        checkpoint_tensor=None, **switches):
         """Load a diffusers `transformer/` folder. With `adaln_timesteps`, the AdaLN tables are built block by block
-        while loading and the `adaln_proj` weights never become resident."""
+        while loading and the `adaln_proj` weights never become resident. `checkpoint_tensor(key, tensor)` sees each
+        checkpoint tensor, under its diffusers key, before it is fused or used: adapters are added there."""
         config = read_config(transformer_dir)
         with torch.device("meta"):
             model = cls(config, **switches)
         with SafetensorsCheckpoint(transformer_dir, device) as checkpoint:
             def read(key):
-                return checkpoint.read(key).to(torch.float32 if is_fp32_key(key) else dtype)
+                tensor = checkpoint.read(key).to(torch.float32 if is_fp32_key(key) else dtype)
+                return checkpoint_tensor(key, tensor) if checkpoint_tensor is not None else tensor
             model._load(read, adaln_timesteps)
             if checkpoint.unread:
                 raise ValueError(f"{transformer_dir} holds tensors this model does not use: {sorted(checkpoint.unread)}")
         return model
 
     @classmethod
-    def from_reference(cls, reference, adaln_timesteps=None, **switches):
+    def from_reference(cls, reference, adaln_timesteps=None, checkpoint_tensor=None, **switches):
         """Take over an already-loaded diffusers `MiniMaxH3Transformer3DModel`. Its parameters are emptied as they are
         fused, one block at a time, so memory never holds two full copies; the reference is unusable afterwards."""
         config = H3DiTConfig.from_dict(dict(reference.config))
@@ -99,7 +102,7 @@ class FastH3Transformer(nn.Module):
             param = params[key]
             tensor = param.data
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-            return tensor
+            return checkpoint_tensor(key, tensor) if checkpoint_tensor is not None else tensor
 
         model._load(read, adaln_timesteps)
         return model
@@ -222,7 +225,9 @@ class FastH3Transformer(nn.Module):
         return packed
 
     def attention_backend_name(self):
-        return attention_backend_name(self.proj_in.weight.device, self.attention_backend)
+        # The blocks' dtype (proj_in is one of the checkpoint's fp32 modules).
+        return attention_backend_name(self.proj_in.weight.device, self.attention_backend,
+                                      self.context_embedder.weight.dtype)
 
     def resident_bytes(self):
         tensors = [*self.parameters(), *self.buffers()]

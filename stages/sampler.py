@@ -32,7 +32,7 @@ class EulerConfig:
     triton: bool = True  # h3gen DiT: Triton kernels for norm/modulate, QK-norm + RoPE, SwiGLU, gated residual
     adaln_table: bool = True  # h3gen DiT: modulation rows precomputed for the schedule, adaln_proj dropped
     compile: bool = False  # h3gen DiT: regional torch.compile of each block
-    attention: str = "auto"  # h3gen DiT: auto, flash-attn-4, sdpa-cudnn, sdpa-flash, sdpa
+    attention: str = "auto"  # h3gen DiT: auto, flash-attn-4, sdpa-cudnn, sdpa-flash, sdpa, triton-fp8, cudnn-fp8
 
 
 def sigma_schedule(config: EulerConfig, shift: float):
@@ -134,9 +134,13 @@ class EulerSampler(Stage):
         config = self.config
         # The conditioning levels are a group of their own, so the schedule's rows are those of a t2va-only table.
         timesteps = (schedule_timesteps(config), [CONDITION_T, AUDIO_CONDITION_T]) if config.adaln_table else None
+        quant = self.runtime.quant
         dit = self.repo.load(partition, FastH3Transformer, dtype=self.runtime.dtype, device=self.runtime.device,
                              adaln_timesteps=timesteps, use_triton=config.triton, adaln_table=config.adaln_table,
-                             compile_blocks=config.compile, attention_backend=config.attention)
+                             compile_blocks=config.compile, attention_backend=config.attention,
+                             # adapters are added per checkpoint tensor, before Q, K, V are fused and the AdaLN
+                             # tables built
+                             checkpoint_tensor=lambda key, tensor: quant.checkpoint_tensor("dit", key, tensor))
         self.attention_backend = dit.attention_backend_name()
         return dit
 
