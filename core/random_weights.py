@@ -38,7 +38,7 @@ class FullSizeRandom:
 
     def __init__(self, tiny_repo, seed: int = 1101):
         self.tiny_repo, self.seed = tiny_repo, seed
-        self.root = "full-size random weights"
+        self.root = None  # no repository directory: stages fall back to the released model's defaults
 
     def text_dim(self) -> int:
         return QWEN3VL_32B_TEXT["hidden_size"]

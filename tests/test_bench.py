@@ -58,3 +58,11 @@ def test_bench_batch_times_clips_through_the_renderer(tmp_path):
     assert abs(tiny["clips_per_hour_full"] - expected) < 0.05 * expected
     assert tiny["vs_baseline"] == round(tiny["clips_per_hour_full"] / base["clips_per_hour_full"], 3)
     assert "| tiny | 2 |" in open(paths[1]).read()
+
+
+def test_full_size_random_weights_have_no_repository_directory():
+    # Stages that read optional files from the repository (the canvas rules of conditions) use the defaults.
+    from h3gen.random_weights import FullSizeRandom
+    from h3gen.stages.conditions import canvas_configs
+
+    assert FullSizeRandom(None).root is None and canvas_configs(FullSizeRandom(None))
