@@ -75,9 +75,10 @@ class FullSizeRandom:
                 model = cls(latents_mean=[0.1] * 24, latents_std=[1.1] * 24)
             else:
                 model = cls()
-        # The checkpoint's fp32 islands (patch projections, time embedder, heads) stay fp32, as when loading.
+        # The checkpoint's fp32 islands stay fp32, as diffusers' loading keeps them: every parameter with one of
+        # the class's `_keep_in_fp32_modules` names among its dotted parts (the VAE's nested norms and scales too).
         keep_fp32 = set(getattr(cls, "_keep_in_fp32_modules", None) or ())
-        for name, module in model.named_children():
-            if name in keep_fp32:
-                module.float()
+        for name, param in model.named_parameters():
+            if keep_fp32 & set(name.split(".")):
+                param.data = param.data.float()
         return model
