@@ -163,8 +163,12 @@ class Renderer:
                 return
             clip = self.stages["mux"](clip)
         except Exception as e:  # a faulty stage costs its clip, not the batch
+            self.check_fatal(clip, e)
             error = clip_error(clip, e)
         self.done.append(self.finish(clip, error, claim=claim))
+
+    def check_fatal(self, clip: Clip, error: Exception) -> None:
+        """Raise to end the run rather than fail the clip; on one device a clip's error never ends the run."""
 
     def collect(self, wait: bool) -> Iterator[ClipResult]:
         """Results of the clips whose mux has finished (all of them with `wait`), in the order they were rendered."""

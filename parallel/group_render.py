@@ -8,8 +8,8 @@ sent to the others before the clip starts, so the ranks never disagree about whi
 
 from __future__ import annotations
 
-from h3gen.errors import ClipError
-from h3gen.render import Renderer, check_disk
+from h3gen.errors import ClipError, H3genError
+from h3gen.render import Renderer, check_disk, clip_error
 
 PARALLEL_STAGES = ("encode", "sampler", "vae")
 GO, PASS = 0, 1  # the first rank's word on a clip: render it, or leave it (busy, skipped, failed)
@@ -51,9 +51,24 @@ class GroupRenderer(Renderer):
         try:
             for kind in ("sampler", "vae"):
                 clip = self.stages[kind](clip)
-        except Exception:  # the first rank meets the same error and reports the clip; this rank only lent a share
-            pass
+        except Exception as e:  # the first rank meets the same error and reports the clip; this rank only lent a share
+            self.check_fatal(clip, e)
         clip.drop_tensors()
+
+    def check_fatal(self, clip, error: Exception) -> None:
+        """An input error meets every rank alike, and the group moves on to the next clip together. Anything else
+        (out of memory on one GPU, a lost peer) may have struck this rank alone, while the others wait in a
+        collective for it: the run ends here, torchrun stops the other ranks and names this one's error."""
+        import torch.distributed as dist
+
+        if isinstance(error, H3genError):
+            return
+        raise GroupError(f"rank {dist.get_rank()} failed on {clip.path.name}: {clip_error(clip, error)}",
+                         "its group cannot go on without it; run the same command again to render the rest")
+
+
+class GroupError(H3genError):
+    exit_code = 1
 
     def finish(self, clip, error: str = "", status: str = "", claim=None):
         if self.leads:

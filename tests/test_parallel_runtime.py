@@ -225,3 +225,39 @@ def test_two_machines_meet_at_a_rendezvous_endpoint(runs, tmp_path):
     assert len(reports) == 1 and "4 of 4 clips written" in reports[0]
     assert any("reported where rank 0 ran" in err for _, err in finished)
     assert outputs(tmp_path / "out") == outputs(runs["one"][1])
+
+
+ONE_RANK_OOM = '''
+import torch.distributed as dist
+
+from h3gen.plugins.hookspecs import hookimpl
+from h3gen.stages.sampler import EulerSampler
+
+
+class OneRankOOM(EulerSampler):
+    """Runs out of memory on global rank 1 only, as one GPU of a group can."""
+    kind, name = "sampler", "one-rank-oom"
+
+    def run(self, clip):
+        if dist.is_initialized() and dist.get_rank() == 1:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return super().run(clip)
+
+
+@hookimpl
+def h3gen_register_stages(register):
+    register(OneRankOOM)
+'''
+
+
+def test_an_error_on_one_rank_of_a_group_ends_the_run_instead_of_hanging(tmp_path):
+    # The other rank waits in the DiT's all-to-all for rank 1, which never comes: the run must end, naming rank 1.
+    from test_reliability_faults import install
+
+    env = {**ENV, **install(tmp_path / "site", "oneoom", ONE_RANK_OOM)}
+    (tmp_path / "p.txt").write_text("a fox\na heron\n")
+    result = h3gen("render", tmp_path / "p.txt", "-o", tmp_path / "out", *PRESET, "--set",
+                   "sampler.use=one-rank-oom", "--cpu-workers", 2, "--ulysses", 2, env=env, timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "rank 1 failed on" in result.stderr and "out of GPU memory" in result.stderr, result.stderr[-2000:]
+    assert not list((tmp_path / "out").glob("*.mp4"))
