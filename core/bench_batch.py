@@ -16,26 +16,15 @@ from pathlib import Path
 
 from h3gen.bench import (BenchPlan, adapter_overrides, bench_frames, cache_overrides, forward_overrides,
                          preset_forwards)
+from h3gen.cli.ui import SilentReporter
 from h3gen.clip import Request
 
 
-class BatchReporter:
-    """The renderer's reporter interface, recording the seconds every clip spent per stage."""
+class BatchReporter(SilentReporter):
+    """Records the seconds every clip spent per stage; says only when a clip is done."""
 
     def __init__(self, say):
         self.say, self.stages = say, {}
-
-    def start(self):
-        return self
-
-    def stop(self):
-        pass
-
-    def clip_started(self, clip):
-        pass
-
-    def step(self, clip, step, steps):
-        pass
 
     def stage_done(self, clip, kind, seconds):
         self.stages.setdefault(clip.request.index, {})[kind] = seconds

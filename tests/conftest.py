@@ -38,3 +38,12 @@ def prompts_file(tmp_path):
         return path
 
     return write
+
+
+def run_parity_under_triton_interpreter(test_file: str) -> None:
+    """Triton decides at import whether `@triton.jit` compiles or interprets, so a file's `parity` tests run in a
+    child pytest started with TRITON_INTERPRET=1; this passes only if they all ran and passed there."""
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", "parity"],
+                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
+    assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout[-2000:]

@@ -1,10 +1,10 @@
 """kernels/frames.py: the Triton kernel gives the same uint8 values as its torch reference, under Triton's interpreter."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from conftest import run_parity_under_triton_interpreter
 
 # As in test_kernels.py: Triton decides at import whether to interpret, so the parity cases run in a child pytest.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -16,10 +16,7 @@ MEAN, STD = torch.tensor((0.485, 0.456, 0.406)), torch.tensor((0.229, 0.224, 0.2
 def test_frames_kernel_under_interpreter():
     if INTERPRETED:
         pytest.skip("this is the child process")
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "parity"],
-                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
-    assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout[-2000:]
+    run_parity_under_triton_interpreter(__file__)
 
 
 def boundary_video(frames=3, height=5, width=7, dtype=torch.float32):

@@ -1,10 +1,10 @@
 """Each Triton kernel against its torch reference, run by Triton's CPU interpreter at tiny shapes."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from conftest import run_parity_under_triton_interpreter
 
 # Triton decides at import whether `@triton.jit` compiles or interprets (its own `tl` helpers included), so the
 # parity tests run in a child pytest that starts with TRITON_INTERPRET=1; the parent only launches it.
@@ -15,10 +15,7 @@ parity = pytest.mark.skipif(not INTERPRETED, reason="runs in test_triton_kernels
 def test_triton_kernels_under_interpreter():
     if INTERPRETED:
         pytest.skip("this is the child process")
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "parity"],
-                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
-    assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout[-2000:]
+    run_parity_under_triton_interpreter(__file__)
 
 
 def interpreted(name):
