@@ -181,7 +181,7 @@ def warm_then_time(model, inputs, call, capture=None):
 
 
 def phase_kernels():
-    from h3gen.kernels import gated_residual, qk_norm_rope, rmsnorm_modulate, swiglu
+    from h3gen.kernels import gated_residual, qk_norm_rope, quantize_rows, rmsnorm_modulate, swiglu
     from h3gen.stages.fast_dit_blocks import rotary_angles, rotary_inv_freq
 
     def bench(fn):
@@ -202,6 +202,8 @@ def phase_kernels():
         "gated_residual": (gated_residual, (x, y, table, rows, 5)),
         "swiglu": (swiglu, (rnd(1, seq_len, 2 * (128 if TINY else 14336)),)),
         "qk_norm_rope": (qk_norm_rope, (qkv, heads, 1 + 0.1 * rnd(128), 1 + 0.1 * rnd(128), 1e-5, cos, sin)),
+        # the FFN's down projection input, the widest rows FP8 linears quantize
+        "quantize_rows": (quantize_rows, (rnd(seq_len, 128 if TINY else 14336),)),
     }
     for name, (module, case_args) in cases.items():
         fast, ref = getattr(module, name), getattr(module, f"{name}_reference")

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from h3gen.kernels.rounding import to_fp8
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # Probabilities are at most 1: scaled by FP8's largest value they keep 3 mantissa bits down to about 3.5e-5.
@@ -69,20 +71,6 @@ def attention_fp8_reference(q, k, v, block_n=BLOCK):
 
 
 @triton.jit
-def _to_fp8(x, EMULATE_ROUNDING: tl.constexpr):
-    if EMULATE_ROUNDING:
-        # Triton's interpreter converts to FP8 without carrying a rounded-up mantissa into the exponent; round to
-        # nearest even on e4m3's grid in fp32 first (normals: 3 mantissa bits; subnormals: steps of 2^-9), so the
-        # conversion itself is exact. Compiled kernels use the hardware's rounding conversion.
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
-        normal = bits.to(tl.float32, bitcast=True)
-        subnormal = (x + 24576.0) - 24576.0  # 24576 = 1.5 * 2^14: its fp32 ulp is 2^-9
-        x = tl.where(tl.abs(x) < 0.015625, subnormal, normal)
-    return x.to(tl.float8e4nv)
-
-
-@triton.jit
 def _attend_block(acc, row_max, row_sum, q, qk_scale, k_ptrs, v_ptrs, k_scale_ptr, start, length, stride_kl,
                   stride_vl, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr,
                   P_SCALE: tl.constexpr, EMULATE_ROUNDING: tl.constexpr):
@@ -102,7 +90,7 @@ def _attend_block(acc, row_max, row_sum, q, qk_scale, k_ptrs, v_ptrs, k_scale_pt
     alpha = tl.math.exp2(row_max - new_max)
     row_sum = row_sum * alpha + tl.sum(probs, 1)
     acc = acc * alpha[:, None]
-    acc = tl.dot(_to_fp8(probs * P_SCALE, EMULATE_ROUNDING), values, acc)
+    acc = tl.dot(to_fp8(probs * P_SCALE, EMULATE_ROUNDING), values, acc)
     return acc, new_max, row_sum
 
 

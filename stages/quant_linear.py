@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from h3gen.kernels.quantize_rows import quantize_rows
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 INT8_MAX = 127
@@ -28,18 +30,6 @@ def quantize_weight(weight: torch.Tensor, qmax: float, dtype: torch.dtype) -> tu
         quantized[start:start + ROWS_PER_SLICE] = scaled.round() if dtype == torch.int8 else scaled
         scale[start:start + ROWS_PER_SLICE] = row_scale[:, 0]
     return quantized, scale
-
-
-def quantize_rows_fp8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-row activation scales: (fp8 rows, fp32 scale of shape (M, 1)), rows ~= fp8 * scale.
-
-    The multiplier is rounded to the activation's dtype first and the scale is its exact inverse, so the scaling
-    never makes an fp32 copy of the activation and dequantizing undoes exactly what was applied.
-    """
-    amax = rows.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
-    multiplier = (FP8_MAX / amax).clamp(max=torch.finfo(rows.dtype).max).to(rows.dtype)
-    quantized = (rows * multiplier).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return quantized, multiplier.float().reciprocal()
 
 
 class FP8RowwiseLinear(nn.Module):
@@ -71,7 +61,7 @@ class FP8RowwiseLinear(nn.Module):
         return self.weight_bits.view(FP8).float() * self.weight_scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows, row_scale = quantize_rows_fp8(x.reshape(-1, self.in_features))
+        rows, row_scale = quantize_rows(x.reshape(-1, self.in_features))
         weight = self.weight_bits.view(FP8)
         if self.matmul == "scaled_mm":
             # Row-wise scaling wants bf16 out, the weight column-major (a transposed row-major tensor is) and

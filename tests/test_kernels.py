@@ -131,6 +131,22 @@ def test_parity_attention_fp8(length, heads, head_dim, block_m, block_n):
     assert err < 5e-4, f"relative error {err:.3g}"
 
 
+@parity
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parity_quantize_rows(dtype):
+    # The same roundings in the same order: FP8 values exact. The scale may differ by one fp32 ulp here: the
+    # interpreter's division can round twice, the GPU's div_rn does not. Rows of different magnitudes, one all
+    # zeros, values on rounding ties.
+    k = interpreted("quantize_rows")
+    torch.manual_seed(0)
+    rows = (torch.randn(6, 300) * torch.logspace(-3, 3, 6)[:, None]).to(dtype)
+    rows[2] = 0
+    rows[3, :8] = torch.tensor([1.0, 1.0625, 1.125, 0.017, 3e-4, -7.8775, 448.0, -2.0]).to(dtype)
+    (actual, actual_scale), (expected, expected_scale) = k.quantize_rows_triton(rows), k.quantize_rows_reference(rows)
+    assert torch.equal(actual.view(torch.uint8), expected.view(torch.uint8))
+    torch.testing.assert_close(actual_scale, expected_scale, rtol=2**-22, atol=0)  # an ulp is 2^-23..2^-22
+
+
 def test_attention_fp8_error_against_exact():
     """What FP8 costs: Q, K, V and the probabilities each lose all but 3 mantissa bits. On unit Gaussians that is
     5.3e-2 relative error (cosine 0.9986) against exact attention; bf16 inputs give 3.7e-3."""
