@@ -131,7 +131,9 @@ def layout_inputs(config, step=10):
                                           dtype=torch.bfloat16),
         timestep=timestep, timestep_indices=timestep_indices, token_tags=tags, position_ids=positions.float(),
         video_indices=video_idx, audio_indices=audio_idx, text_indices=text_idx)
-    return {k: v.to(DEVICE) for k, v in inputs.items()}, torch.cat([video_t, audio_t, torch.ones(1)])
+    # The AdaLN table's groups as the sampler builds them: each forward's distinct timesteps, in a batch of their own.
+    groups = tuple(torch.unique(torch.tensor([float(v), float(a)])) for v, a in zip(video_t, audio_t))
+    return {k: v.to(DEVICE) for k, v in inputs.items()}, groups
 
 
 def random_reference(config):

@@ -10,6 +10,7 @@ kernels) and both modulation sources (rows computed per call and the precomputed
 --gemm also times the block's four GEMM shapes with the weight as stored (x @ W^T) and transposed once (x @ W).
 Results: $OUT/dit_numerics.json.
 """
+import copy
 import importlib.util
 import json
 import os
@@ -127,7 +128,8 @@ def main():
     from diffusers import MiniMaxH3Transformer3DModel
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    from h3gen.stages.fast_dit_blocks import MODALITIES, REFERENCE_OPS, TRITON_OPS, TimeEmbedding, rotary_angles
+    from h3gen.stages.fast_dit import FastH3Transformer
+    from h3gen.stages.fast_dit_blocks import REFERENCE_OPS, TRITON_OPS, rotary_angles
 
     if "--gemm" in sys.argv:
         gemm_layouts(tiny)
@@ -150,13 +152,17 @@ def main():
     log("diffusers_ops_reproduce_block", differ(s["x2"], captured["out"]))
     cos, sin = rotary_angles(inputs["position_ids"], model.rope.inv_freq)
     log("rotary_cos", differ(cos, captured["rotary"][0]))
-    # The modulation the table path reads: the schedule's timesteps embedded in one batch, then projected.
-    embedder = TimeEmbedding(config["freq_dim"], config["time_embed_hidden_dim"], config["time_embed_dim"])
-    embedder.load_state_dict(model.time_embedder.state_dict())
-    values = torch.unique(schedule.float().to(x.device))
-    table = block.adaln_proj.linear(F.silu(embedder.to(x.device)(values)).to(torch.bfloat16)).view(-1, 6 * x.shape[-1])
-    position = (inputs["timestep"].float()[:, None] - values[None, :]).abs().argmin(dim=1)
-    table_index = position[inputs["timestep_indices"]] * MODALITIES + inputs["token_tags"]
+    # How torch rounds a bf16 RMSNorm here: once at the end, or after the normalization and again after the weight.
+    weight, eps, xf = block.norm1.weight, block.norm1.eps, x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    log("rms_norm_rounded_once", differ((xf * rstd * weight.float()).to(x.dtype), s["norm1"]))
+    log("rms_norm_rounded_twice", differ((xf * rstd).to(x.dtype) * weight, s["norm1"]))
+    # The modulation the table path reads, built as the sampler builds it (one batch per forward's timesteps).
+    fast = FastH3Transformer.from_reference(copy.deepcopy(model), use_triton=False)
+    fast.precompute_adaln(schedule)
+    table_index, from_table = fast.adaln_index(inputs["timestep"], inputs["timestep_indices"], inputs["token_tags"])
+    assert from_table
+    table = fast.transformer_blocks[0].adaln_table
     from h3gen.kernels.attention import attention
     for name in () if tiny else ("flash-attn-4", "sdpa-flash"):
         try:

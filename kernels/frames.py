@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from h3gen.kernels.rounding import NO_FMA
+
 
 def frames_reference(video, mean, std):
     """`video` (3, T, H, W) float in the VAE's normalized space; `mean`, `std` (3,) -> uint8 (T, H, W, 3)."""
@@ -49,7 +51,7 @@ def frames_triton(video, mean, std, out=None, block=1024):
     # No fused multiply-add: the reference multiplies and adds in two rounded steps, and a value that lands on
     # a rounding boundary must land on the same side.
     _frames_kernel[(triton.cdiv(total, block),)](video, mean, std, out, total, height, width, *video.stride(),
-                                                  BLOCK=block, num_warps=4, enable_fp_fusion=False)
+                                                  BLOCK=block, num_warps=4, **NO_FMA)
     return out
 
 

@@ -3,6 +3,8 @@ import torch
 import triton
 import triton.language as tl
 
+from h3gen.kernels.rounding import NO_FMA
+
 
 def gated_residual_reference(x, y, modulation=None, row_index=None, gate_chunk=2):
     """`x`, `y` (..., seq_len, hidden); without `modulation` this is a plain residual add."""
@@ -41,7 +43,7 @@ def gated_residual_triton(x, y, modulation=None, row_index=None, gate_chunk=2, b
         assert modulation.stride(-1) == 1 and row_index.numel() == seq_len
     grid = (x.numel() // hidden, triton.cdiv(hidden, block))
     _gated_residual_kernel[grid](x, y, modulation, row_index, out, seq_len, hidden, modulation.stride(0),
-                                 gate_chunk * hidden, HAS_MODULATION=has_modulation, BLOCK=block, num_warps=4)
+                                 gate_chunk * hidden, HAS_MODULATION=has_modulation, BLOCK=block, num_warps=4, **NO_FMA)
     return out
 
 

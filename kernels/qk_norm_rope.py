@@ -4,6 +4,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from h3gen.kernels.rounding import NO_FMA
+
 
 def apply_rotary_reference(x, cos, sin):
     """Rotate-half over `cos.shape[-1]` leading channels; `x` (B, L, heads, head_dim), `cos`/`sin` (L, rotary_dim)."""
@@ -81,7 +83,7 @@ def qk_norm_rope_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None,
         out = qkv.new_empty((*qkv.shape[:-1], heads, head_dim))
         _qk_norm_rope_kernel[grid](qkv, weight, cos, sin, out, seq_len, heads, qkv.shape[-1], offset, eps,
                                    HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, HEADS_BLOCK=heads_block,
-                                   HAS_ROPE=has_rope, num_warps=4)
+                                   HAS_ROPE=has_rope, num_warps=4, **NO_FMA)
         outputs.append(out)
     v = qkv[..., 2 * inner:].unflatten(-1, (heads, head_dim))
     return outputs[0], outputs[1], v

@@ -4,6 +4,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from h3gen.kernels.rounding import NO_FMA
+
 
 def rmsnorm_modulate_reference(x, weight, eps, modulation=None, row_index=None, shift_chunk=0, scale_chunk=1):
     """`x` (..., seq_len, hidden); `modulation` (rows, n_chunks * hidden); `row_index` (seq_len,) into it."""
@@ -52,7 +54,7 @@ def rmsnorm_modulate_triton(x, weight, eps, modulation=None, row_index=None, shi
     _rmsnorm_modulate_kernel[(x.numel() // hidden,)](
         x, weight, modulation, row_index, out,
         seq_len, hidden, modulation.stride(0), shift_chunk * hidden, scale_chunk * hidden, eps,
-        HAS_MODULATION=has_modulation, BLOCK=block, num_warps=min(16, max(1, block // 512)))
+        HAS_MODULATION=has_modulation, BLOCK=block, num_warps=min(16, max(1, block // 512)), **NO_FMA)
     return out
 
 

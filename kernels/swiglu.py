@@ -3,6 +3,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from h3gen.kernels.rounding import NO_FMA
+
 
 def swiglu_reference(up_gate):
     up, gate = up_gate.chunk(2, dim=-1)
@@ -28,7 +30,7 @@ def swiglu_triton(up_gate, block=1024):
     inner = up_gate.shape[-1] // 2
     out = up_gate.new_empty((*up_gate.shape[:-1], inner))
     grid = (out.numel() // inner, triton.cdiv(inner, block))
-    _swiglu_kernel[grid](up_gate, out, inner, BLOCK=block, num_warps=4)
+    _swiglu_kernel[grid](up_gate, out, inner, BLOCK=block, num_warps=4, **NO_FMA)
     return out
 
 

@@ -46,6 +46,7 @@ class FastH3Transformer(nn.Module):
         self.proj_out = nn.Linear(cfg.hidden_size, cfg.video_patch_dim)
         self.audio_proj_out = nn.Linear(cfg.hidden_size, cfg.audio_in_channels)
         self.register_buffer("adaln_timesteps", None, persistent=False)
+        self.adaln_groups = {}  # a group's values (one forward's `timestep`) -> its first row in the tables
         self.compile_blocks = False
         self.configure(use_triton, adaln_table, compile_blocks, attention_backend)
 
@@ -146,8 +147,9 @@ class FastH3Transformer(nn.Module):
 
     def _build_adaln_tables(self, timesteps, adaln_weights):
         device = self.proj_in.weight.device
-        # Each group is embedded and projected in a batch of its own, so adding a group (the conditioning levels of
-        # fl2va / ref2va) never changes the rows of another: a GEMM's rounding can depend on its row count.
+        # Each group is embedded and projected in a batch of its own: a GEMM's rounding can depend on its row count,
+        # so a group holding exactly one forward's `timestep` (its distinct values, sorted) gets the very rows the
+        # reference computes in that forward, and adding a group never changes the rows of another.
         groups = [torch.unique(torch.as_tensor(group, dtype=torch.float32).flatten()).to(device)
                   for group in adaln_value_groups(timesteps)]
         tembs = [self.time_embedder(values) for values in groups]
@@ -156,6 +158,8 @@ class FastH3Transformer(nn.Module):
             block.adaln_table = torch.cat([block.adaln_rows(temb, weight, bias) for temb in tembs])
             del weight, bias
         self.adaln_timesteps = torch.cat(groups)
+        offsets = torch.tensor([0] + [len(group) for group in groups]).cumsum(0)
+        self.adaln_groups = {tuple(group.tolist()): int(offset) for group, offset in zip(groups, offsets)}
 
     def _missing_timesteps(self, timestep):
         if self.adaln_timesteps is None:
@@ -167,6 +171,9 @@ class FastH3Transformer(nn.Module):
         """Per packed row: its row in the modulation tensor, and whether that tensor is the precomputed table."""
         weights_present = self.transformer_blocks[0].adaln_proj is not None
         if self.adaln_table and self.adaln_timesteps is not None:
+            offset = self.adaln_groups.get(tuple(timestep.float().tolist()))
+            if offset is not None:  # the group built for this very forward
+                return (offset + timestep_indices) * MODALITIES + token_tags, True
             distance = (timestep.float()[:, None] - self.adaln_timesteps[None, :]).abs()
             best, value_index = distance.min(dim=1)
             if bool((best <= ADALN_TIMESTEP_TOLERANCE).all()):

@@ -53,11 +53,14 @@ def forwards(config: EulerConfig) -> int:
     return len(sigma_schedule(config, config.video_shift).timesteps)
 
 
-def schedule_timesteps(config: EulerConfig) -> list[float]:
-    """Every timestep value a run's forwards will see: the AdaLN table needs one row set per value."""
-    values = {float(t) for shift in (config.video_shift, config.audio_shift)
-              for t in sigma_schedule(config, shift).timesteps}
-    return sorted(values)
+def forward_timesteps(config: EulerConfig) -> list[list[float]]:
+    """What each t2va forward gets as `timestep`: its distinct (video, audio) values in float32, sorted. The AdaLN
+    table embeds each such group in a batch of its own, so its rows are the reference's rows bit for bit."""
+    import torch
+
+    video, audio = (sigma_schedule(config, shift).timesteps for shift in (config.video_shift, config.audio_shift))
+    return [torch.unique(torch.tensor([float(t), float(a)], dtype=torch.float32)).tolist()
+            for t, a in zip(video, audio)]
 
 
 class EulerSampler(Stage):
@@ -132,8 +135,9 @@ class EulerSampler(Stage):
         from h3gen.stages.fast_dit import FastH3Transformer
 
         config = self.config
-        # The conditioning levels are a group of their own, so the schedule's rows are those of a t2va-only table.
-        timesteps = (schedule_timesteps(config), [CONDITION_T, AUDIO_CONDITION_T]) if config.adaln_table else None
+        # The conditioning levels are a group of their own; fl2va and ref2va forwards find each of their values in
+        # some group, t2va forwards find the group built for them.
+        timesteps = (*forward_timesteps(config), [CONDITION_T, AUDIO_CONDITION_T]) if config.adaln_table else None
         quant = self.runtime.quant
         dit = self.repo.load(partition, FastH3Transformer, dtype=self.runtime.dtype, device=self.runtime.device,
                              adaln_timesteps=timesteps, use_triton=config.triton, adaln_table=config.adaln_table,

@@ -147,3 +147,20 @@ def test_unknown_checkpoint_tensor_errors(tmp_path):
     save_file(state, str(tmp_path / "diffusion_pytorch_model.safetensors"))
     with pytest.raises(ValueError, match="does not use"):
         FastH3Transformer.from_pretrained(tmp_path, dtype=torch.float32)
+
+
+def test_forward_reads_the_adaln_group_built_for_its_timesteps(checkpoint, reference):
+    """A group holding exactly one forward's timesteps was projected in that forward's batch shape, so the forward
+    reads its rows there even when another group holds the same values (a GEMM may round by its row count)."""
+    inputs = layout_inputs(video_timestep=0.7, audio_timestep=0.4, keyframes=())
+    fast = FastH3Transformer.from_pretrained(checkpoint, dtype=torch.float32)
+    fast.precompute_adaln(([0.4, 0.7, 0.9], [0.4, 0.7]))
+    assert fast.adaln_groups == {(0.4000000059604645, 0.699999988079071, 0.8999999761581421): 0,
+                                 (0.4000000059604645, 0.699999988079071): 3}
+    index, from_table = fast.adaln_index(inputs["timestep"], inputs["timestep_indices"], inputs["token_tags"])
+    assert from_table
+    assert torch.equal(index, (3 + inputs["timestep_indices"]) * 3 + inputs["token_tags"])
+    assert_matches(fast, reference, inputs)
+    # A forward no group matches finds each of its values by value.
+    index, _ = fast.adaln_index(torch.tensor([0.9]), torch.zeros_like(inputs["timestep_indices"]), inputs["token_tags"])
+    assert torch.equal(index, 2 * 3 + inputs["token_tags"])
