@@ -89,15 +89,18 @@ def h3gen_ops(block, s, x, modulation, index, cos, sin, ops, backend):
     rows["up_gate (GEMM)"] = differ(F.linear(s["h2"], up_gate_weight), s["up_gate"])
     rows["swiglu"] = differ(ops.swiglu(s["up_gate"]), s["swiglu"])
     rows["x2 (gated_residual)"] = differ(ops.gated_residual(s["x1"], s["ff_out"], modulation, index, 5), s["x2"])
-    # The whole block chained, h3gen's ops only.
-    h = ops.rmsnorm_modulate(x, block.norm1.weight, block.norm1.eps, modulation, index, 0, 1)
-    q, k, v = ops.qk_norm_rope(F.linear(h, qkv_weight), attn.heads, attn.norm_q.weight, attn.norm_k.weight,
-                               attn.norm_q.eps, cos, sin)
-    x1 = ops.gated_residual(x, attn.to_out[0](attention(q, k, v, backend).flatten(2, 3).type_as(q)), modulation,
-                            index, 2)
-    h = ops.rmsnorm_modulate(x1, block.norm2.weight, block.norm2.eps, modulation, index, 3, 4)
-    x2 = ops.gated_residual(x1, block.ff.net[2](ops.swiglu(F.linear(h, up_gate_weight))), modulation, index, 5)
-    rows["block (chained)"] = differ(x2, s["x2"])
+    # The whole block chained, h3gen's ops only, each stage against diffusers'; V as the fused projection leaves it
+    # (a strided view) and copied contiguous, the layout diffusers' separate projection gives it.
+    for label, v_layout in (("chained", lambda v: v), ("chained, V contiguous", lambda v: v.contiguous())):
+        h = ops.rmsnorm_modulate(x, block.norm1.weight, block.norm1.eps, modulation, index, 0, 1)
+        q, k, v = ops.qk_norm_rope(F.linear(h, qkv_weight), attn.heads, attn.norm_q.weight, attn.norm_k.weight,
+                                   attn.norm_q.eps, cos, sin)
+        attended = attention(q, k, v_layout(v), backend).flatten(2, 3).type_as(q)
+        x1 = ops.gated_residual(x, attn.to_out[0](attended), modulation, index, 2)
+        h = ops.rmsnorm_modulate(x1, block.norm2.weight, block.norm2.eps, modulation, index, 3, 4)
+        x2 = ops.gated_residual(x1, block.ff.net[2](ops.swiglu(F.linear(h, up_gate_weight))), modulation, index, 5)
+        rows[f"block ({label})"] = {name: differ(a, s[name]) for name, a in
+                                     (("q_rope", q), ("attended", attended), ("x1", x1), ("x2", x2))}
     return rows
 
 
