@@ -19,8 +19,9 @@ def apply_rotary_reference(x, cos, sin):
     return torch.cat((rotary * cos + rotated * sin, passed), dim=-1)
 
 
-def qk_norm_rope_reference(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None):
-    """`qkv` (B, L, 3 * heads * head_dim) -> q, k, v each (B, L, heads, head_dim); v is a view."""
+def qk_norm_rope_reference(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False):
+    """`qkv` (B, L, 3 * heads * head_dim) -> q, k, v each (B, L, heads, head_dim); v is a view. With `in_place` the
+    kernel writes q and k over their own columns of `qkv` (all three are views then); the reference never does."""
     q, k, v = (t.unflatten(-1, (heads, -1)) for t in qkv.chunk(3, dim=-1))
     head_dim = q.shape[-1]
     q = F.rms_norm(q, (head_dim,), q_weight, eps)
@@ -32,7 +33,7 @@ def qk_norm_rope_reference(qkv, heads, q_weight, k_weight, eps, cos=None, sin=No
 
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr,
-                         seq_len, heads, qkv_row_stride, source_offset, eps,
+                         seq_len, heads, qkv_row_stride, source_offset, out_row_stride, out_offset, eps,
                          HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, HEADS_BLOCK: tl.constexpr,
                          HAS_ROPE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -60,11 +61,12 @@ def _qk_norm_rope_kernel(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr,
         sin = sin.to(dtype).to(tl.float32)
         rotated = (partner_out.to(tl.float32) * (sign * sin)[None, :]).to(dtype).to(tl.float32)
         out = (out * cos[None, :]).to(dtype).to(tl.float32) + rotated
-    dst = out_ptr + row * heads * HEAD_DIM + head[:, None] * HEAD_DIM + dim[None, :]
+    # In place, this program overwrites only the head rows it loaded (both rotary halves) before it stores.
+    dst = out_ptr + row * out_row_stride + out_offset + head[:, None] * HEAD_DIM + dim[None, :]
     tl.store(dst, out.to(dtype), mask=mask)
 
 
-def qk_norm_rope_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, heads_block=8):
+def qk_norm_rope_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, heads_block=8):
     qkv = qkv.contiguous()
     inner = qkv.shape[-1] // 3
     head_dim = inner // heads
@@ -80,15 +82,19 @@ def qk_norm_rope_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None,
     grid = (rows, triton.cdiv(heads, heads_block))
     outputs = []
     for offset, weight in ((0, q_weight), (inner, k_weight)):
-        out = qkv.new_empty((*qkv.shape[:-1], heads, head_dim))
-        _qk_norm_rope_kernel[grid](qkv, weight, cos, sin, out, seq_len, heads, qkv.shape[-1], offset, eps,
+        if in_place:
+            out, out_row_stride, out_offset = qkv, qkv.shape[-1], offset
+        else:
+            out, out_row_stride, out_offset = qkv.new_empty((*qkv.shape[:-1], heads, head_dim)), inner, 0
+        _qk_norm_rope_kernel[grid](qkv, weight, cos, sin, out, seq_len, heads, qkv.shape[-1], offset,
+                                   out_row_stride, out_offset, eps,
                                    HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, HEADS_BLOCK=heads_block,
                                    HAS_ROPE=has_rope, num_warps=4, **NO_FMA)
-        outputs.append(out)
+        outputs.append(qkv[..., offset:offset + inner].unflatten(-1, (heads, head_dim)) if in_place else out)
     v = qkv[..., 2 * inner:].unflatten(-1, (heads, head_dim))
     return outputs[0], outputs[1], v
 
 
-def qk_norm_rope(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None):
+def qk_norm_rope(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False):
     fn = qk_norm_rope_triton if qkv.is_cuda else qk_norm_rope_reference
-    return fn(qkv, heads, q_weight, k_weight, eps, cos, sin)
+    return fn(qkv, heads, q_weight, k_weight, eps, cos, sin, in_place)

@@ -164,3 +164,10 @@ def test_forward_reads_the_adaln_group_built_for_its_timesteps(checkpoint, refer
     # A forward no group matches finds each of its values by value.
     index, _ = fast.adaln_index(torch.tensor([0.9]), torch.zeros_like(inputs["timestep_indices"]), inputs["token_tags"])
     assert torch.equal(index, 2 * 3 + inputs["token_tags"])
+
+
+def test_feed_forward_over_row_chunks_matches_diffusers(checkpoint, reference):
+    inputs = layout_inputs()
+    fast = FastH3Transformer.from_pretrained(checkpoint, dtype=torch.float32, ffn_chunk_rows=7)
+    assert inputs["position_ids"].shape[0] > 2 * 7 and all(b.ff.chunk_rows == 7 for b in fast.transformer_blocks)
+    assert_matches(fast, reference, inputs)

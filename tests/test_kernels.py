@@ -86,9 +86,15 @@ def test_parity_qk_norm_rope(dtype, rope):
     angles = 7.0 * torch.randn(seq_len, rotary_dim)
     cos, sin = (angles.cos(), angles.sin()) if rope else (None, None)
     args = (qkv, heads, q_weight, k_weight, 1e-5, cos, sin)
-    for actual, expected in zip(k.qk_norm_rope_triton(*args, heads_block=2), k.qk_norm_rope_reference(*args)):
-        assert actual.shape == expected.shape == (batch, seq_len, heads, head_dim)
-        assert_close(actual, expected, dtype)
+    expected = k.qk_norm_rope_reference(*args)
+    for actual, e in zip(k.qk_norm_rope_triton(*args, heads_block=2), expected):
+        assert actual.shape == e.shape == (batch, seq_len, heads, head_dim)
+        assert_close(actual, e, dtype)
+    # In place: q and k overwrite their columns of qkv and come back as views of it, v untouched.
+    in_place = k.qk_norm_rope_triton(qkv.clone(), *args[1:], in_place=True, heads_block=2)
+    assert len({t.untyped_storage().data_ptr() for t in in_place}) == 1
+    for actual, e in zip(in_place, expected):
+        assert_close(actual, e, dtype)
 
 
 def test_rotary_matches_diffusers():
