@@ -77,13 +77,21 @@ def gib(n_bytes):
 
 
 def peak_reset():
+    global LIVE_BYTES
     if DEVICE.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        LIVE_BYTES = torch.cuda.memory_allocated()
 
 
-def peak_gib():
-    return gib(torch.cuda.max_memory_allocated()) if DEVICE.type == "cuda" else None
+LIVE_BYTES = 0  # allocated at the last peak_reset: the model, plus whatever this script keeps (captured blocks)
+
+
+def peak_gib(weight_bytes=0):
+    """Peak of a process holding only the model: its weights plus the peak above what was live at the reset."""
+    if DEVICE.type != "cuda":
+        return None
+    return gib(weight_bytes + torch.cuda.max_memory_allocated() - LIVE_BYTES)
 
 
 def similarity(actual, expected):
@@ -307,7 +315,8 @@ def run_reference(config, inputs, time_forwards):
         with torch.no_grad():
             out, seconds = warm_then_time(model, inputs, call, BLOCK_IO if name == "diffusers" else None)
         outputs[name] = out
-        row = dict(seconds=round(seconds, 2), tflops=round(flop / seconds / 1e12, 1), peak_GiB=peak_gib(),
+        row = dict(seconds=round(seconds, 2), tflops=round(flop / seconds / 1e12, 1),
+                   peak_GiB=peak_gib(sum(p.numel() * p.element_size() for p in model.parameters())),
                    weights_GiB=results["reference_weights_GiB"], attention=str(backend.name).lower() if backend else "sdpa")
         if name != "diffusers" and "diffusers" in outputs:
             row.update(compare(out, outputs["diffusers"]))
@@ -378,7 +387,8 @@ def run_fast(config, inputs, schedule, reference, outputs):
         try:
             model.configure(**switches)
             out, seconds = warm_then_time(model, inputs, lambda m, kw: m(**kw))
-            row = dict(seconds=round(seconds, 2), tflops=round(flop / seconds / 1e12, 1), peak_GiB=peak_gib(),
+            row = dict(seconds=round(seconds, 2), tflops=round(flop / seconds / 1e12, 1),
+                       peak_GiB=peak_gib(model.resident_bytes()),
                        weights_GiB=gib(model.resident_bytes()), attention=model.attention_backend_name())
             row.update(block_parity(model, inputs))
             for ref_name, ref_out in outputs.items():

@@ -68,7 +68,9 @@ class FusedAttention(nn.Module):
         q, k, v = ops.qk_norm_rope(qkv, self.heads, self.norm_q.weight, self.norm_k.weight, self.norm_q.eps, cos,
                                    sin, in_place=True)
         del qkv
-        return self.to_out(self.attend(q, k, v, backend).flatten(2, 3).type_as(q))
+        attended = self.attend(q, k, v, backend).flatten(2, 3).type_as(q)
+        del q, k, v  # the projection is freed before the output GEMM
+        return self.to_out(attended)
 
     def attend(self, q, k, v, backend):
         """The one step that mixes rows: a sequence-parallel form replaces it (h3gen.parallel.ulysses)."""
