@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from h3gen.kernels.attention import attention
+from h3gen.kernels.qk_norm_rope import qk_norm_rope
+from h3gen.kernels.residual_rmsnorm import residual_rmsnorm
 from h3gen.kernels.swiglu import swiglu, swiglu_reference
 
 
@@ -85,6 +87,24 @@ def block_forward(hidden, w: BlockWeights, cos, sin, shape: BlockShape):
     return torch.addcmul(hidden, F.linear(activated, w.down_weight, w.down_bias), w.scale2)
 
 
+def fused_block_forward(hidden, normed, w: BlockWeights, next_norm, qk_weight, cos, sin, shape: BlockShape):
+    """`block_forward` in fused kernels (Triton on CUDA, their torch references elsewhere), rounding as diffusers
+    does: `hidden` (B, L, dim) float32 is updated in place, `normed` is this block's first norm of it in the compute
+    dtype, and the return value is the norm `next_norm` asks for (the next block's first; None after the last).
+    Q and K are normalized (`qk_weight`: ones) and rotated over their columns of the projection; `cos`, `sin` (L,
+    rotary_dim)."""
+    qkv = F.linear(normed, w.qkv_weight, w.qkv_bias)
+    q, k, v = qk_norm_rope(qkv, shape.heads, qk_weight, qk_weight, shape.qk_eps, cos, sin, in_place=True)
+    attended = attention(q, k, v, shape.backend).flatten(2)
+    del qkv, q, k, v
+    dtype = normed.dtype
+    normed = residual_rmsnorm(hidden, F.linear(attended, w.out_weight, w.out_bias), w.scale1, w.norm2,
+                              shape.norm_eps, dtype)
+    activated = swiglu(F.linear(normed, w.up_gate_weight, w.up_gate_bias))
+    return residual_rmsnorm(hidden, F.linear(activated, w.down_weight, w.down_bias), w.scale2, next_norm,
+                            shape.norm_eps, dtype)
+
+
 class FastViTDecoder:
     """`post_quant_conv` + ViT decoder of a loaded `AutoencoderKLMiniMaxH3`, on (B, C, T, h, w) latent tiles."""
 
@@ -95,8 +115,11 @@ class FastViTDecoder:
         self.weights = [block_weights(block) for block in blocks]
         attn = blocks[0].attn
         self.shape = BlockShape(attn.heads, blocks[0].norm1.eps, attn.norm_q.eps, backend, not compile)
+        self.head_dim = attn.dim_head
         self.rotary_tables = {}
-        self.block = torch.compile(block_forward, dynamic=False) if compile else block_forward
+        # Compiled: inductor fuses `block_forward`'s reference ops. Eager: h3gen's fused kernels.
+        self.block = torch.compile(block_forward, dynamic=False) if compile else None
+        self.qk_weight = None
 
     def rotary(self, frames: int, height: int, width: int, device, dtype):
         """cos, sin for one tile's token grid plus the register and zero tokens (all at position 0)."""
@@ -121,9 +144,20 @@ class FastViTDecoder:
         patches = tokens.shape[1]
         registers = decoder.register_tokens.expand(batch, -1, -1).to(tokens.dtype)
         hidden = torch.cat([tokens, registers, tokens.new_zeros((batch, 1, tokens.shape[-1]))], dim=1)
-        cos, sin = self.rotary(frames, height, width, latents.device, self.weights[0].qkv_weight.dtype)
-        for weights in self.weights:
-            hidden = self.block(hidden, weights, cos, sin, self.shape)
+        dtype = self.weights[0].qkv_weight.dtype
+        cos, sin = self.rotary(frames, height, width, latents.device, dtype)
+        if self.block is not None:
+            for weights in self.weights:
+                hidden = self.block(hidden, weights, cos, sin, self.shape)
+        else:
+            hidden = hidden.float()  # the residual stream is float32 (proj_in is), updated in place from here
+            if self.qk_weight is None or self.qk_weight.device != hidden.device:
+                self.qk_weight = torch.ones(self.head_dim, device=hidden.device)
+            normed = F.rms_norm(hidden, (hidden.shape[-1],), self.weights[0].norm1, self.shape.norm_eps).to(dtype)
+            cos, sin = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
+            for index, weights in enumerate(self.weights):
+                next_norm = self.weights[index + 1].norm1 if index + 1 < len(self.weights) else None
+                normed = fused_block_forward(hidden, normed, weights, next_norm, self.qk_weight, cos, sin, self.shape)
         hidden = decoder.proj_out(decoder.norm_out(hidden).to(decoder.proj_out.weight.dtype))[:, :patches]
         p, pt = decoder.patch_size, decoder.patch_size_t
         hidden = hidden.view(batch, frames, height, width, decoder.out_channels, pt, p, p)

@@ -67,6 +67,25 @@ def test_parity_gated_residual(dtype, modulated):
 
 @parity
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("normed", [True, False])
+def test_parity_residual_rmsnorm(dtype, normed):
+    k = interpreted("residual_rmsnorm")
+    torch.manual_seed(0)
+    hidden, branch = torch.randn(2, 5, 80), torch.randn(2, 5, 80).to(torch.bfloat16)
+    scale, weight = 0.3 * torch.randn(80), (1 + 0.1 * torch.randn(80)) if normed else None
+    expected_hidden = hidden.clone()
+    expected = k.residual_rmsnorm_reference(expected_hidden, branch, scale, weight, 1e-5, dtype)
+    actual = k.residual_rmsnorm_triton(hidden, branch, scale, weight, 1e-5, dtype)
+    assert_close(hidden, expected_hidden, torch.float32)  # the residual stream, updated in place
+    if normed:
+        assert actual.dtype == dtype
+        assert_close(actual, expected, dtype)
+    else:
+        assert actual is None and expected is None
+
+
+@parity
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_parity_swiglu(dtype):
     k = interpreted("swiglu")
     torch.manual_seed(0)

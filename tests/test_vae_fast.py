@@ -6,6 +6,8 @@ diffusers' bit for bit; batching tiles changes only the GEMMs' shapes, so the fr
 QKV, addcmul, one rms_norm for Q and K) likewise (measured 1.1e-6; bound 2e-5); its uint8 frames differ by <= 1.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -190,3 +192,22 @@ def test_compiled_block(vae):
         expected = vae.decoder(vae.post_quant_conv(tiles))
         compiled = FastViTDecoder(vae, compile=True)(tiles)
     assert (compiled - expected).abs().max() < FAST_FLOAT
+
+
+def test_fused_block_rounds_as_the_unfused_one(vae):
+    """The eager decoder's fused chain against `block_forward`'s separate ops, bf16 with the float32 islands: on the CPU
+    the chain runs the kernels' torch references, which round as the separate ops do, so the tiles are equal (the
+    kernels' parity with their references is test_kernels.py's)."""
+    from h3gen.stages.vae_vit import FastViTDecoder, block_forward
+
+    bf16 = copy.deepcopy(vae)
+    keep = set(bf16._keep_in_fp32_modules)  # the checkpoint's float32 islands, as loading keeps them
+    for name, param in bf16.named_parameters():
+        if not keep & set(name.split(".")):
+            param.data = param.data.to(torch.bfloat16)
+    tiles = torch.randn(2, 24, 7, 4, 5)
+    fused = FastViTDecoder(bf16)
+    unfused = FastViTDecoder(bf16)
+    unfused.block = block_forward
+    with torch.inference_mode():
+        assert torch.equal(fused(tiles), unfused(tiles))
