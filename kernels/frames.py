@@ -48,8 +48,6 @@ def frames_triton(video, mean, std, out=None, block=1024):
     assert out.is_contiguous() and out.shape == (frames, height, width, 3)
     total = out.numel()
     mean, std = mean.float().contiguous(), std.float().contiguous()
-    # No fused multiply-add: the reference multiplies and adds in two rounded steps, and a value that lands on
-    # a rounding boundary must land on the same side.
     _frames_kernel[(triton.cdiv(total, block),)](video, mean, std, out, total, height, width, *video.stride(),
                                                   BLOCK=block, num_warps=4, **NO_FMA)
     return out

@@ -63,7 +63,7 @@ class FusedAttention(nn.Module):
 
     def forward(self, x, cos, sin, ops, backend):
         qkv = self.to_qkv(x)
-        del x  # the caller holds no other reference: the normed rows are freed before attention
+        del x  # a caller that passes the normed rows straight in gets them freed before attention
         # q and k are normalized and rotated over their own columns of the projection, where the kernel runs.
         q, k, v = ops.qk_norm_rope(qkv, self.heads, self.norm_q.weight, self.norm_k.weight, self.norm_q.eps, cos,
                                    sin, in_place=True)

@@ -44,6 +44,9 @@ def rank_main(rank, world, init_file, model_dir, out_dir):
                 np.save(f"{out_dir}/{name}-audio.npy", clip.audio)
             else:
                 assert clip.frames is None and clip.audio is None
+        # gloo's gather returns on the sending rank before the send is through; tearing the group down then can
+        # abort the process.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
