@@ -1,5 +1,6 @@
 """The video VAE's ViT decoder run fast on diffusers' own weights: a batch of tiles per forward, one fused QKV
-projection, attention on the fastest backend (cuDNN or flash-attn-4 on Hopper), optionally a compiled block.
+projection, attention on the fastest backend (cuDNN or flash-attn-4 on Hopper), the float32 residual stream and
+its norms in fused Triton kernels (or, optionally, a compiled block).
 
 What diffusers' decoder costs, read from its code: one forward per tile (392 for the 10 s 1344x768 clip, each of
 only 1797 tokens, so the GEMMs run far from peak and every one of the ~40 kernels per block launches 392 times per
@@ -136,6 +137,17 @@ class FastViTDecoder:
         cos, sin = self.decoder.rope(torch.cat([positions, suffix])[None])
         return cos.to(dtype).unsqueeze(2), sin.to(dtype).unsqueeze(2)
 
+    def fused_blocks(self, hidden, cos, sin, dtype):
+        """Every block on the float32 residual stream `hidden`, updated in place (and returned)."""
+        if self.qk_weight is None or self.qk_weight.device != hidden.device:
+            self.qk_weight = torch.ones(self.head_dim, device=hidden.device)
+        normed = F.rms_norm(hidden, (hidden.shape[-1],), self.weights[0].norm1, self.shape.norm_eps).to(dtype)
+        cos, sin = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
+        for index, weights in enumerate(self.weights):
+            next_norm = self.weights[index + 1].norm1 if index + 1 < len(self.weights) else None
+            normed = fused_block_forward(hidden, normed, weights, next_norm, self.qk_weight, cos, sin, self.shape)
+        return hidden
+
     def __call__(self, latents):
         decoder = self.decoder
         latents = self.vae.post_quant_conv(latents.to(self.vae.post_quant_conv.weight.dtype))
@@ -150,14 +162,7 @@ class FastViTDecoder:
             for weights in self.weights:
                 hidden = self.block(hidden, weights, cos, sin, self.shape)
         else:
-            hidden = hidden.float()  # the residual stream is float32 (proj_in is), updated in place from here
-            if self.qk_weight is None or self.qk_weight.device != hidden.device:
-                self.qk_weight = torch.ones(self.head_dim, device=hidden.device)
-            normed = F.rms_norm(hidden, (hidden.shape[-1],), self.weights[0].norm1, self.shape.norm_eps).to(dtype)
-            cos, sin = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
-            for index, weights in enumerate(self.weights):
-                next_norm = self.weights[index + 1].norm1 if index + 1 < len(self.weights) else None
-                normed = fused_block_forward(hidden, normed, weights, next_norm, self.qk_weight, cos, sin, self.shape)
+            hidden = self.fused_blocks(hidden.float(), cos, sin, dtype)
         hidden = decoder.proj_out(decoder.norm_out(hidden).to(decoder.proj_out.weight.dtype))[:, :patches]
         p, pt = decoder.patch_size, decoder.patch_size_t
         hidden = hidden.view(batch, frames, height, width, decoder.out_channels, pt, p, p)
