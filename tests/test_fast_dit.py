@@ -137,6 +137,19 @@ def test_bf16_keeps_fp32_modules_and_tracks_diffusers(checkpoint):
     assert_matches(fast, reference, layout_inputs(), tolerance=BF16_TOLERANCE)
 
 
+@pytest.mark.parametrize("table", [False, True])
+def test_bf16_t2va_equals_diffusers_bit_for_bit(checkpoint, table):
+    """The kernels' torch references (what runs off CUDA) round where diffusers rounds, the fused projections give
+    its numbers, and a table group built for the forward's own timesteps gives its modulation rows: no tolerance."""
+    inputs = layout_inputs(keyframes=())
+    fast = FastH3Transformer.from_pretrained(checkpoint, dtype=torch.bfloat16,
+                                             adaln_timesteps=(inputs["timestep"].tolist(),) if table else None)
+    assert (fast.transformer_blocks[0].adaln_proj is None) == table
+    reference = MiniMaxH3Transformer3DModel.from_pretrained(checkpoint, torch_dtype=torch.bfloat16).eval()
+    for actual, expected in zip(fast(**inputs), reference_outputs(reference, inputs)):
+        assert torch.equal(actual, expected)
+
+
 def test_unknown_checkpoint_tensor_errors(tmp_path):
     from safetensors.torch import save_file
 
