@@ -90,8 +90,15 @@ class Worker:
             preset, found = self.preset()
             repo = ModelRepo(self.job["model"] or ensure_tiny_model())
         job = self.job
-        return render_pending(share, Path(job["output"]), job["save_latents"], preset, found, repo, reporter,
-                              job["force"], group, leader)
+        results = render_pending(share, Path(job["output"]), job["save_latents"], preset, found, repo, reporter,
+                                 job["force"], group, leader)
+        if group is not None:
+            import torch.distributed as dist
+
+            # A collective can return on one rank before its messages are through (gloo's gather on the sender);
+            # the group meets before any of its ranks tears the process group down.
+            dist.barrier(group=group)
+        return results
 
     def report(self, layout: Layout, pending: list, finished: list, share: list, group) -> int:
         """Rank 0: render its own group's share while a thread replays the other groups' events; then the

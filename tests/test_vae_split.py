@@ -45,7 +45,7 @@ def rank_main(rank, world, init_file, model_dir, out_dir):
             else:
                 assert clip.frames is None and clip.audio is None
         # gloo's gather returns on the sending rank before the send is through; tearing the group down then can
-        # abort the process.
+        # abort the process, so the ranks meet first.
         dist.barrier()
     finally:
         dist.destroy_process_group()
