@@ -42,7 +42,6 @@ class BlockShape(NamedTuple):
     norm_eps: float
     qk_eps: float
     backend: str
-    triton_swiglu: bool  # eager on CUDA; a compiled block lets inductor fuse the reference instead
 
 
 def fuse_qkv(attn) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +72,8 @@ def rotate(x, cos, sin):
 
 
 def block_forward(hidden, w: BlockWeights, cos, sin, shape: BlockShape):
-    """One decoder block on (B, L, dim); `cos`/`sin` (1, L, 1, 1, rotary_dim) in the compute dtype."""
+    """One decoder block on (B, L, dim) in torch ops, the form `compile = true` hands to inductor; `cos`/`sin`
+    (1, L, 1, 1, rotary_dim) in the compute dtype."""
     dtype, dim = w.qkv_weight.dtype, hidden.shape[-1]
     normed = F.rms_norm(hidden.float(), (dim,), w.norm1, shape.norm_eps).to(dtype)
     qkv = F.linear(normed, w.qkv_weight, w.qkv_bias).unflatten(-1, (3, shape.heads, -1))
@@ -84,7 +84,7 @@ def block_forward(hidden, w: BlockWeights, cos, sin, shape: BlockShape):
     hidden = torch.addcmul(hidden.float(), F.linear(attended, w.out_weight, w.out_bias), w.scale1)
     normed = F.rms_norm(hidden, (dim,), w.norm2, shape.norm_eps).to(dtype)
     up_gate = F.linear(normed, w.up_gate_weight, w.up_gate_bias)
-    activated = swiglu(up_gate) if shape.triton_swiglu else swiglu_reference(up_gate)
+    activated = swiglu_reference(up_gate)  # the compiled block: inductor fuses it
     return torch.addcmul(hidden, F.linear(activated, w.down_weight, w.down_bias), w.scale2)
 
 
@@ -115,7 +115,7 @@ class FastViTDecoder:
         blocks = decoder.transformer_blocks
         self.weights = [block_weights(block) for block in blocks]
         attn = blocks[0].attn
-        self.shape = BlockShape(attn.heads, blocks[0].norm1.eps, attn.norm_q.eps, backend, not compile)
+        self.shape = BlockShape(attn.heads, blocks[0].norm1.eps, attn.norm_q.eps, backend)
         self.head_dim = attn.dim_head
         self.rotary_tables = {}
         # Compiled: inductor fuses `block_forward`'s reference ops. Eager: h3gen's fused kernels.
