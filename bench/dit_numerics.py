@@ -76,9 +76,8 @@ def h3gen_ops(block, s, x, modulation, index, cos, sin, ops, backend):
     rows["modulation"] = differ(modulation.index_select(0, index), s["row_modulation"])
     rows["h1 (rmsnorm_modulate)"] = differ(ops.rmsnorm_modulate(x, block.norm1.weight, block.norm1.eps, modulation,
                                                                 index, 0, 1), s["h1"])
-    qkv = F.linear(s["h1"], qkv_weight)
-    rows["qkv (fused GEMM)"] = differ(qkv, torch.cat([s[n].flatten(2) for n in "qkv"], dim=-1))
     exact_qkv = torch.cat([s[n].flatten(2) for n in "qkv"], dim=-1)
+    rows["qkv (fused GEMM)"] = differ(F.linear(s["h1"], qkv_weight), exact_qkv)
     q, k, v = ops.qk_norm_rope(exact_qkv, attn.heads, attn.norm_q.weight, attn.norm_k.weight, attn.norm_q.eps,
                                cos, sin)
     rows["q (qk_norm_rope)"], rows["k (qk_norm_rope)"] = differ(q, s["q_rope"]), differ(k, s["k_rope"])
