@@ -1,7 +1,7 @@
 """Full-size MiniMax-H3 video VAE decode on one GPU: diffusers' decode against h3gen's `fast` stage, random weights.
 
 Usage (diffusers importable; h3gen is imported from this checkout if not installed):
-    python3 bench/vae_gpu_check.py -o vae_gpu_check.json [--tiny] [--only=NAME,...]
+    python3 bench/vae_gpu_check.py -o vae_gpu_check.json [--tiny] [--only=NAME,...] [--profile=NAME,...]
 Builds AutoencoderKLMiniMaxH3 at full size (2.6 B params, bf16 with the checkpoint's fp32 islands) with random
 weights, decodes random latents of the 10 s 1344x768 clip (1, 24, 72, 48, 84), and for each variant prints and
 records: seconds from latents to uint8 frames in host memory, peak GPU memory, and the max / mean absolute
@@ -230,6 +230,30 @@ def run_variant(bench, vae, latents, name, config, reference, decoders):
     bench.record("uint8_mean_abs", difference[1], name)
 
 
+# Kernel families by name: cuBLAS GEMMs, attention (cuDNN, flash), h3gen's Triton kernels; the rest is "other".
+KERNEL_FAMILIES = (("gemm", ("nvjet", "gemm", "xmma")), ("attention", ("flash", "fmha", "cudnn", "sdpa")),
+                   ("triton", ("_kernel",)))
+
+
+def profile_variant(bench, vae, latents, name, config, decoders):
+    """Where one decode's device time goes: totals per kernel family, and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = bench.device.type == "cuda"  # the CPU dry run profiles host ops instead
+    seconds = (lambda e: e.device_time_total / 1e6) if cuda else (lambda e: e.self_cpu_time_total / 1e6)
+    stage = fast_stage(bench, vae, config, decoders)
+    with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        bench.timed(lambda: stage.decode_frames(latents).wait())
+    rows = sorted(prof.key_averages(), key=seconds, reverse=True)
+    families = {}
+    for event in rows:
+        family = next((f for f, keys in KERNEL_FAMILIES if any(k in event.key for k in keys)), "other")
+        families[family] = families.get(family, 0.0) + seconds(event)
+    bench.record("profile_s", {f: round(s, 3) for f, s in families.items()}, name)
+    bench.record("profile_top", [dict(kernel=e.key[:80], s=round(seconds(e), 3), calls=e.count)
+                                 for e in rows[:12]], name)
+
+
 def frames_difference(bench, frames, reference):
     """Max and mean |a - b| of two uint8 (T, H, W, 3) host arrays, frame chunk by frame chunk on the device."""
     largest, total = 0, 0
@@ -255,6 +279,7 @@ def main():
     parser.add_argument("-o", "--output", required=True, help="where the JSON results go")
     parser.add_argument("--tiny", action="store_true", help="tiny config on the CPU, a dry run")
     parser.add_argument("--only", default="", help="comma-separated variant names (diffusers always runs)")
+    parser.add_argument("--profile", default="", help="comma-separated variant names: one decode's CUDA kernels")
     args = parser.parse_args()
     import_h3gen()
     bench = Bench(args)
@@ -283,6 +308,8 @@ def main():
             continue
         try:
             run_variant(bench, vae, latents, name, variants[name], reference, decoders)
+            if name in args.profile.split(","):
+                profile_variant(bench, vae, latents, name, variants[name], decoders)
         except Exception as error:  # out of memory, a backend missing: record it and go on
             bench.record("error", f"{type(error).__name__}: {str(error)[:300]}", name)
             traceback.print_exc()
