@@ -67,10 +67,15 @@ def run_batch(plan: BenchPlan, registry, source, random_weights: str | None, cli
         if base and record.get("clips_per_hour"):
             record["vs_baseline"] = round(record["clips_per_hour_full"] / base["clips_per_hour_full"], 3)
             # The baseline on this preset's own schedule: its measured seconds per forward and per clip beyond them.
-            same = 3600 / (record["full_forwards"] * base["per_forward_s"] + base["extra_per_clip_s"]
-                           + base["encode_s"] / base["clips"])
+            same = clips_per_hour(record["full_forwards"], base["per_forward_s"], base["extra_per_clip_s"],
+                                  base["encode_s"] / base["clips"])
             record["vs_baseline_same_forwards"] = round(record["clips_per_hour_full"] / same, 3)
     return records
+
+
+def clips_per_hour(forwards: int, per_forward_s: float, extra_per_clip_s: float, encode_per_clip_s: float) -> float:
+    """Clips an hour at `forwards` DiT forwards a clip, from measured per-forward and per-clip costs."""
+    return 3600 / (forwards * per_forward_s + extra_per_clip_s + encode_per_clip_s)
 
 
 def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards: int, baseline: bool, say) -> dict:
@@ -103,7 +108,7 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
                 mux_s_per_clip=round(sum(s.get("mux", 0.0) for s in per_clip) / len(per_clip), 3),
                 extra_per_clip_s=round(extra, 3), clips_per_hour=round(3600 * len(results) / wall, 1),
                 full_forwards=full_forwards,
-                clips_per_hour_full=round(3600 / (full_forwards * per_forward + extra + encode / len(results)), 1),
+                clips_per_hour_full=round(clips_per_hour(full_forwards, per_forward, extra, encode / len(results)), 1),
                 notes=f"{forwards} forward(s) per clip timed; clips_per_hour_full uses {full_forwards}")
 
 

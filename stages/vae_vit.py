@@ -116,11 +116,11 @@ class FastViTDecoder:
         self.weights = [block_weights(block) for block in blocks]
         attn = blocks[0].attn
         self.shape = BlockShape(attn.heads, blocks[0].norm1.eps, attn.norm_q.eps, backend)
-        self.head_dim = attn.dim_head
         self.rotary_tables = {}
         # Compiled: inductor fuses `block_forward`'s reference ops. Eager: h3gen's fused kernels.
         self.block = torch.compile(block_forward, dynamic=False) if compile else None
-        self.qk_weight = None
+        # The decoder's Q/K norms have no weight: the fused kernel gets ones.
+        self.qk_weight = torch.ones(attn.dim_head, device=self.weights[0].qkv_weight.device)
 
     def rotary(self, frames: int, height: int, width: int, device, dtype):
         """cos, sin for one tile's token grid plus the register and zero tokens (all at position 0)."""
@@ -139,8 +139,6 @@ class FastViTDecoder:
 
     def fused_blocks(self, hidden, cos, sin, dtype):
         """Every block on the float32 residual stream `hidden`, updated in place (and returned)."""
-        if self.qk_weight is None or self.qk_weight.device != hidden.device:
-            self.qk_weight = torch.ones(self.head_dim, device=hidden.device)
         normed = F.rms_norm(hidden, (hidden.shape[-1],), self.weights[0].norm1, self.shape.norm_eps).to(dtype)
         cos, sin = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
         for index, weights in enumerate(self.weights):
