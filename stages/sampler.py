@@ -70,11 +70,22 @@ class EulerSampler(Stage):
     description = "rectified-flow Euler over diffusers' MiniMaxH3Transformer3DModel (the reference DiT)"
     group = None  # the process group the DiT is sequence-parallel over, once `parallelize` has run
 
-    def load(self, repo):
-        if len(self.config.sigma_positions) == 1 or (not self.config.sigma_positions and self.config.steps < 2):
+    def __init__(self, config, runtime):
+        super().__init__(config, runtime)
+        self.check_config()
+
+    def check_config(self):
+        """The preset's sampler values, refused as the stage is built: before any weight loads or file is claimed."""
+        config = self.config
+        if len(config.sigma_positions) == 1 or (not config.sigma_positions and config.steps < 2):
             raise UsageError("the sigma grid needs at least 2 points", "set sampler.steps >= 2")
-        if self.config.dit not in ("h3gen", "diffusers"):
-            raise UsageError(f"unknown sampler.dit '{self.config.dit}'", "choose diffusers or h3gen")
+        if config.dit not in ("h3gen", "diffusers"):
+            raise UsageError(f"unknown sampler.dit '{config.dit}'", "choose diffusers or h3gen")
+        if config.ffn_chunk_rows < 0:
+            raise UsageError(f"sampler.ffn_chunk_rows is {config.ffn_chunk_rows}",
+                             "set it to 0 (all rows at once) or a positive row count")
+
+    def load(self, repo):
         self.repo, self.partition = repo, None
         self.use_partition("transformer")
 

@@ -90,6 +90,19 @@ def test_bad_preset_file_is_refused(prompts_file, tmp_path, change, message):
     refused(h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--preset", preset), message)
 
 
+@pytest.mark.parametrize("line, message", [
+    ("ffn_chunk_rows = -1", "sampler.ffn_chunk_rows is -1 (set it to 0 (all rows at once) or a positive row count)"),
+    ('dit = "fancy"', "unknown sampler.dit 'fancy' (choose diffusers or h3gen)"),
+])
+def test_bad_sampler_value_is_refused_before_any_weight_loads(prompts_file, tmp_path, line, message):
+    """Values of a stage's own section are checked as the stage is built, before it loads or claims a clip."""
+    preset = tmp_path / "bad.toml"
+    preset.write_text(TINY_PRESET.replace("[sampler]\n", f"[sampler]\n{line}\n"))
+    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--preset", preset, check_code=2)
+    assert result.stderr.strip().splitlines()[-1] == f"h3gen: error: {message}"
+    assert not list((tmp_path / "out").glob("**/*.mp4"))
+
+
 def test_preset_naming_a_python_object_imports_nothing(prompts_file, tmp_path):
     """`use` is looked up among registered stage names only; a module path is never imported."""
     site, marker = tmp_path / "site", tmp_path / "imported"
