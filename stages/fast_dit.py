@@ -59,6 +59,8 @@ class FastH3Transformer(nn.Module):
             self.ops = TRITON_OPS if use_triton else REFERENCE_OPS
         if adaln_table is not None:
             self.adaln_table = adaln_table
+        if ffn_chunk_rows is not None and ffn_chunk_rows < 0:
+            raise ValueError(f"ffn_chunk_rows must be 0 (all rows at once) or more, got {ffn_chunk_rows}")
         if attention_backend is not None:
             attention_backend_name("cpu", attention_backend)  # rejects unknown names early
             self.attention_backend = attention_backend

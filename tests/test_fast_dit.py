@@ -184,3 +184,5 @@ def test_feed_forward_over_row_chunks_matches_diffusers(checkpoint, reference):
     fast = FastH3Transformer.from_pretrained(checkpoint, dtype=torch.float32, ffn_chunk_rows=7)
     assert inputs["position_ids"].shape[0] > 2 * 7 and all(b.ff.chunk_rows == 7 for b in fast.transformer_blocks)
     assert_matches(fast, reference, inputs)
+    with pytest.raises(ValueError, match="ffn_chunk_rows must be 0"):
+        fast.configure(ffn_chunk_rows=-1)
