@@ -7,7 +7,8 @@ draws them), runs the 10 s layout's block 0 op by op the way diffusers' forward 
 ops the very same inputs and prints, per op, the relative L2 error and the fraction of values that differ at all.
 So a difference is pinned to one op and not smeared through the block. Both op sets (torch references and Triton
 kernels) and both modulation sources (rows computed per call and the precomputed table) are checked.
---gemm also times the block's four GEMM shapes with the weight as stored (x @ W^T) and transposed once (x @ W).
+--gemm also times the block's four GEMM shapes with the weight as stored (x @ W^T), transposed once (x @ W), and
+(on CUDA) with TunableOp picking among the BLAS libraries' candidates.
 Results: $OUT/dit_numerics.json.
 """
 import copy
@@ -118,6 +119,14 @@ def gemm_layouts(tiny):
             _, seconds = check.timed(lambda: [fn() for _ in range(10)])
             row[label] = dict(ms=round(seconds / 10 * 1e3, 2), tflops=round(flop * 10 / seconds / 1e12, 1))
         row["equal"] = bool(torch.equal(F.linear(x, w), x @ wt))
+        if check.DEVICE.type == "cuda":  # TunableOp: the fastest of the BLAS libraries' candidates for this shape
+            torch.cuda.tunable.enable(True)
+            torch.cuda.tunable.tuning_enable(True)
+            tuned = F.linear(x, w)
+            _, seconds = check.timed(lambda: [F.linear(x, w) for _ in range(10)])
+            torch.cuda.tunable.enable(False)
+            row["x@W^T_tunableop"] = dict(ms=round(seconds / 10 * 1e3, 2), tflops=round(flop * 10 / seconds / 1e12, 1),
+                                          equal=bool(torch.equal(tuned, F.linear(x, w))))
         log(f"gemm_{name}", row)
 
 
