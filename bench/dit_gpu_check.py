@@ -245,24 +245,9 @@ def phase_attention():
                                                                  / expected.float().norm())))
         except Exception as exc:  # an optional backend may be missing on this machine
             log(f"attention_{name}_error", repr(exc)[:300])
-    projection_views(q, k, v, expected)
     if DEVICE.type == "cuda":
         flash_attn_4_tiles(q, k, v, expected)
         fp8_attention_configs(q, k, v, expected)
-
-
-def projection_views(q, k, v, expected):
-    """Attention on q, k, v handed over as the DiT's fused projection holds them: views with a 3x row stride."""
-    from h3gen.kernels.attention import attention
-
-    qkv = torch.cat([t.flatten(2) for t in (q, k, v)], dim=-1)
-    views = [t.unflatten(-1, q.shape[-2:]) for t in qkv.chunk(3, dim=-1)]
-    for name in ("sdpa",) if TINY else ("flash-attn-4", "sdpa-cudnn"):
-        try:
-            log(f"attention_{name}_projection_views", attention_row(lambda: attention(*views, name), expected,
-                                                                    q.shape[1]))
-        except Exception as exc:
-            log(f"attention_{name}_projection_views_error", repr(exc)[:300])
 
 
 def attention_row(run, expected, seq_len):
@@ -359,24 +344,21 @@ def run_fast(config, inputs, schedule, reference, outputs):
                 ("fused+triton+table", dict(use_triton=True, adaln_table=True, attention_backend=cudnn))]
     if fa4:
         variants.append(("fused+triton+table+fa4", dict(use_triton=True, adaln_table=True, attention_backend=fa4)))
-        variants.append(("table+fa4+contiguous", dict(use_triton=True, adaln_table=True, attention_backend=fa4,
-                                                      contiguous_qkv=True)))
         if results.get("flash_attn_4_best_tile"):
             variants += ["fa4-best-tile", ("table+fa4-best-tile", dict(use_triton=True, adaln_table=True,
                                                                         attention_backend=fa4))]
     best_attention = fa4 or cudnn
     # FP8 attention on bf16 linears, then FP8 linears (the swap is for good: these come after every bf16 variant).
     fp8_attention = ["triton-fp8"] + ([] if TINY else ["cudnn-fp8"])
-    variants += [(f"table+{name}", dict(use_triton=True, adaln_table=True, attention_backend=name,
-                                        contiguous_qkv=False)) for name in fp8_attention]
+    variants += [(f"table+{name}", dict(use_triton=True, adaln_table=True, attention_backend=name))
+                 for name in fp8_attention]
     # FP8 runs as the FP8 presets do: the feed-forward over 16k-row passes, for the memory budget.
     chunk = 8 if TINY else 16384
     variants += ["fp8-linears", (f"fp8+table+{best_attention}", dict(use_triton=True, adaln_table=True,
                                                                        attention_backend=best_attention,
-                                                                       ffn_chunk_rows=chunk, contiguous_qkv=False)),
-                 (f"fp8+table+{best_attention}+contiguous", dict(contiguous_qkv=True))]
+                                                                       ffn_chunk_rows=chunk))]
     variants += [(f"fp8+table+{name}", dict(use_triton=True, adaln_table=True, attention_backend=name,
-                                            ffn_chunk_rows=chunk, contiguous_qkv=False)) for name in fp8_attention]
+                                            ffn_chunk_rows=chunk)) for name in fp8_attention]
     if not TINY:  # inductor on the CPU needs a C++ toolchain; the dry run skips compilation
         variants += [("compile+table", dict(use_triton=False, compile_blocks=True, attention_backend=best_attention)),
                      ("compile+triton+table", dict(use_triton=True, attention_backend=best_attention))]

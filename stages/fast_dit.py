@@ -3,8 +3,7 @@
 Switches, each measurable on its own: `use_triton` (fused norm/modulate, QK-norm+RoPE, SwiGLU, gated residual),
 `adaln_table` (modulation rows read from tables built by `precompute_adaln`), `compile_blocks` (regional
 torch.compile of each block), `attention_backend` ("auto" or a name from `h3gen.kernels.attention.BACKENDS`),
-`ffn_chunk_rows` (the feed-forward over row chunks, for memory), `contiguous_qkv` (q, k, v in tensors of their own
-for attention rather than views of the fused projection).
+`ffn_chunk_rows` (the feed-forward over row chunks, for memory).
 """
 import torch
 import torch.nn as nn
@@ -33,7 +32,7 @@ class FastH3Transformer(nn.Module):
     h3gen_loader = True
 
     def __init__(self, config: H3DiTConfig, use_triton=True, adaln_table=True, compile_blocks=False,
-                 attention_backend="auto", ffn_chunk_rows=0, contiguous_qkv=False):
+                 attention_backend="auto", ffn_chunk_rows=0):
         super().__init__()
         self.config = cfg = config
         self.proj_in = nn.Linear(cfg.video_patch_dim, cfg.hidden_size)
@@ -50,10 +49,10 @@ class FastH3Transformer(nn.Module):
         self.register_buffer("adaln_timesteps", None, persistent=False)
         self.adaln_groups = {}  # a group's values (one forward's `timestep`) -> its first row in the tables
         self.compile_blocks = False
-        self.configure(use_triton, adaln_table, compile_blocks, attention_backend, ffn_chunk_rows, contiguous_qkv)
+        self.configure(use_triton, adaln_table, compile_blocks, attention_backend, ffn_chunk_rows)
 
     def configure(self, use_triton=None, adaln_table=None, compile_blocks=None, attention_backend=None,
-                  ffn_chunk_rows=None, contiguous_qkv=None):
+                  ffn_chunk_rows=None):
         """Flip switches on a built model (None keeps a switch as it is); regional compilation cannot be undone."""
         if use_triton is not None:
             self.use_triton = use_triton
@@ -69,8 +68,6 @@ class FastH3Transformer(nn.Module):
             block.ops, block.attention_backend = self.ops, self.attention_backend
             if ffn_chunk_rows is not None:
                 block.ff.chunk_rows = ffn_chunk_rows
-            if contiguous_qkv is not None:
-                block.attn.contiguous_qkv = contiguous_qkv
         if compile_blocks is not None and compile_blocks != self.compile_blocks:
             if not compile_blocks:
                 raise ValueError("compiled blocks cannot be uncompiled; build a new model with compile_blocks=False")

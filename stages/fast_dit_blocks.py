@@ -60,19 +60,13 @@ class FusedAttention(nn.Module):
         self.norm_q = nn.RMSNorm(head_dim, eps=qk_norm_eps)
         self.norm_k = nn.RMSNorm(head_dim, eps=qk_norm_eps)
         self.to_out = nn.Linear(heads * head_dim, hidden_size, bias=False)
-        # q, k, v in tensors of their own, not views with the projection's row stride: the attention kernel reads
-        # them faster, at the cost of one more copy of them at the peak.
-        self.contiguous_qkv = False
 
     def forward(self, x, cos, sin, ops, backend):
         qkv = self.to_qkv(x)
         del x  # a caller that passes the normed rows straight in gets them freed before attention
-        # q and k are normalized and rotated where the kernel runs: over their own columns of the projection, or
-        # into tensors of their own.
+        # q and k are normalized and rotated over their own columns of the projection, where the kernel runs.
         q, k, v = ops.qk_norm_rope(qkv, self.heads, self.norm_q.weight, self.norm_k.weight, self.norm_q.eps, cos,
-                                   sin, in_place=not self.contiguous_qkv)
-        if self.contiguous_qkv:
-            v = v.contiguous()
+                                   sin, in_place=True)
         del qkv
         attended = self.attend(q, k, v, backend).flatten(2, 3).type_as(q)
         del q, k, v  # the projection is freed before the output GEMM

@@ -34,7 +34,6 @@ class EulerConfig:
     compile: bool = False  # h3gen DiT: regional torch.compile of each block
     attention: str = "auto"  # h3gen DiT: auto, flash-attn-4, sdpa-cudnn, sdpa-flash, sdpa, triton-fp8, cudnn-fp8
     ffn_chunk_rows: int = 0  # h3gen DiT: feed-forward over chunks of this many rows (0: all), less peak memory
-    contiguous_qkv: bool = False  # h3gen DiT: q, k, v copied out of the projection for attention (more peak memory)
 
 
 def sigma_schedule(config: EulerConfig, shift: float):
@@ -155,7 +154,7 @@ class EulerSampler(Stage):
         dit = self.repo.load(partition, FastH3Transformer, dtype=self.runtime.dtype, device=self.runtime.device,
                              adaln_timesteps=timesteps, use_triton=config.triton, adaln_table=config.adaln_table,
                              compile_blocks=config.compile, attention_backend=config.attention,
-                             ffn_chunk_rows=config.ffn_chunk_rows, contiguous_qkv=config.contiguous_qkv,
+                             ffn_chunk_rows=config.ffn_chunk_rows,
                              # adapters are added per checkpoint tensor, before Q, K, V are fused and the AdaLN
                              # tables built
                              checkpoint_tensor=lambda key, tensor: quant.checkpoint_tensor("dit", key, tensor))

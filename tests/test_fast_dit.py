@@ -186,14 +186,3 @@ def test_feed_forward_over_row_chunks_matches_diffusers(checkpoint, reference):
     assert_matches(fast, reference, inputs)
     with pytest.raises(ValueError, match="ffn_chunk_rows must be 0"):
         fast.configure(ffn_chunk_rows=-1)
-
-
-def test_contiguous_qkv_matches_diffusers(checkpoint, reference):
-    inputs = layout_inputs()
-    fast = FastH3Transformer.from_pretrained(checkpoint, dtype=torch.float32, contiguous_qkv=True)
-    assert all(block.attn.contiguous_qkv for block in fast.transformer_blocks)
-    seen, attn = [], fast.transformer_blocks[0].attn
-    attend = attn.attend
-    attn.attend = lambda q, k, v, backend: seen.append((q, k, v)) or attend(q, k, v, backend)
-    assert_matches(fast, reference, inputs)
-    assert seen and all(t.is_contiguous() for t in seen[0])
