@@ -342,8 +342,13 @@ def run_fast(config, inputs, schedule, reference, outputs):
                 ("fused+triton", dict(use_triton=True, adaln_table=False, attention_backend=cudnn)),
                 "precompute",
                 ("fused+triton+table", dict(use_triton=True, adaln_table=True, attention_backend=cudnn))]
+    # Norm statistics from torch: with diffusers' own attention pick the forward should be bit-equal to diffusers'.
+    variants.append(("table+sdpa+exact-norms", dict(use_triton=True, adaln_table=True, attention_backend="sdpa",
+                                                    exact_norms=True)))
     if fa4:
         variants.append(("fused+triton+table+fa4", dict(use_triton=True, adaln_table=True, attention_backend=fa4)))
+        variants.append(("table+fa4+exact-norms", dict(use_triton=True, adaln_table=True, attention_backend=fa4,
+                                                       exact_norms=True)))
         if results.get("flash_attn_4_best_tile"):
             variants += ["fa4-best-tile", ("table+fa4-best-tile", dict(use_triton=True, adaln_table=True,
                                                                         attention_backend=fa4))]
@@ -385,7 +390,7 @@ def run_fast(config, inputs, schedule, reference, outputs):
                 model.configure(compile_blocks=True)
             continue
         try:
-            model.configure(**switches)
+            model.configure(**{"exact_norms": False, **switches})
             out, seconds = warm_then_time(model, inputs, lambda m, kw: m(**kw))
             row = dict(seconds=round(seconds, 2), tflops=round(flop / seconds / 1e12, 1),
                        peak_GiB=peak_gib(model.resident_bytes()),

@@ -5,8 +5,9 @@ Usage (diffusers importable; h3gen from this checkout if not installed):
 Builds diffusers' MiniMaxH3Transformer3DModel with two blocks at full width (random weights as dit_gpu_check.py
 draws them), runs the 10 s layout's block 0 op by op the way diffusers' forward does, then feeds each of h3gen's
 ops the very same inputs and prints, per op, the relative L2 error and the fraction of values that differ at all.
-So a difference is pinned to one op and not smeared through the block. Both op sets (torch references and Triton
-kernels) and both modulation sources (rows computed per call and the precomputed table) are checked.
+So a difference is pinned to one op and not smeared through the block. The three op sets (torch references, Triton
+kernels, Triton kernels handed torch's norm statistics) and both modulation sources (rows computed per call and the
+precomputed table) are checked.
 --gemm also times the block's four GEMM shapes with the weight as stored (x @ W^T), transposed once (x @ W), and
 (on CUDA) with TunableOp picking among the BLAS libraries' candidates.
 Results: $OUT/dit_numerics.json.
@@ -140,7 +141,7 @@ def main():
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     from h3gen.stages.fast_dit import FastH3Transformer
-    from h3gen.stages.fast_dit_blocks import REFERENCE_OPS, TRITON_OPS, rotary_angles
+    from h3gen.stages.fast_dit_blocks import EXACT_NORM_OPS, REFERENCE_OPS, TRITON_OPS, rotary_angles
 
     if "--gemm" in sys.argv:
         gemm_layouts(tiny)
@@ -181,8 +182,8 @@ def main():
                                            s["attended"]))
         except Exception as exc:
             log(f"attended_{name}_error", repr(exc)[:200])
-    for ops_name, ops in (("torch", REFERENCE_OPS), ("triton", TRITON_OPS)):
-        if tiny and ops_name == "triton":
+    for ops_name, ops in (("torch", REFERENCE_OPS), ("triton", TRITON_OPS), ("triton_exact_norms", EXACT_NORM_OPS)):
+        if tiny and ops_name != "torch":
             continue
         log(f"ops_{ops_name}_rows", h3gen_ops(block, s, x, s["modulation"], index, cos, sin, ops, backend))
         log(f"ops_{ops_name}_table", h3gen_ops(block, s, x, table, table_index, cos, sin, ops, backend)

@@ -19,9 +19,10 @@ def apply_rotary_reference(x, cos, sin):
     return torch.cat((rotary * cos + rotated * sin, passed), dim=-1)
 
 
-def qk_norm_rope_reference(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False):
+def qk_norm_rope_reference(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, rstd=None):
     """`qkv` (B, L, 3 * heads * head_dim) -> q, k, v each (B, L, heads, head_dim); v is a view. With `in_place` the
-    kernel writes q and k over their own columns of `qkv` (all three are views then); the reference never does."""
+    kernel writes q and k over their own columns of `qkv` (all three are views then); the reference never does.
+    `rstd`, (q's, k's) statistic as torch computes it (`kernels.norm_statistic.torch_rstd`), is for the kernel."""
     q, k, v = (t.unflatten(-1, (heads, -1)) for t in qkv.chunk(3, dim=-1))
     head_dim = q.shape[-1]
     q = F.rms_norm(q, (head_dim,), q_weight, eps)
@@ -32,17 +33,20 @@ def qk_norm_rope_reference(qkv, heads, q_weight, k_weight, eps, cos=None, sin=No
 
 
 @triton.jit
-def _qk_norm_rope_kernel(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr,
+def _qk_norm_rope_kernel(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, rstd_ptr, out_ptr,
                          seq_len, heads, qkv_row_stride, source_offset, out_row_stride, out_offset, eps,
                          HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, HEADS_BLOCK: tl.constexpr,
-                         HAS_ROPE: tl.constexpr):
+                         HAS_ROPE: tl.constexpr, HAS_RSTD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)
     dim = tl.arange(0, HEAD_DIM)
     mask = (head < heads)[:, None]
     src = qkv_ptr + row * qkv_row_stride + source_offset + head[:, None] * HEAD_DIM
     x = tl.load(src + dim[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+    if HAS_RSTD:
+        rstd = tl.load(rstd_ptr + row * heads + head, mask=head < heads, other=1.0)[:, None]
+    else:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
     dtype = out_ptr.dtype.element_ty
     out = x * rstd * tl.load(weight_ptr + dim).to(tl.float32)[None, :]
     if HAS_ROPE:
@@ -66,7 +70,8 @@ def _qk_norm_rope_kernel(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr,
     tl.store(dst, out.to(dtype), mask=mask)
 
 
-def qk_norm_rope_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, heads_block=8):
+def qk_norm_rope_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, rstd=None,
+                        heads_block=8):
     qkv = qkv.contiguous()
     inner = qkv.shape[-1] // 3
     head_dim = inner // heads
@@ -81,20 +86,24 @@ def qk_norm_rope_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None,
     rotary_dim = cos.shape[-1] if has_rope else 0
     grid = (rows, triton.cdiv(heads, heads_block))
     outputs = []
-    for offset, weight in ((0, q_weight), (inner, k_weight)):
+    q_rstd, k_rstd = rstd if rstd is not None else (None, None)
+    for offset, weight, statistic in ((0, q_weight, q_rstd), (inner, k_weight, k_rstd)):
+        if statistic is not None:
+            assert statistic.dtype == torch.float32 and statistic.numel() == rows * heads
+            statistic = statistic.contiguous()
         if in_place:
             out, out_row_stride, out_offset = qkv, qkv.shape[-1], offset
         else:
             out, out_row_stride, out_offset = qkv.new_empty((*qkv.shape[:-1], heads, head_dim)), inner, 0
-        _qk_norm_rope_kernel[grid](qkv, weight, cos, sin, out, seq_len, heads, qkv.shape[-1], offset,
-                                   out_row_stride, out_offset, eps,
+        _qk_norm_rope_kernel[grid](qkv, weight, cos, sin, statistic if statistic is not None else weight, out,
+                                   seq_len, heads, qkv.shape[-1], offset, out_row_stride, out_offset, eps,
                                    HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, HEADS_BLOCK=heads_block,
-                                   HAS_ROPE=has_rope, num_warps=4, **NO_FMA)
+                                   HAS_ROPE=has_rope, HAS_RSTD=statistic is not None, num_warps=4, **NO_FMA)
         outputs.append(qkv[..., offset:offset + inner].unflatten(-1, (heads, head_dim)) if in_place else out)
     v = qkv[..., 2 * inner:].unflatten(-1, (heads, head_dim))
     return outputs[0], outputs[1], v
 
 
-def qk_norm_rope(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False):
+def qk_norm_rope(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, rstd=None):
     fn = qk_norm_rope_triton if qkv.is_cuda else qk_norm_rope_reference
-    return fn(qkv, heads, q_weight, k_weight, eps, cos, sin, in_place)
+    return fn(qkv, heads, q_weight, k_weight, eps, cos, sin, in_place, rstd)

@@ -7,8 +7,10 @@ import triton.language as tl
 from h3gen.kernels.rounding import NO_FMA
 
 
-def rmsnorm_modulate_reference(x, weight, eps, modulation=None, row_index=None, shift_chunk=0, scale_chunk=1):
-    """`x` (..., seq_len, hidden); `modulation` (rows, n_chunks * hidden); `row_index` (seq_len,) into it."""
+def rmsnorm_modulate_reference(x, weight, eps, modulation=None, row_index=None, shift_chunk=0, scale_chunk=1,
+                               rstd=None):
+    """`x` (..., seq_len, hidden); `modulation` (rows, n_chunks * hidden); `row_index` (seq_len,) into it. `rstd`
+    (torch's own statistic, `kernels.norm_statistic.torch_rstd`) is for the kernel: torch recomputes the same."""
     hidden = x.shape[-1]
     out = F.rms_norm(x, (hidden,), weight, eps)
     if modulation is None:
@@ -19,14 +21,17 @@ def rmsnorm_modulate_reference(x, weight, eps, modulation=None, row_index=None, 
 
 
 @triton.jit
-def _rmsnorm_modulate_kernel(x_ptr, weight_ptr, modulation_ptr, row_index_ptr, out_ptr,
+def _rmsnorm_modulate_kernel(x_ptr, weight_ptr, modulation_ptr, row_index_ptr, rstd_ptr, out_ptr,
                              seq_len, hidden, modulation_stride, shift_offset, scale_offset, eps,
-                             HAS_MODULATION: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_MODULATION: tl.constexpr, HAS_RSTD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    if HAS_RSTD:
+        rstd = tl.load(rstd_ptr + row)
+    else:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
     out = x * rstd * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_MODULATION:
         # Round where the reference's separate ops round (norm output, 1 + scale, product): tracking diffusers'
@@ -41,7 +46,8 @@ def _rmsnorm_modulate_kernel(x_ptr, weight_ptr, modulation_ptr, row_index_ptr, o
     tl.store(out_ptr + row * hidden + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rmsnorm_modulate_triton(x, weight, eps, modulation=None, row_index=None, shift_chunk=0, scale_chunk=1):
+def rmsnorm_modulate_triton(x, weight, eps, modulation=None, row_index=None, shift_chunk=0, scale_chunk=1,
+                            rstd=None):
     x = x.contiguous()
     hidden, seq_len = x.shape[-1], x.shape[-2]
     out = torch.empty_like(x)
@@ -50,14 +56,18 @@ def rmsnorm_modulate_triton(x, weight, eps, modulation=None, row_index=None, shi
         modulation, row_index = weight, weight  # never read
     else:
         assert modulation.stride(-1) == 1 and row_index.numel() == seq_len
+    if rstd is not None:
+        assert rstd.dtype == torch.float32 and rstd.numel() == x.numel() // hidden
+        rstd = rstd.contiguous()
     block = triton.next_power_of_2(hidden)
     _rmsnorm_modulate_kernel[(x.numel() // hidden,)](
-        x, weight, modulation, row_index, out,
+        x, weight, modulation, row_index, rstd if rstd is not None else weight, out,
         seq_len, hidden, modulation.stride(0), shift_chunk * hidden, scale_chunk * hidden, eps,
-        HAS_MODULATION=has_modulation, BLOCK=block, num_warps=min(16, max(1, block // 512)), **NO_FMA)
+        HAS_MODULATION=has_modulation, HAS_RSTD=rstd is not None, BLOCK=block,
+        num_warps=min(16, max(1, block // 512)), **NO_FMA)
     return out
 
 
-def rmsnorm_modulate(x, weight, eps, modulation=None, row_index=None, shift_chunk=0, scale_chunk=1):
+def rmsnorm_modulate(x, weight, eps, modulation=None, row_index=None, shift_chunk=0, scale_chunk=1, rstd=None):
     fn = rmsnorm_modulate_triton if x.is_cuda else rmsnorm_modulate_reference
-    return fn(x, weight, eps, modulation, row_index, shift_chunk, scale_chunk)
+    return fn(x, weight, eps, modulation, row_index, shift_chunk, scale_chunk, rstd)

@@ -3,14 +3,15 @@
 Switches, each measurable on its own: `use_triton` (fused norm/modulate, QK-norm+RoPE, SwiGLU, gated residual),
 `adaln_table` (modulation rows read from tables built by `precompute_adaln`), `compile_blocks` (regional
 torch.compile of each block), `attention_backend` ("auto" or a name from `h3gen.kernels.attention.BACKENDS`),
-`ffn_chunk_rows` (the feed-forward over row chunks, for memory).
+`ffn_chunk_rows` (the feed-forward over row chunks, for memory), `exact_norms` (with `use_triton`: each norm's
+statistic computed by torch, so the forward rounds as diffusers' does).
 """
 import torch
 import torch.nn as nn
 
 from h3gen.kernels.attention import attention_backend as attention_backend_name
-from h3gen.stages.fast_dit_blocks import (MODALITIES, REFERENCE_OPS, TRITON_OPS, H3Block, OutputNorm, RefinerBlock,
-                                          TimeEmbedding, rotary_angles, rotary_inv_freq)
+from h3gen.stages.fast_dit_blocks import (EXACT_NORM_OPS, MODALITIES, REFERENCE_OPS, TRITON_OPS, H3Block, OutputNorm,
+                                          RefinerBlock, TimeEmbedding, rotary_angles, rotary_inv_freq)
 from h3gen.stages.fast_dit_checkpoint import H3DiTConfig, SafetensorsCheckpoint, fuse, is_fp32_key, read_config
 
 # Timesteps are unscaled in [0, 1] and the highest sinusoid frequency is 1, so a 1e-6 mismatch moves the embedding
@@ -32,7 +33,7 @@ class FastH3Transformer(nn.Module):
     h3gen_loader = True
 
     def __init__(self, config: H3DiTConfig, use_triton=True, adaln_table=True, compile_blocks=False,
-                 attention_backend="auto", ffn_chunk_rows=0):
+                 attention_backend="auto", ffn_chunk_rows=0, exact_norms=False):
         super().__init__()
         self.config = cfg = config
         self.proj_in = nn.Linear(cfg.video_patch_dim, cfg.hidden_size)
@@ -48,15 +49,17 @@ class FastH3Transformer(nn.Module):
         self.audio_proj_out = nn.Linear(cfg.hidden_size, cfg.audio_in_channels)
         self.register_buffer("adaln_timesteps", None, persistent=False)
         self.adaln_groups = {}  # a group's values (one forward's `timestep`) -> its first row in the tables
-        self.compile_blocks = False
-        self.configure(use_triton, adaln_table, compile_blocks, attention_backend, ffn_chunk_rows)
+        self.compile_blocks, self.use_triton, self.exact_norms = False, use_triton, exact_norms
+        self.configure(use_triton, adaln_table, compile_blocks, attention_backend, ffn_chunk_rows, exact_norms)
 
     def configure(self, use_triton=None, adaln_table=None, compile_blocks=None, attention_backend=None,
-                  ffn_chunk_rows=None):
+                  ffn_chunk_rows=None, exact_norms=None):
         """Flip switches on a built model (None keeps a switch as it is); regional compilation cannot be undone."""
         if use_triton is not None:
             self.use_triton = use_triton
-            self.ops = TRITON_OPS if use_triton else REFERENCE_OPS
+        if exact_norms is not None:
+            self.exact_norms = exact_norms
+        self.ops = (EXACT_NORM_OPS if self.exact_norms else TRITON_OPS) if self.use_triton else REFERENCE_OPS
         if adaln_table is not None:
             self.adaln_table = adaln_table
         if ffn_chunk_rows is not None and ffn_chunk_rows < 0:

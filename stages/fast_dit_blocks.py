@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from h3gen.kernels.attention import attention
 from h3gen.kernels.gated_residual import gated_residual, gated_residual_reference
+from h3gen.kernels.norm_statistic import torch_rstd
 from h3gen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from h3gen.kernels.rmsnorm_modulate import rmsnorm_modulate, rmsnorm_modulate_reference
 from h3gen.kernels.swiglu import swiglu, swiglu_reference
@@ -19,6 +20,22 @@ REFERENCE_OPS = SimpleNamespace(rmsnorm_modulate=rmsnorm_modulate_reference, gat
                                 qk_norm_rope=qk_norm_rope_reference, swiglu=swiglu_reference)
 TRITON_OPS = SimpleNamespace(rmsnorm_modulate=rmsnorm_modulate, gated_residual=gated_residual,
                              qk_norm_rope=qk_norm_rope, swiglu=swiglu)
+
+
+def rmsnorm_modulate_exact(x, weight, eps, *modulation):
+    return rmsnorm_modulate(x, weight, eps, *modulation, rstd=torch_rstd(x, eps))
+
+
+def qk_norm_rope_exact(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False):
+    q, k, _ = (t.unflatten(-1, (heads, -1)) for t in qkv.chunk(3, dim=-1))
+    return qk_norm_rope(qkv, heads, q_weight, k_weight, eps, cos, sin, in_place, rstd=(torch_rstd(q, eps),
+                                                                                       torch_rstd(k, eps)))
+
+
+# The Triton kernels with every norm's statistic computed by torch: the forward rounds exactly as diffusers' does, so
+# with the same attention kernel the two are bit-equal, for one more read of each normed tensor.
+EXACT_NORM_OPS = SimpleNamespace(rmsnorm_modulate=rmsnorm_modulate_exact, gated_residual=gated_residual,
+                                 qk_norm_rope=qk_norm_rope_exact, swiglu=swiglu)
 
 
 def rotary_angles(position_ids, inv_freq):

@@ -38,6 +38,8 @@ class FastVAEConfig:
     attention: str = "auto"
     # torch.compile around one decoder block (one compile serves all blocks; the first clip pays for it).
     compile: bool = False
+    # Every norm's statistic computed by torch, so the fused decoder rounds as diffusers' does (slower).
+    exact_norms: bool = False
 
 
 class FastVAE(ReferenceVAE):
@@ -71,7 +73,7 @@ class FastVAE(ReferenceVAE):
         if self.config.exact:
             self.decoder = lambda tiles: vae.decoder(vae.post_quant_conv(tiles))
         else:
-            self.decoder = FastViTDecoder(vae, self.config.attention, self.config.compile)
+            self.decoder = FastViTDecoder(vae, self.config.attention, self.config.compile, self.config.exact_norms)
 
     def lead(self) -> bool:
         """Whether this rank ends up with the frames: always alone, the group's first rank in a group."""

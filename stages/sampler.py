@@ -34,6 +34,7 @@ class EulerConfig:
     compile: bool = False  # h3gen DiT: regional torch.compile of each block
     attention: str = "auto"  # h3gen DiT: auto, flash-attn-4, sdpa-cudnn, sdpa-flash, sdpa, triton-fp8, cudnn-fp8
     ffn_chunk_rows: int = 0  # h3gen DiT: feed-forward over chunks of this many rows (0: all), less peak memory
+    exact_norms: bool = False  # h3gen DiT, Triton: norm statistics from torch, rounding as diffusers does (slower)
 
 
 def sigma_schedule(config: EulerConfig, shift: float):
@@ -154,7 +155,7 @@ class EulerSampler(Stage):
         dit = self.repo.load(partition, FastH3Transformer, dtype=self.runtime.dtype, device=self.runtime.device,
                              adaln_timesteps=timesteps, use_triton=config.triton, adaln_table=config.adaln_table,
                              compile_blocks=config.compile, attention_backend=config.attention,
-                             ffn_chunk_rows=config.ffn_chunk_rows,
+                             ffn_chunk_rows=config.ffn_chunk_rows, exact_norms=config.exact_norms,
                              # adapters are added per checkpoint tensor, before Q, K, V are fused and the AdaLN
                              # tables built
                              checkpoint_tensor=lambda key, tensor: quant.checkpoint_tensor("dit", key, tensor))

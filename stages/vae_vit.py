@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from h3gen.kernels.attention import attention
+from h3gen.kernels.norm_statistic import torch_rstd
 from h3gen.kernels.qk_norm_rope import qk_norm_rope
 from h3gen.kernels.residual_rmsnorm import residual_rmsnorm
 from h3gen.kernels.swiglu import swiglu, swiglu_reference
@@ -42,6 +43,7 @@ class BlockShape(NamedTuple):
     norm_eps: float
     qk_eps: float
     backend: str
+    exact_norms: bool = False  # every norm's statistic from torch: rounds as diffusers' decoder does
 
 
 def fuse_qkv(attn) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,27 +97,39 @@ def fused_block_forward(hidden, normed, w: BlockWeights, next_norm, qk_weight, c
     Q and K are normalized (`qk_weight`: ones) and rotated over their columns of the projection; `cos`, `sin` (L,
     rotary_dim)."""
     qkv = F.linear(normed, w.qkv_weight, w.qkv_bias)
-    q, k, v = qk_norm_rope(qkv, shape.heads, qk_weight, qk_weight, shape.qk_eps, cos, sin, in_place=True)
+    rstd = None
+    if shape.exact_norms:  # diffusers normalizes Q and K in float32
+        rstd = tuple(torch_rstd(t.unflatten(-1, (shape.heads, -1)).float(), shape.qk_eps)
+                     for t in qkv.chunk(3, dim=-1)[:2])
+    q, k, v = qk_norm_rope(qkv, shape.heads, qk_weight, qk_weight, shape.qk_eps, cos, sin, in_place=True, rstd=rstd)
     attended = attention(q, k, v, shape.backend).flatten(2)
     del qkv, q, k, v
     dtype = normed.dtype
-    normed = residual_rmsnorm(hidden, F.linear(attended, w.out_weight, w.out_bias), w.scale1, w.norm2,
-                              shape.norm_eps, dtype)
+    normed = residual_norm(hidden, F.linear(attended, w.out_weight, w.out_bias), w.scale1, w.norm2, shape, dtype)
     activated = swiglu(F.linear(normed, w.up_gate_weight, w.up_gate_bias))
-    return residual_rmsnorm(hidden, F.linear(activated, w.down_weight, w.down_bias), w.scale2, next_norm,
-                            shape.norm_eps, dtype)
+    return residual_norm(hidden, F.linear(activated, w.down_weight, w.down_bias), w.scale2, next_norm, shape, dtype)
+
+
+def residual_norm(hidden, branch, scale, norm_weight, shape: BlockShape, dtype):
+    """`hidden += branch * scale` in place, then `norm_weight`'s RMSNorm of it in `dtype` (None without a norm)."""
+    if not shape.exact_norms:
+        return residual_rmsnorm(hidden, branch, scale, norm_weight, shape.norm_eps, dtype)
+    residual_rmsnorm(hidden, branch, scale)
+    if norm_weight is None:
+        return None
+    return F.rms_norm(hidden, (hidden.shape[-1],), norm_weight, shape.norm_eps).to(dtype)
 
 
 class FastViTDecoder:
     """`post_quant_conv` + ViT decoder of a loaded `AutoencoderKLMiniMaxH3`, on (B, C, T, h, w) latent tiles."""
 
-    def __init__(self, vae, backend: str = "auto", compile: bool = False):
+    def __init__(self, vae, backend: str = "auto", compile: bool = False, exact_norms: bool = False):
         decoder = vae.decoder
         self.vae, self.decoder = vae, decoder
         blocks = decoder.transformer_blocks
         self.weights = [block_weights(block) for block in blocks]
         attn = blocks[0].attn
-        self.shape = BlockShape(attn.heads, blocks[0].norm1.eps, attn.norm_q.eps, backend)
+        self.shape = BlockShape(attn.heads, blocks[0].norm1.eps, attn.norm_q.eps, backend, exact_norms)
         self.rotary_tables = {}
         # Compiled: inductor fuses `block_forward`'s reference ops. Eager: h3gen's fused kernels.
         self.block = torch.compile(block_forward, dynamic=False) if compile else None

@@ -6,6 +6,7 @@ from diffusers.modular_pipelines.minimax_h3.before_denoise import (MiniMaxH3Prep
                                                                    MiniMaxH3SetTimestepsStep)
 
 from h3gen.stages.fast_dit import FastH3Transformer
+from h3gen.stages.fast_dit_blocks import EXACT_NORM_OPS
 
 TINY = dict(num_attention_heads=2, attention_head_dim=128, hidden_size=64, num_layers=2, num_refiner_layers=1,
             ffn_dim=128, text_dim=32, freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=32)
@@ -137,14 +138,16 @@ def test_bf16_keeps_fp32_modules_and_tracks_diffusers(checkpoint):
     assert_matches(fast, reference, layout_inputs(), tolerance=BF16_TOLERANCE)
 
 
-@pytest.mark.parametrize("table", [False, True])
-def test_bf16_t2va_equals_diffusers_bit_for_bit(checkpoint, table):
+@pytest.mark.parametrize("table, exact_norms", [(False, False), (True, False), (True, True)])
+def test_bf16_t2va_equals_diffusers_bit_for_bit(checkpoint, table, exact_norms):
     """The kernels' torch references (what runs off CUDA) round where diffusers rounds, the fused projections give
-    its numbers, and a table group built for the forward's own timesteps gives its modulation rows: no tolerance."""
+    its numbers, and a table group built for the forward's own timesteps gives its modulation rows: no tolerance.
+    With `exact_norms` the ops hand torch's norm statistics to the kernels (which on CUDA read them)."""
     inputs = layout_inputs(keyframes=())
-    fast = FastH3Transformer.from_pretrained(checkpoint, dtype=torch.bfloat16,
+    fast = FastH3Transformer.from_pretrained(checkpoint, dtype=torch.bfloat16, exact_norms=exact_norms,
                                              adaln_timesteps=(inputs["timestep"].tolist(),) if table else None)
     assert (fast.transformer_blocks[0].adaln_proj is None) == table
+    assert (fast.transformer_blocks[0].ops is EXACT_NORM_OPS) == exact_norms
     reference = MiniMaxH3Transformer3DModel.from_pretrained(checkpoint, torch_dtype=torch.bfloat16).eval()
     for actual, expected in zip(fast(**inputs), reference_outputs(reference, inputs)):
         assert torch.equal(actual, expected)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from conftest import run_parity_under_triton_interpreter
+from h3gen.kernels.norm_statistic import torch_rstd
 
 # Triton decides at import whether `@triton.jit` compiles or interprets (its own `tl` helpers included), so the
 # parity tests run in a child pytest that starts with TRITON_INTERPRET=1; the parent only launches it.
@@ -51,6 +52,14 @@ def test_parity_rmsnorm_modulate(dtype, modulated):
     modulation, rows = make_modulation(6, 6, hidden, dtype, seq_len) if modulated else (None, None)
     args = (x, weight, 1e-5, modulation, rows, 3, 4)
     assert_close(k.rmsnorm_modulate_triton(*args), k.rmsnorm_modulate_reference(*args), dtype)
+    # Handed torch's own statistic, the kernel normalizes by it: in fp32 exactly F.rms_norm's values.
+    rstd = torch_rstd(x, 1e-5)
+    handed = k.rmsnorm_modulate_triton(*args, rstd=rstd)
+    assert_close(handed, k.rmsnorm_modulate_reference(*args), dtype)
+    if not modulated:
+        assert_close(k.rmsnorm_modulate_triton(*args, rstd=2 * rstd), 2 * handed, dtype)
+        if dtype == torch.float32:
+            assert torch.equal(handed, k.rmsnorm_modulate_reference(*args))
 
 
 @parity
@@ -113,6 +122,13 @@ def test_parity_qk_norm_rope(dtype, rope):
     in_place = k.qk_norm_rope_triton(qkv.clone(), *args[1:], in_place=True, heads_block=2)
     assert len({t.untyped_storage().data_ptr() for t in in_place}) == 1
     for actual, e in zip(in_place, expected):
+        assert_close(actual, e, dtype)
+    # Handed torch's statistics of q and k, the kernel normalizes by them: in fp32 without RoPE exactly F.rms_norm.
+    q, k_rows = (t.unflatten(-1, (heads, -1)) for t in qkv.chunk(3, dim=-1)[:2])
+    handed = k.qk_norm_rope_triton(*args, rstd=(torch_rstd(q, 1e-5), torch_rstd(k_rows, 1e-5)), heads_block=2)
+    for actual, e in zip(handed, expected):
+        if dtype == torch.float32 and not rope:
+            assert torch.equal(actual, e)
         assert_close(actual, e, dtype)
 
 

@@ -206,8 +206,9 @@ def test_fused_block_rounds_as_the_unfused_one(vae):
         if not keep & set(name.split(".")):
             param.data = param.data.to(torch.bfloat16)
     tiles = torch.randn(2, 24, 7, 4, 5)
-    fused = FastViTDecoder(bf16)
     unfused = FastViTDecoder(bf16)
     unfused.block = block_forward
     with torch.inference_mode():
-        assert torch.equal(fused(tiles), unfused(tiles))
+        expected = unfused(tiles)
+        for exact_norms in (False, True):
+            assert torch.equal(FastViTDecoder(bf16, exact_norms=exact_norms)(tiles), expected)
