@@ -41,3 +41,13 @@ def test_vae_gpu_check_dry_run(tmp_path):
     variants = json.loads(out.read_text())["variants"]
     assert variants["exact"]["uint8_max_abs"] == 0
     assert variants["fast-auto"]["uint8_max_abs"] <= 2 and "profile_s" in variants["fast-auto"]
+
+
+def test_vae_numerics_dry_run(tmp_path):
+    run_script("vae_numerics.py", "--tiny", out=tmp_path)
+    results = json.loads((tmp_path / "vae_numerics.json").read_text())
+    assert results["diffusers_ops_reproduce_block"]["differing"] == 0
+    # The CPU runs the kernels' torch references, which round as diffusers' ops do.
+    for name in ("qkv (fused GEMM)", "q (qk_norm_rope exact norms)", "hidden1 (residual_rmsnorm)", "swiglu",
+                 "hidden2 (residual add)"):
+        assert results[name]["differing"] == 0, (name, results[name])
