@@ -2,10 +2,11 @@
 
 Usage (diffusers importable; h3gen from this checkout if not installed):
     python3 bench/vae_numerics.py [--tiny]
-Builds the full-size AutoencoderKLMiniMaxH3 (random weights as vae_gpu_check.py draws them), decodes a batch of two
-latent tiles of the 10 s clip's shape (7 latent frames of 16 x 16), runs decoder block 0 op by op the way diffusers'
-block does, then feeds each of h3gen's ops diffusers' own inputs and prints, per op, the relative L2 error and the
-fraction of values that differ at all, with and without torch's norm statistics handed to the kernels.
+Builds the full-size AutoencoderKLMiniMaxH3 (random weights as vae_gpu_check.py draws them), decodes one batch of the
+fast stage's latent tiles at the 10 s clip's shape (16 tiles of 7 latent frames of 16 x 16), runs decoder block 0 op
+by op the way diffusers' block does, then feeds each of h3gen's ops diffusers' own inputs and prints, per op, the relative L2 error and the
+fraction of values that differ at all, with and without torch's norm statistics handed to the kernels; and the whole
+decoder's output on the batch, both ways.
 Results: $OUT/vae_numerics.json.
 """
 import importlib.util
@@ -82,13 +83,13 @@ def main():
     from h3gen.kernels.swiglu import swiglu
     from h3gen.stages.vae_vit import FastViTDecoder
 
-    size = 4 if bench.tiny else 16
-    tiles = torch.randn(2, 24, 7, size, size, device=bench.device)
+    size, batch = (4, 2) if bench.tiny else (16, 16)  # the fast stage's tile batch on an H200
+    tiles = torch.randn(batch, 24, 7, size, size, device=bench.device)
     captured = {}
     block = vae.decoder.transformer_blocks[0]
     hook = block.register_forward_hook(lambda m, a, out: captured.update(hidden=a[0].clone(), rotary=a[1],
                                                                          out=out.clone()))
-    vae.decoder(vae.post_quant_conv(tiles.to(vae.post_quant_conv.weight.dtype)))
+    decoded = vae.decoder(vae.post_quant_conv(tiles.to(vae.post_quant_conv.weight.dtype)))
     hook.remove()
     s = diffusers_block(block, captured["hidden"], captured["rotary"])
     log("diffusers_ops_reproduce_block", differ(s["hidden2"], captured["out"]))
@@ -131,6 +132,9 @@ def main():
     hidden = s["hidden1"].float().clone()
     residual_rmsnorm(hidden, s["ff_out"], w.scale2)
     log("hidden2 (residual add)", differ(hidden, s["hidden2"]))
+    for exact in (False, True):
+        whole = FastViTDecoder(vae, backend="sdpa", exact_norms=exact)(tiles)
+        log(f"decoder output{' (exact norms)' if exact else ''}", differ(whole, decoded))
     print("DONE", flush=True)
 
 
