@@ -201,10 +201,11 @@ def fast_stage(bench, vae, config, decoders):
 
     stage = FastVAE(FastVAEConfig(**config), Runtime(bench.device.type, bench.dtype, StageTimer(bench.device.type)))
     stage.vae = vae
-    key = "exact" if stage.config.exact else (stage.config.attention, stage.config.compile)
-    if key not in decoders:  # one fused decoder per attention / compile choice; its QKV weights are shared
+    config = stage.config
+    key = "exact" if config.exact else (config.attention, config.compile, config.exact_norms)
+    if key not in decoders:  # one fused decoder per choice of its switches; its QKV weights are shared
         decoders[key] = ((lambda tiles: vae.decoder(vae.post_quant_conv(tiles))) if key == "exact"
-                         else FastViTDecoder(vae, stage.config.attention, stage.config.compile))
+                         else FastViTDecoder(vae, config.attention, config.compile, config.exact_norms))
     stage.decoder = decoders[key]
     return stage
 
