@@ -46,6 +46,7 @@ VARIANTS = {
     "fast-b8-sdpa-flash": dict(tile_batch=8, attention="sdpa-flash"),
     "fast-b8-compile": dict(tile_batch=8, compile=True),
     "fast-auto-fa4": dict(attention="flash-attn-4"),
+    "fast-sdpa": dict(attention="sdpa"),
     "fast-exact-norms": dict(exact_norms=True, attention="sdpa"),
     "fast-b8-tile320": dict(tile_batch=8, tile_height=320, tile_width=320),
     "fast-b8-tile256x384": dict(tile_batch=8, tile_height=256, tile_width=384),
