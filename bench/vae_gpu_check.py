@@ -43,16 +43,16 @@ VARIANTS = {
     "fast-b8": dict(tile_batch=8),
     "fast-b16": dict(tile_batch=16),
     "fast-auto": dict(),
+    "fast-fused-norms": dict(exact_norms=False),
+    "fast-fused-norms-auto": dict(exact_norms=False, attention="auto"),
     "fast-b8-sdpa-flash": dict(tile_batch=8, attention="sdpa-flash"),
     "fast-b8-compile": dict(tile_batch=8, compile=True),
     "fast-auto-fa4": dict(attention="flash-attn-4"),
-    "fast-sdpa": dict(attention="sdpa"),
-    "fast-exact-norms": dict(exact_norms=True, attention="sdpa"),
     "fast-b8-tile320": dict(tile_batch=8, tile_height=320, tile_width=320),
     "fast-b8-tile256x384": dict(tile_batch=8, tile_height=256, tile_width=384),
 }
 TINY_VARIANTS = {"exact": dict(exact=True, tile_batch=1), "fast-b3": dict(tile_batch=3),
-                 "fast-exact-norms": dict(exact_norms=True, attention="sdpa"),
+                 "fast-fused-norms": dict(exact_norms=False),
                  "fast-auto": dict(), "fast-b4-tile128": dict(tile_batch=4, tile_height=128, tile_width=128,
                                                              overlap=32)}
 
