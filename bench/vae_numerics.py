@@ -10,7 +10,6 @@ decoder's output on the batch, both ways.
 Results: $OUT/vae_numerics.json.
 """
 import importlib.util
-import json
 import os
 import sys
 from pathlib import Path
@@ -22,20 +21,11 @@ ROOT = Path(__file__).resolve().parent
 spec = importlib.util.spec_from_file_location("vae_gpu_check", ROOT / "vae_gpu_check.py")
 check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(check)
+sys.path.insert(0, str(ROOT))
+from op_diff import differ, results_log  # noqa: E402
+
 OUT = Path(os.environ.get("OUT", "."))
-results = {}
-
-
-def log(key, value):
-    results[key] = value
-    print(f"{key}: {json.dumps(value)}", flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "vae_numerics.json").write_text(json.dumps(results, indent=1))
-
-
-def differ(actual, expected):
-    a, e = actual.float(), expected.float()
-    return dict(rel_err=float((a - e).norm() / e.norm()), differing=round(float((a != e).float().mean()), 6))
+log = results_log("vae_numerics.json")
 
 
 def diffusers_block(block, hidden, rotary):
