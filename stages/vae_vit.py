@@ -1,6 +1,7 @@
 """The video VAE's ViT decoder run fast on diffusers' own weights: a batch of tiles per forward, one fused QKV
-projection, attention on the fastest backend (cuDNN or flash-attn-4 on Hopper), the float32 residual stream and
-its norms in fused Triton kernels (or, optionally, a compiled block).
+projection, attention on a chosen backend (by default SDPA's own pick, the kernel diffusers runs), the float32
+residual stream and its norms in fused Triton kernels (or, optionally, a compiled block). With `exact_norms` the
+residual norms are torch's own, and the decoder's output is diffusers' bit for bit (measured on an H200).
 
 What diffusers' decoder costs, read from its code: one forward per tile (392 for the 10 s 1344x768 clip, each of
 only 1797 tokens, so the GEMMs run far from peak and every one of the ~40 kernels per block launches 392 times per
