@@ -223,6 +223,31 @@ def phase_kernels():
         differing = sum(int((a != e).sum()) for a, e in zip(actual, expected)) / sum(e.numel() for e in expected)
         log(f"kernel_{name}", dict(max_rel_err=err, differing_fraction=differing, triton_ms=bench(lambda: fast(*case_args)),
                                    torch_ms=bench(lambda: ref(*case_args))))
+    if DEVICE.type == "cuda":
+        # the video decoder's Q/K: a batch of 16 tiles of 1797 tokens, 32 heads of 64, float32 norm weight of ones
+        decoder_qk = (rnd(1, 16 * 1797, 3 * 2048), 32, torch.ones(64, device=DEVICE), torch.ones(64, device=DEVICE),
+                      1e-5, *(t.float() for t in rnd(2, 16 * 1797, 48)))
+        launch_configs(bench, {"dit": cases["qk_norm_rope"][1], "decoder": decoder_qk}, cases["rmsnorm_modulate"][1])
+
+
+def launch_configs(bench, qk_cases, rmsnorm_args):
+    """The norm kernels' time per launch shape, and whether any shape changes a value: their launch defaults are
+    chosen from this."""
+    from h3gen.kernels import qk_norm_rope, rmsnorm_modulate
+
+    for label, args in qk_cases.items():
+        expected = qk_norm_rope.qk_norm_rope_triton(*args)
+        for heads_block in (8, 16, 32, 64):
+            for warps in (2, 4, 8):
+                run = lambda: qk_norm_rope.qk_norm_rope_triton(*args, heads_block=heads_block, num_warps=warps)
+                equal = all(torch.equal(a, e) for a, e in zip(run(), expected))
+                log(f"qk_norm_rope_{label}_h{heads_block}w{warps}", dict(ms=bench(run), equal=equal))
+    args = rmsnorm_args
+    args = cases["rmsnorm_modulate"][1]
+    expected = rmsnorm_modulate.rmsnorm_modulate_triton(*args)
+    for warps in (4, 8, 16, 32):
+        run = lambda: rmsnorm_modulate.rmsnorm_modulate_triton(*args, num_warps=warps)
+        log(f"rmsnorm_modulate_w{warps}", dict(ms=bench(run), equal=bool(torch.equal(run(), expected))))
 
 
 def phase_attention():

@@ -71,7 +71,7 @@ def _qk_norm_rope_kernel(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, rstd_ptr, out_pt
 
 
 def qk_norm_rope_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, rstd=None,
-                        heads_block=8):
+                        heads_block=8, num_warps=4):
     qkv = qkv.contiguous()
     inner = qkv.shape[-1] // 3
     head_dim = inner // heads
@@ -98,7 +98,8 @@ def qk_norm_rope_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None,
         _qk_norm_rope_kernel[grid](qkv, weight, cos, sin, statistic if statistic is not None else weight, out,
                                    seq_len, heads, qkv.shape[-1], offset, out_row_stride, out_offset, eps,
                                    HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, HEADS_BLOCK=heads_block,
-                                   HAS_ROPE=has_rope, HAS_RSTD=statistic is not None, num_warps=4, **NO_FMA)
+                                   HAS_ROPE=has_rope, HAS_RSTD=statistic is not None, num_warps=num_warps,
+                                   **NO_FMA)
         outputs.append(qkv[..., offset:offset + inner].unflatten(-1, (heads, head_dim)) if in_place else out)
     v = qkv[..., 2 * inner:].unflatten(-1, (heads, head_dim))
     return outputs[0], outputs[1], v
