@@ -227,27 +227,21 @@ def phase_kernels():
         # the video decoder's Q/K: a batch of 16 tiles of 1797 tokens, 32 heads of 64, float32 norm weight of ones
         decoder_qk = (rnd(1, 16 * 1797, 3 * 2048), 32, torch.ones(64, device=DEVICE), torch.ones(64, device=DEVICE),
                       1e-5, *(t.float() for t in rnd(2, 16 * 1797, 48)))
-        launch_configs(bench, {"dit": cases["qk_norm_rope"][1], "decoder": decoder_qk}, cases["rmsnorm_modulate"][1])
+        qk_norm_rope_launch_shapes(bench, {"dit": cases["qk_norm_rope"][1], "decoder": decoder_qk})
 
 
-def launch_configs(bench, qk_cases, rmsnorm_args):
-    """The norm kernels' time per launch shape, and whether any shape changes a value: their launch defaults are
-    chosen from this."""
-    from h3gen.kernels import qk_norm_rope, rmsnorm_modulate
+def qk_norm_rope_launch_shapes(bench, cases):
+    """The Q/K kernel's time per launch shape, and whether a shape changes any value: the shape decides the order
+    Triton sums a head's squares in, so it is part of the kernel's numerics."""
+    from h3gen.kernels.qk_norm_rope import qk_norm_rope_triton
 
-    for label, args in qk_cases.items():
-        expected = qk_norm_rope.qk_norm_rope_triton(*args)
+    for label, args in cases.items():
+        expected = qk_norm_rope_triton(*args)
         for heads_block in (8, 16, 32, 64):
             for warps in (2, 4, 8):
-                run = lambda: qk_norm_rope.qk_norm_rope_triton(*args, heads_block=heads_block, num_warps=warps)
+                run = lambda: qk_norm_rope_triton(*args, heads_block=heads_block, num_warps=warps)
                 equal = all(torch.equal(a, e) for a, e in zip(run(), expected))
                 log(f"qk_norm_rope_{label}_h{heads_block}w{warps}", dict(ms=bench(run), equal=equal))
-    args = rmsnorm_args
-    args = cases["rmsnorm_modulate"][1]
-    expected = rmsnorm_modulate.rmsnorm_modulate_triton(*args)
-    for warps in (4, 8, 16, 32):
-        run = lambda: rmsnorm_modulate.rmsnorm_modulate_triton(*args, num_warps=warps)
-        log(f"rmsnorm_modulate_w{warps}", dict(ms=bench(run), equal=bool(torch.equal(run(), expected))))
 
 
 def phase_attention():

@@ -47,7 +47,7 @@ def _rmsnorm_modulate_kernel(x_ptr, weight_ptr, modulation_ptr, row_index_ptr, r
 
 
 def rmsnorm_modulate_triton(x, weight, eps, modulation=None, row_index=None, shift_chunk=0, scale_chunk=1,
-                            rstd=None, num_warps=None):
+                            rstd=None):
     x = x.contiguous()
     hidden, seq_len = x.shape[-1], x.shape[-2]
     out = torch.empty_like(x)
@@ -64,7 +64,7 @@ def rmsnorm_modulate_triton(x, weight, eps, modulation=None, row_index=None, shi
         x, weight, modulation, row_index, rstd if rstd is not None else weight, out,
         seq_len, hidden, modulation.stride(0), shift_chunk * hidden, scale_chunk * hidden, eps,
         HAS_MODULATION=has_modulation, HAS_RSTD=rstd is not None, BLOCK=block,
-        num_warps=num_warps or min(16, max(1, block // 512)), **NO_FMA)
+        num_warps=min(16, max(1, block // 512)), **NO_FMA)
     return out
 
 

@@ -44,8 +44,9 @@ class BlockShape(NamedTuple):
     qk_eps: float
     backend: str
     # The residual stream's norms (2048 channels) take their statistic from torch, rounding as diffusers' decoder
-    # does. Q/K norms (64 channels, float32) need not: the kernel sums them in torch's order (measured on an H200,
-    # every value of the 10 s clip's decode).
+    # does. Q/K norms (64 channels, float32) need not: the Q/K kernel at its default launch shape sums them in
+    # torch's order (measured on an H200, every value of the 10 s clip's decode; other launch shapes do not,
+    # bench/dit_gpu_check.py's kernels phase).
     exact_norms: bool = False
 
 

@@ -200,3 +200,15 @@ def test_attention_fp8_error_against_exact():
     err = ((fp8 - exact).norm() / exact.norm()).item()
     cosine = torch.nn.functional.cosine_similarity(fp8.flatten(), exact.flatten(), dim=0).item()
     assert 1e-2 < err < 7e-2 and cosine > 0.998, (err, cosine)
+
+
+def test_qk_norm_rope_keeps_the_launch_shape_measured_to_sum_as_torch():
+    """The launch shape sets the order Triton sums a head's squares in; at 8 heads and 4 warps the video decoder's
+    Q/K norms equal torch's on an H200 (bench/results/2026-11-29T1457-kernel-launch-shapes.json), which its exact
+    decode relies on."""
+    import inspect
+
+    from h3gen.kernels.qk_norm_rope import qk_norm_rope_triton
+
+    defaults = {name: p.default for name, p in inspect.signature(qk_norm_rope_triton).parameters.items()}
+    assert (defaults["heads_block"], defaults["num_warps"]) == (8, 4)
