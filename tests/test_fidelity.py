@@ -61,9 +61,12 @@ def test_h3gen_dit_render_matches_the_reference_render(tiny_model, prompts_file,
     from safetensors.torch import load_file
 
     prompts = prompts_file('{"id": "clip", "prompt": "a kite over a beach", "seed": 9}\n')
-    for name, dit in (("reference", "diffusers"), ("fast", "h3gen")):
+    for name, dit, exact_norms in (("reference", "diffusers", "false"), ("fast", "h3gen", "false"),
+                                   ("exact", "h3gen", "true")):
         h3gen("render", prompts, "-o", tmp_path / name, "--model", tiny_model, "--save-latents",
-              "--set", f'sampler.dit="{dit}"', check_code=0)
-    ours, reference = (load_file(str(tmp_path / name / "clip.latents.safetensors")) for name in ("fast", "reference"))
-    for key in ("video", "audio"):
-        assert relative_error(ours[key], reference[key]) < MAX_RELATIVE_ERROR
+              "--set", f'sampler.dit="{dit}"', "--set", f"sampler.exact_norms={exact_norms}", check_code=0)
+    reference = load_file(str(tmp_path / "reference" / "clip.latents.safetensors"))
+    for name in ("fast", "exact"):
+        ours = load_file(str(tmp_path / name / "clip.latents.safetensors"))
+        for key in ("video", "audio"):
+            assert relative_error(ours[key], reference[key]) < MAX_RELATIVE_ERROR
