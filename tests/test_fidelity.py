@@ -70,3 +70,15 @@ def test_h3gen_dit_render_matches_the_reference_render(tiny_model, prompts_file,
         ours = load_file(str(tmp_path / name / "clip.latents.safetensors"))
         for key in ("video", "audio"):
             assert relative_error(ours[key], reference[key]) < MAX_RELATIVE_ERROR
+
+
+def test_exact_preset_writes_the_same_mp4_as_the_reference_preset(tiny_model, prompts_file, tmp_path):
+    """`h3-exact` (h3gen's DiT with AdaLN tables and kernels given torch's norm statistics, the fused decoder) against
+    `h3-reference` (diffusers' transformer and decode), both in bf16: the same bytes. On the CPU the kernels run as
+    their torch references; on an H200 the full-size parity is bench/dit_gpu_check.py's and vae_gpu_check.py's."""
+    prompts = prompts_file('{"id": "clip", "prompt": "rain on a tin roof", "seed": 42}\n')
+    small = ["--set", "request.width=32", "--set", "request.height=32", "--set", "sampler.steps=4"]
+    for preset in ("h3-exact", "h3-reference"):
+        h3gen("render", prompts, "-o", tmp_path / preset, "--model", tiny_model, "--preset", preset, *small,
+              check_code=0)
+    assert (tmp_path / "h3-exact/clip.mp4").read_bytes() == (tmp_path / "h3-reference/clip.mp4").read_bytes()
