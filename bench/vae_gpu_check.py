@@ -46,7 +46,7 @@ VARIANTS = {
     "fast-fused-norms": dict(exact_norms=False),
     "fast-fused-norms-auto": dict(exact_norms=False, attention="auto"),
     "fast-b8-sdpa-flash": dict(tile_batch=8, attention="sdpa-flash"),
-    "fast-b8-compile": dict(tile_batch=8, compile=True),
+    "fast-b8-compile": dict(tile_batch=8, compile=True, exact_norms=False),
     "fast-auto-fa4": dict(attention="flash-attn-4"),
     "fast-b8-tile320": dict(tile_batch=8, tile_height=320, tile_width=320),
     "fast-b8-tile256x384": dict(tile_batch=8, tile_height=256, tile_width=384),

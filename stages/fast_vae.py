@@ -38,7 +38,7 @@ class FastVAEConfig:
     # decoder runs), auto, flash-attn-4, sdpa-cudnn, sdpa-flash.
     attention: str = "sdpa"
     # torch.compile around one decoder block (one compile serves all blocks; the first clip pays for it). Inductor
-    # writes its own norms: exact_norms does not apply.
+    # writes its own norms: it needs exact_norms = false.
     compile: bool = False
     # The residual stream's norms take their statistic from torch: with attention = "sdpa" the frames are diffusers'
     # (measured on an H200, the 10 s clip), for 4 % more time; false leaves a few values a level or two away.
@@ -68,6 +68,10 @@ class FastVAE(ReferenceVAE):
                              "leave tile_height, tile_width and overlap at 256, 256, 64, or set exact = false")
         if config.tile_batch < 0 or config.max_tile_batch < 1:
             raise UsageError("vae.tile_batch must be 0 (auto) or more, vae.max_tile_batch 1 or more")
+        if config.compile and config.exact_norms and not config.exact:
+            raise UsageError("vae.compile = true lets inductor write the decoder's norms, so its frames are not "
+                             "diffusers' (vae.exact_norms = true asks for that)",
+                             "set vae.exact_norms = false with vae.compile = true, or leave compile off")
 
     def load(self, repo):
         from h3gen.stages.vae_vit import FastViTDecoder

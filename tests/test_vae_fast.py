@@ -178,9 +178,11 @@ def test_config_checks():
     from h3gen.timing import StageTimer
 
     runtime = Runtime("cpu", torch.float32, StageTimer("cpu"))
-    for bad in ({"exact": True, "tile_height": 320}, {"overlap": 256}, {"tile_width": 100}, {"tile_batch": -1}):
+    for bad in ({"exact": True, "tile_height": 320}, {"overlap": 256}, {"tile_width": 100}, {"tile_batch": -1},
+                {"compile": True}):
         with pytest.raises(UsageError):
             FastVAE(FastVAEConfig(**bad), runtime)
+    FastVAE(FastVAEConfig(compile=True, exact_norms=False), runtime)
 
 
 def test_compiled_block(vae):
