@@ -265,7 +265,7 @@ def phase_attention():
         except Exception as exc:  # an optional backend may be missing on this machine
             log(f"attention_{name}_error", repr(exc)[:300])
     if DEVICE.type == "cuda":
-        flash_attn_4_tiles(q, k, v, expected)
+        flash_attn_4_options(q, k, v, expected)
         fp8_attention_configs(q, k, v, expected)
 
 
@@ -277,21 +277,26 @@ def attention_row(run, expected, seq_len):
                 rel_err_vs_first=float((out.float() - expected.float()).norm() / expected.float().norm()))
 
 
-def flash_attn_4_tiles(q, k, v, expected):
-    """flash-attn-4's Hopper forward per tile shape; the fastest one the `fast` phase's tile variant uses."""
+def flash_attn_4_options(q, k, v, expected):
+    """flash-attn-4's Hopper forward per tile shape and MMA flags; the fastest the `fast` phase's options variant
+    uses."""
     try:
         from flash_attn.cute.interface import _flash_attn_fwd
     except Exception:
         return
     best = (results.get("attention_flash-attn-4", {}).get("seconds", float("inf")), None)
-    for tile in ((128, 176), (128, 160), (128, 192), (128, 144), (192, 128)):
+    tiles = ((128, 128), (128, 176), (128, 144), (128, 160), (192, 128))
+    for tile, rs, overlap in [(t, True, True) for t in tiles] + [((128, 128), False, True), ((128, 128), True, False),
+                                                                 ((128, 176), False, True)]:
+        options = dict(tile_mn=tile, mma_pv_is_rs=rs, intra_wg_overlap=overlap)
+        name = f"attention_flash-attn-4_tile{tile[0]}x{tile[1]}{'' if rs else '_noRS'}{'' if overlap else '_noOL'}"
         try:
-            row = attention_row(lambda: _flash_attn_fwd(q, k, v, tile_mn=tile)[0], expected, q.shape[1])
-            log(f"attention_flash-attn-4_tile{tile[0]}x{tile[1]}", row)
-            best = min(best, (row["seconds"], tile), key=lambda pair: pair[0])
+            row = attention_row(lambda: _flash_attn_fwd(q, k, v, **options)[0], expected, q.shape[1])
+            log(name, row)
+            best = min(best, (row["seconds"], options), key=lambda pair: pair[0])
         except Exception as exc:
-            log(f"attention_flash-attn-4_tile{tile[0]}x{tile[1]}_error", repr(exc)[:300])
-    log("flash_attn_4_best_tile", best[1])
+            log(f"{name}_error", repr(exc)[:300])
+    log("flash_attn_4_best_options", best[1])
 
 
 def fp8_attention_configs(q, k, v, expected):
@@ -368,9 +373,9 @@ def run_fast(config, inputs, schedule, reference, outputs):
         variants.append(("fused+triton+table+fa4", dict(use_triton=True, adaln_table=True, attention_backend=fa4)))
         variants.append(("table+fa4+exact-norms", dict(use_triton=True, adaln_table=True, attention_backend=fa4,
                                                        exact_norms=True)))
-        if results.get("flash_attn_4_best_tile"):
-            variants += ["fa4-best-tile", ("table+fa4-best-tile", dict(use_triton=True, adaln_table=True,
-                                                                        attention_backend=fa4))]
+        if results.get("flash_attn_4_best_options"):
+            variants += ["fa4-best-options", ("table+fa4-best-options", dict(use_triton=True, adaln_table=True,
+                                                                              attention_backend=fa4))]
     best_attention = fa4 or cudnn
     # FP8 attention on bf16 linears, then FP8 linears (the swap is for good: these come after every bf16 variant).
     fp8_attention = ["triton-fp8"] + ([] if TINY else ["cudnn-fp8"])
@@ -393,10 +398,10 @@ def run_fast(config, inputs, schedule, reference, outputs):
                                          weights_GiB=gib(model.resident_bytes()),
                                          table_GiB=gib(sum(b.adaln_table.numel() * 2 for b in model.transformer_blocks))))
             continue
-        if variant == "fa4-best-tile":
+        if variant == "fa4-best-options":
             from h3gen.kernels import attention as attention_module
 
-            attention_module.FLASH_ATTN_4_TILE = tuple(results["flash_attn_4_best_tile"])
+            attention_module.FLASH_ATTN_4_OPTIONS.update(results["flash_attn_4_best_options"])
             attention_module._flash_attn_4.cache_clear()
             continue
         if variant == "fp8-linears":

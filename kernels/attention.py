@@ -11,8 +11,9 @@ FP8_BACKENDS = ("triton-fp8", "cudnn-fp8")
 _SDPA_FORCED = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION}
 
 
-# flash-attn-4's Hopper forward tile (rows of Q, rows of K per step); None keeps the library's choice.
-FLASH_ATTN_4_TILE = None
+# flash-attn-4's Hopper forward options (`tile_mn`: rows of Q and of K per step, `mma_pv_is_rs`,
+# `intra_wg_overlap`); empty keeps the library's choice.
+FLASH_ATTN_4_OPTIONS = {}
 
 
 @functools.cache
@@ -22,9 +23,9 @@ def _flash_attn_4():
         from flash_attn.cute.interface import _flash_attn_fwd
     except Exception:  # an optional dependency; a broken install counts as absent
         return None
-    if FLASH_ATTN_4_TILE is None:
+    if not FLASH_ATTN_4_OPTIONS:
         return flash_attn_func
-    return functools.partial(_flash_attn_fwd, tile_mn=FLASH_ATTN_4_TILE)
+    return functools.partial(_flash_attn_fwd, **FLASH_ATTN_4_OPTIONS)
 
 
 def attention_backend(device=None, requested="auto", dtype=None):
