@@ -202,13 +202,20 @@ def test_attention_fp8_error_against_exact():
     assert 1e-2 < err < 7e-2 and cosine > 0.998, (err, cosine)
 
 
-def test_qk_norm_rope_keeps_the_launch_shape_measured_to_sum_as_torch():
-    """The launch shape sets the order Triton sums a head's squares in; at 8 heads and 4 warps the video decoder's
-    Q/K norms equal torch's on an H200 (bench/results/2026-11-29T1457-kernel-launch-shapes.json), which its exact
-    decode relies on."""
-    import inspect
+def test_qk_norm_rope_keeps_the_launch_shapes_measured_on_an_h200(monkeypatch):
+    """The launch shape sets the order Triton sums a head's squares in. At 8 heads and 4 warps the video decoder's
+    64-channel Q/K norms equal torch's on an H200 (bench/results/2026-11-29T1457-kernel-launch-shapes.json), which
+    its exact decode relies on; the DiT's 128-channel heads give the same values on 2 warps, faster."""
+    from h3gen.kernels import qk_norm_rope as module
 
-    from h3gen.kernels.qk_norm_rope import qk_norm_rope_triton
+    launches = []
 
-    defaults = {name: p.default for name, p in inspect.signature(qk_norm_rope_triton).parameters.items()}
-    assert (defaults["heads_block"], defaults["num_warps"]) == (8, 4)
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **options: launches.append((grid[1], options["HEADS_BLOCK"], options["num_warps"]))
+
+    monkeypatch.setattr(module, "_qk_norm_rope_kernel", Kernel())
+    for heads, head_dim in ((32, 64), (56, 128)):
+        qkv, weight = torch.zeros(1, 3, 3 * heads * head_dim), torch.ones(head_dim)
+        module.qk_norm_rope_triton(qkv, heads, weight, weight, 1e-5)
+    assert launches == [(4, 8, 4)] * 2 + [(7, 8, 2)] * 2
