@@ -49,7 +49,7 @@ class FastH3Transformer(nn.Module):
         self.audio_proj_out = nn.Linear(cfg.hidden_size, cfg.audio_in_channels)
         self.register_buffer("adaln_timesteps", None, persistent=False)
         self.adaln_groups = {}  # a group's values (one forward's `timestep`) -> its first row in the tables
-        self.compile_blocks, self.use_triton, self.exact_norms = False, use_triton, exact_norms
+        self.compile_blocks = False
         self.configure(use_triton, adaln_table, compile_blocks, attention_backend, ffn_chunk_rows, exact_norms)
 
     def configure(self, use_triton=None, adaln_table=None, compile_blocks=None, attention_backend=None,
