@@ -13,7 +13,6 @@ precomputed table) are checked.
 Results: $OUT/dit_numerics.json.
 """
 import copy
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -21,10 +20,8 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent
-spec = importlib.util.spec_from_file_location("dit_gpu_check", ROOT / "dit_gpu_check.py")
-check = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(check)
 sys.path.insert(0, str(ROOT))
+import dit_gpu_check as check  # noqa: E402
 from op_diff import differ, results_log  # noqa: E402
 
 log = results_log("dit_numerics.json")

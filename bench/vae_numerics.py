@@ -9,7 +9,6 @@ fraction of values that differ at all, with and without torch's norm statistics 
 decoder's output on the batch, both ways.
 Results: $OUT/vae_numerics.json.
 """
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -18,10 +17,8 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent
-spec = importlib.util.spec_from_file_location("vae_gpu_check", ROOT / "vae_gpu_check.py")
-check = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(check)
 sys.path.insert(0, str(ROOT))
+import vae_gpu_check as check  # noqa: E402
 from op_diff import differ, results_log  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "."))
