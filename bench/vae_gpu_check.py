@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -50,9 +51,12 @@ VARIANTS = {
     "fast-auto-fa4": dict(attention="flash-attn-4"),
     "fast-b8-tile320": dict(tile_batch=8, tile_height=320, tile_width=320),
     "fast-b8-tile256x384": dict(tile_batch=8, tile_height=256, tile_width=384),
+    # FP8 linears in the decoder blocks (the quant stage with roles = ["vae"]): a stated tolerance, not diffusers'.
+    "fast-fp8": dict(fp8=True, exact_norms=False),
+    "fast-fp8-exact-norms": dict(fp8=True),
 }
 TINY_VARIANTS = {"exact": dict(exact=True, tile_batch=1), "fast-b3": dict(tile_batch=3),
-                 "fast-fused-norms": dict(exact_norms=False),
+                 "fast-fused-norms": dict(exact_norms=False), "fast-fp8": dict(fp8=True, exact_norms=False),
                  "fast-auto": dict(), "fast-b4-tile128": dict(tile_batch=4, tile_height=128, tile_width=128,
                                                              overlap=32)}
 
@@ -200,15 +204,33 @@ def fast_stage(bench, vae, config, decoders):
     from h3gen.stages.vae_vit import FastViTDecoder
     from h3gen.timing import StageTimer
 
+    config = dict(config)
+    fp8 = config.pop("fp8", False)
+    if fp8:
+        if "fp8-vae" not in decoders:
+            decoders["fp8-vae"] = fp8_copy(vae)
+        vae = decoders["fp8-vae"]
     stage = FastVAE(FastVAEConfig(**config), Runtime(bench.device.type, bench.dtype, StageTimer(bench.device.type)))
     stage.vae = vae
     config = stage.config
-    key = "exact" if config.exact else (config.attention, config.compile, config.exact_norms)
+    key = "exact" if config.exact else (config.attention, config.compile, config.exact_norms, fp8)
     if key not in decoders:  # one fused decoder per choice of its switches; its QKV weights are shared
         decoders[key] = ((lambda tiles: vae.decoder(vae.post_quant_conv(tiles))) if key == "exact"
                          else FastViTDecoder(vae, config.attention, config.compile, config.exact_norms))
     stage.decoder = decoders[key]
     return stage
+
+
+def fp8_copy(vae):
+    """A copy of `vae` with its decoder blocks' linears quantized by the fp8-rowwise quant stage (roles = ["vae"])."""
+    import copy
+
+    from h3gen.stages.quant import FP8Rowwise, FP8RowwiseConfig
+
+    device = next(vae.parameters()).device
+    quant = FP8Rowwise(FP8RowwiseConfig(roles=["vae"]), SimpleNamespace(device=device.type))
+    quant.load(None)
+    return quant.transform("vae", copy.deepcopy(vae))
 
 
 def run_variant(bench, vae, latents, name, config, reference, decoders):

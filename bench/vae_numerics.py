@@ -83,10 +83,10 @@ def main():
     fast = FastViTDecoder(vae, backend="sdpa")
     w, shape = fast.weights[0], fast.shape
     frames, height, width = tiles.shape[2:]
-    cos, sin = (t.reshape(-1, t.shape[-1]) for t in fast.rotary(frames, height, width, tiles.device, w.qkv_weight.dtype))
+    cos, sin = (t.reshape(-1, t.shape[-1]) for t in fast.rotary(frames, height, width, tiles.device, fast.dtype))
     log("rotary", dict(cos=differ(cos, captured["rotary"][0][0, :, 0].to(cos.dtype)),
                        sin=differ(sin, captured["rotary"][1][0, :, 0].to(sin.dtype))))
-    log("qkv (fused GEMM)", differ(F.linear(s["norm1"], w.qkv_weight, w.qkv_bias), s["qkv"]))
+    log("qkv (fused GEMM)", differ(w.qkv(s["norm1"]), s["qkv"]))
     for label, exact in (("", False), (" exact norms", True)):
         qkv = s["qkv"].clone()
         rstd = None
@@ -106,16 +106,16 @@ def main():
             log(f"attended ({name}, projection views)", differ(attention(*views, name).flatten(2), s["attended"]))
         except Exception as exc:
             log(f"attended ({name}) error", repr(exc)[:200])
-    log("attn_out (GEMM)", differ(F.linear(s["attended"], w.out_weight, w.out_bias), s["attn_out"]))
+    log("attn_out (GEMM)", differ(w.out(s["attended"]), s["attn_out"]))
     hidden = captured["hidden"].float().clone()
     normed = residual_rmsnorm(hidden, s["attn_out"], w.scale1, w.norm2, shape.norm_eps, s["norm2"].dtype)
     log("hidden1 (residual_rmsnorm)", differ(hidden, s["hidden1"]))
     log("norm2 (residual_rmsnorm)", differ(normed, s["norm2"]))
     log("norm2 (torch on hidden1)", differ(F.rms_norm(s["hidden1"], (hidden.shape[-1],), w.norm2, shape.norm_eps)
                                            .to(s["norm2"].dtype), s["norm2"]))
-    log("up_gate (fused GEMM)", differ(F.linear(s["norm2"], w.up_gate_weight, w.up_gate_bias), s["up_gate"]))
+    log("up_gate (fused GEMM)", differ(w.up_gate(s["norm2"]), s["up_gate"]))
     log("swiglu", differ(swiglu(s["up_gate"]), s["swiglu"]))
-    log("ff_out (GEMM)", differ(F.linear(s["swiglu"], w.down_weight, w.down_bias), s["ff_out"]))
+    log("ff_out (GEMM)", differ(w.down(s["swiglu"]), s["ff_out"]))
     hidden = s["hidden1"].float().clone()
     residual_rmsnorm(hidden, s["ff_out"], w.scale2)
     log("hidden2 (residual add)", differ(hidden, s["hidden2"]))

@@ -1,10 +1,11 @@
 """Quantization: a load-time transform of the modules other stages load, adapters fused first.
 
-The stage that loads a model hands it to `transform(role, module)` ('dit' or 'text_encoder'). The preset's
+The stage that loads a model hands it to `transform(role, module)` ('dit', 'text_encoder' or 'vae'). The preset's
 adapters are fused into the DiT's full-precision weights, then the Linears of the transformer blocks are swapped
 for quantized ones where they sit (on the GPU when the model was loaded there), one module at a time. The
 checkpoint's fp32 modules (patch projections, time embedder, output heads), the norms, the text encoder's vision
-tower and lm_head stay as loaded; so does everything a config lists in `skip`.
+tower and lm_head stay as loaded; so does everything a config lists in `skip`. The video VAE's decoder blocks are
+quantized only when `roles` names 'vae': its frames then differ from diffusers' by a tolerance stated in the README.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import dataclasses
 from h3gen.errors import UsageError
 from h3gen.stages.base import Stage
 
-ROLES = ("dit", "text_encoder")
-# Where the quantized Linears live, per role: the DiT's block stacks and the language layers of Qwen3-VL.
-SCOPES = {"dit": ("transformer_blocks", "token_refiner"), "text_encoder": ("language_model.layers",)}
+ROLES = ("dit", "text_encoder", "vae")
+DEFAULT_ROLES = ("dit", "text_encoder")
+# Where the quantized Linears live, per role: the DiT's block stacks, the language layers of Qwen3-VL, the blocks of
+# the video VAE's ViT decoder.
+SCOPES = {"dit": ("transformer_blocks", "token_refiner"), "text_encoder": ("language_model.layers",),
+          "vae": ("decoder.transformer_blocks",)}
 MATMULS = ("auto", "scaled_mm", "reference")
 
 
@@ -27,7 +31,7 @@ class NoQuantConfig:
 
 @dataclasses.dataclass
 class QuantConfig:
-    roles: list[str] = dataclasses.field(default_factory=lambda: list(ROLES))  # which loaded models to quantize
+    roles: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_ROLES))  # which loaded models to quantize
     # Module name parts kept in the checkpoint's precision. adaln_proj turns a timestep into modulation rows: a
     # handful of rows per forward, so quantizing it saves memory (13 B params at full size) but no time.
     skip: list[str] = dataclasses.field(default_factory=lambda: ["adaln_proj"])
@@ -79,7 +83,7 @@ class QuantStage(Stage):
         return tensor
 
     def transform(self, role: str, module):
-        """Called by the stage that loaded `module` (`role`: 'dit' or 'text_encoder'); returns what runs.
+        """Called by the stage that loaded `module` (`role`: one of ROLES); returns what runs.
         Adapter deltas the loader did not take through `checkpoint_tensor` are fused into `module` first."""
         if role == "dit" and self.adapter_deltas is not None:
             self.adapter_deltas.fuse_into(module)

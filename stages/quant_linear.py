@@ -62,16 +62,17 @@ class FP8RowwiseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows, row_scale = quantize_rows(x.reshape(-1, self.in_features))
-        weight = self.weight_bits.view(FP8)
+        weight, bias = self.weight_bits.view(FP8), self.bias
+        # The bias is added to the float32 product before its one rounding, in the GEMM's epilogue on Hopper.
         if self.matmul == "scaled_mm":
-            # Row-wise scaling wants bf16 out, the weight column-major (a transposed row-major tensor is) and
-            # scales shaped (M, 1) and (1, N).
+            # Row-wise scaling wants bf16 out (and a bf16 bias), the weight column-major (a transposed row-major
+            # tensor is) and scales shaped (M, 1) and (1, N).
             out = torch._scaled_mm(rows, weight.t(), scale_a=row_scale, scale_b=self.weight_scale[None, :],
+                                   bias=None if bias is None else bias.to(torch.bfloat16),
                                    out_dtype=torch.bfloat16).to(x.dtype)
         else:
-            out = (F.linear(rows.float(), weight.float()) * row_scale * self.weight_scale[None, :]).to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias.to(x.dtype)
+            out = F.linear(rows.float(), weight.float()) * row_scale * self.weight_scale[None, :]
+            out = (out if bias is None else out + bias.float()).to(x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -18,7 +18,9 @@ class ReferenceVAE(Stage):
         import torch
 
         device = self.runtime.device
-        self.vae = repo.load("vae", AutoencoderKLMiniMaxH3, torch_dtype=self.runtime.dtype, device_map=device).eval()
+        vae = repo.load("vae", AutoencoderKLMiniMaxH3, torch_dtype=self.runtime.dtype, device_map=device).eval()
+        # The quant stage quantizes the decoder's blocks only when its roles name the VAE.
+        self.vae = self.runtime.quant.transform("vae", vae) if self.runtime.quant else vae
         # The audio VAE is small and decodes in fp32, as the reference does.
         self.audio_vae = repo.load("audio_vae", AutoencoderKLMiniMaxH3Audio, torch_dtype=torch.float32,
                                    device_map=device).eval()

@@ -12,10 +12,12 @@ residual and norms, Q/K normalized in float32 then rounded, RoPE in the compute 
 
 from __future__ import annotations
 
+import copy
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from h3gen.kernels.attention import attention
 from h3gen.kernels.qk_norm_rope import qk_norm_rope
@@ -24,17 +26,15 @@ from h3gen.kernels.swiglu import swiglu, swiglu_reference
 
 
 class BlockWeights(NamedTuple):
+    """One decoder block's norms and residual scales, and its projections as modules: `nn.Linear`, or the quant
+    stage's quantized linears when it quantizes the VAE."""
     norm1: torch.Tensor
-    qkv_weight: torch.Tensor
-    qkv_bias: torch.Tensor
-    out_weight: torch.Tensor
-    out_bias: torch.Tensor
+    qkv: nn.Module
+    out: nn.Module
     scale1: torch.Tensor
     norm2: torch.Tensor
-    up_gate_weight: torch.Tensor
-    up_gate_bias: torch.Tensor
-    down_weight: torch.Tensor
-    down_bias: torch.Tensor
+    up_gate: nn.Module
+    down: nn.Module
     scale2: torch.Tensor
 
 
@@ -50,22 +50,31 @@ class BlockShape(NamedTuple):
     exact_norms: bool = False
 
 
-def fuse_qkv(attn) -> tuple[torch.Tensor, torch.Tensor]:
-    """One (3 * inner, dim) projection; to_q/to_k/to_v become views of it, so the weights are not held twice."""
-    weight = torch.cat([attn.to_q.weight, attn.to_k.weight, attn.to_v.weight]).detach()
-    bias = torch.cat([attn.to_q.bias, attn.to_k.bias, attn.to_v.bias]).detach()
-    for i, linear in enumerate((attn.to_q, attn.to_k, attn.to_v)):
-        rows = slice(i * linear.out_features, (i + 1) * linear.out_features)
-        linear.weight = torch.nn.Parameter(weight[rows], requires_grad=False)
-        linear.bias = torch.nn.Parameter(bias[rows], requires_grad=False)
-    return weight, bias
+def fuse_linears(linears) -> nn.Module:
+    """One linear computing what `linears` (of one type, on the same input) compute, their outputs side by side.
+    Every tensor of a linear (weight, per-channel weight scales, bias) is indexed by output channel first, so each
+    is concatenated; the originals become views of the fused tensors, so the weights are not held twice."""
+    first = linears[0]
+    fused = copy.copy(first)
+    fused._parameters, fused._buffers = dict(first._parameters), dict(first._buffers)
+    for name in (*first._parameters, *first._buffers):
+        parts = [getattr(linear, name) for linear in linears]
+        if parts[0] is None:
+            continue
+        joined = torch.cat([part.detach() for part in parts])
+        wrap = (lambda t: nn.Parameter(t, requires_grad=False)) if name in first._parameters else (lambda t: t)
+        setattr(fused, name, wrap(joined))
+        for linear, rows in zip(linears, joined.split([len(part) for part in parts])):
+            setattr(linear, name, wrap(rows))
+    fused.out_features = sum(linear.out_features for linear in linears)
+    return fused
 
 
 def block_weights(block) -> BlockWeights:
-    qkv_weight, qkv_bias = fuse_qkv(block.attn)
-    out, up_gate, down = block.attn.to_out[0], block.ff.net[0].proj, block.ff.net[2]
-    return BlockWeights(block.norm1.weight, qkv_weight, qkv_bias, out.weight, out.bias, block.scale1,
-                        block.norm2.weight, up_gate.weight, up_gate.bias, down.weight, down.bias, block.scale2)
+    attn = block.attn
+    qkv = fuse_linears([attn.to_q, attn.to_k, attn.to_v])
+    return BlockWeights(block.norm1.weight, qkv, attn.to_out[0], block.scale1, block.norm2.weight,
+                        block.ff.net[0].proj, block.ff.net[2], block.scale2)
 
 
 def rotate(x, cos, sin):
@@ -80,18 +89,17 @@ def rotate(x, cos, sin):
 def block_forward(hidden, w: BlockWeights, cos, sin, shape: BlockShape):
     """One decoder block on (B, L, dim) in torch ops, the form `compile = true` hands to inductor; `cos`/`sin`
     (1, L, 1, 1, rotary_dim) in the compute dtype."""
-    dtype, dim = w.qkv_weight.dtype, hidden.shape[-1]
+    dtype, dim = cos.dtype, hidden.shape[-1]
     normed = F.rms_norm(hidden.float(), (dim,), w.norm1, shape.norm_eps).to(dtype)
-    qkv = F.linear(normed, w.qkv_weight, w.qkv_bias).unflatten(-1, (3, shape.heads, -1))
+    qkv = w.qkv(normed).unflatten(-1, (3, shape.heads, -1))
     # Q and K together: normalized in float32, rounded, rotated in the compute dtype, as diffusers does each.
     qk = F.rms_norm(qkv[:, :, :2].float(), (qkv.shape[-1],), None, shape.qk_eps).to(dtype)
     q, k = rotate(qk, cos, sin).unbind(2)
     attended = attention(q, k, qkv[:, :, 2], shape.backend).flatten(2)
-    hidden = torch.addcmul(hidden.float(), F.linear(attended, w.out_weight, w.out_bias), w.scale1)
+    hidden = torch.addcmul(hidden.float(), w.out(attended), w.scale1)
     normed = F.rms_norm(hidden, (dim,), w.norm2, shape.norm_eps).to(dtype)
-    up_gate = F.linear(normed, w.up_gate_weight, w.up_gate_bias)
-    activated = swiglu_reference(up_gate)  # the compiled block: inductor fuses it
-    return torch.addcmul(hidden, F.linear(activated, w.down_weight, w.down_bias), w.scale2)
+    activated = swiglu_reference(w.up_gate(normed))  # the compiled block: inductor fuses it
+    return torch.addcmul(hidden, w.down(activated), w.scale2)
 
 
 def fused_block_forward(hidden, normed, w: BlockWeights, next_norm, qk_weight, cos, sin, shape: BlockShape):
@@ -100,14 +108,14 @@ def fused_block_forward(hidden, normed, w: BlockWeights, next_norm, qk_weight, c
     dtype, and the return value is the norm `next_norm` asks for (the next block's first; None after the last).
     Q and K are normalized (`qk_weight`: ones) and rotated over their columns of the projection; `cos`, `sin` (L,
     rotary_dim)."""
-    qkv = F.linear(normed, w.qkv_weight, w.qkv_bias)
+    qkv = w.qkv(normed)
     q, k, v = qk_norm_rope(qkv, shape.heads, qk_weight, qk_weight, shape.qk_eps, cos, sin, in_place=True)
     attended = attention(q, k, v, shape.backend).flatten(2)
     del qkv, q, k, v
     dtype = normed.dtype
-    normed = residual_norm(hidden, F.linear(attended, w.out_weight, w.out_bias), w.scale1, w.norm2, shape, dtype)
-    activated = swiglu(F.linear(normed, w.up_gate_weight, w.up_gate_bias))
-    return residual_norm(hidden, F.linear(activated, w.down_weight, w.down_bias), w.scale2, next_norm, shape, dtype)
+    normed = residual_norm(hidden, w.out(attended), w.scale1, w.norm2, shape, dtype)
+    activated = swiglu(w.up_gate(normed))
+    return residual_norm(hidden, w.down(activated), w.scale2, next_norm, shape, dtype)
 
 
 def residual_norm(hidden, branch, scale, norm_weight, shape: BlockShape, dtype):
@@ -130,11 +138,13 @@ class FastViTDecoder:
         self.weights = [block_weights(block) for block in blocks]
         attn = blocks[0].attn
         self.shape = BlockShape(attn.heads, blocks[0].norm1.eps, attn.norm_q.eps, backend, exact_norms)
+        # The compute dtype: the projections' bias keeps it when the quant stage quantizes their weights.
+        self.dtype = attn.to_q.bias.dtype
         self.rotary_tables = {}
         # Compiled: inductor fuses `block_forward`'s reference ops. Eager: h3gen's fused kernels.
         self.block = torch.compile(block_forward, dynamic=False) if compile else None
         # The decoder's Q/K norms have no weight: the fused kernel gets ones.
-        self.qk_weight = torch.ones(attn.dim_head, device=self.weights[0].qkv_weight.device)
+        self.qk_weight = torch.ones(attn.dim_head, device=attn.to_q.bias.device)
 
     def rotary(self, frames: int, height: int, width: int, device, dtype):
         """cos, sin for one tile's token grid plus the register and zero tokens (all at position 0)."""
@@ -168,7 +178,7 @@ class FastViTDecoder:
         patches = tokens.shape[1]
         registers = decoder.register_tokens.expand(batch, -1, -1).to(tokens.dtype)
         hidden = torch.cat([tokens, registers, tokens.new_zeros((batch, 1, tokens.shape[-1]))], dim=1)
-        dtype = self.weights[0].qkv_weight.dtype
+        dtype = self.dtype
         cos, sin = self.rotary(frames, height, width, latents.device, dtype)
         if self.block is not None:
             for weights in self.weights:

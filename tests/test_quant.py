@@ -174,7 +174,7 @@ def test_text_encoder_language_layers_are_quantized_and_the_rest_kept(tiny_model
 
 
 @pytest.mark.parametrize("override, message", [
-    ('quant.roles=["vae"]', "unknown role 'vae'"),
+    ('quant.roles=["audio_vae"]', "unknown role 'audio_vae'"),
     ("quant.matmul=fast", "unknown 'fast'"),
 ])
 def test_bad_quant_knobs(override, message):
