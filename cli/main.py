@@ -104,6 +104,8 @@ def bench(
     output: Annotated[Path, typer.Option("-o", "--output", help="Results directory.")] = Path("bench/results"),
     batch: Annotated[Optional[int], typer.Option("--batch", min=1, help="Render N clips per preset as `render` "
                                                                         "does and time the batch instead.")] = None,
+    warm_cache: Annotated[bool, typer.Option("--warm-cache", help="With --batch: run each batch twice over one "
+                                                                  "fresh embedding cache, cold then warm.")] = False,
 ):
     """Time presets against the diffusers baseline, stage by stage; write JSON, a markdown table and a chart.
     With --batch N: N clips through the renderer per preset (the baseline clip by clip), the time each clip adds
@@ -112,7 +114,7 @@ def bench(
 
     try:
         run_bench_command(presets or ["h3-base"], baseline, durations, size, repeat, warmup, random_weights, model,
-                          stages, forwards, text_tokens, output, batch)
+                          stages, forwards, text_tokens, output, batch, warm_cache)
     except H3genError as e:
         fail(e)
 

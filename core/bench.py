@@ -39,6 +39,7 @@ class BenchPlan:
     forwards: int | None = None
     text_tokens: int = 256
     seed: int = 1101
+    warm_cache: bool = False  # --batch: each batch twice over one fresh embedding cache, cold then warm
 
 
 def forward_overrides(preset, forwards: int | None) -> list[str]:
@@ -51,9 +52,13 @@ def forward_overrides(preset, forwards: int | None) -> list[str]:
     return overrides
 
 
-def cache_overrides(preset) -> list[str]:
-    """The benchmark times the text encoder itself, never the embedding cache."""
-    return ["encode.cache=false"] if hasattr(preset.stages["encode"][1], "cache") else []
+def cache_overrides(preset, cache_dir=None) -> list[str]:
+    """The benchmark times the text encoder itself, never the embedding cache, unless it is handed a cache directory
+    to fill (and read back)."""
+    config = preset.stages["encode"][1]
+    if cache_dir is None:
+        return ["encode.cache=false"] if hasattr(config, "cache") else []
+    return [f"encode.cache_dir={str(cache_dir)!r}"] if hasattr(config, "cache_dir") else []
 
 
 def adapter_overrides(random_weights: str | None) -> list[str]:

@@ -5,7 +5,8 @@ Per clip, the critical path is the clip's DiT plus whatever the device waits for
 start (decode, transfer, and the mux when it is not in the background). `extra_per_clip_s` is that wait: the
 batch's wall time (the text encoding and loading excluded) minus the DiT time, over the clips. With `forwards`
 set, clips per hour are also given for the preset's own forward count, from the measured per-forward time and
-the measured extra.
+the measured extra. With `warm_cache`, each preset's batch runs twice over one fresh embedding cache: the second
+run's encode seconds are what a rerun over the same prompts pays (`encoder_loads` says whether it loaded the encoder).
 """
 
 from __future__ import annotations
@@ -49,20 +50,25 @@ def run_batch(plan: BenchPlan, registry, source, random_weights: str | None, cli
             for name, baseline in names:
                 preset = resolve(name, registry)
                 full_forwards = preset_forwards(preset)
-                overrides = (forward_overrides(preset, plan.forwards) + cache_overrides(preset)
+                cache_dir = Path(workdir) / f"cache-{name}-{seconds:g}" if plan.warm_cache else None
+                overrides = (forward_overrides(preset, plan.forwards) + cache_overrides(preset, cache_dir)
                              + adapter_overrides(random_weights))
                 if baseline:  # the baseline renders clip by clip: nothing in the background
                     overrides.append("mux.workers=0")
                 preset = resolve(name, registry, overrides)
-                say(f"bench: batch of {clips} x {seconds:g} s clips with {name}")
-                try:
-                    records.append(time_batch(preset, registry, source, batch_requests(plan, seconds, clips),
-                                              Path(workdir) / name, full_forwards, baseline, say))
-                except Exception as e:  # one preset failing must not lose the others' numbers
-                    say(f"bench: batch with {name} failed: {type(e).__name__}: {str(e)[:300]}")
-                    records.append(dict(preset=name, baseline=baseline, stage="batch", clips=clips,
-                                        notes=f"failed: {type(e).__name__}: {e}"[:500]))
-    base = next((r for r in records if r.get("baseline") and r.get("clips_per_hour")), None)
+                for run in ("cold", "warm") if plan.warm_cache else (None,):
+                    say(f"bench: batch of {clips} x {seconds:g} s clips with {name}"
+                        + (f", {run} embedding cache" if run else ""))
+                    try:
+                        record = time_batch(preset, registry, source, batch_requests(plan, seconds, clips),
+                                            Path(workdir) / f"{name}-{run}", full_forwards, baseline, say)
+                    except Exception as e:  # one preset failing must not lose the others' numbers
+                        say(f"bench: batch with {name} failed: {type(e).__name__}: {str(e)[:300]}")
+                        record = dict(preset=name, baseline=baseline, stage="batch", clips=clips,
+                                      notes=f"failed: {type(e).__name__}: {e}"[:500])
+                    records.append(record | (dict(embedding_cache=run) if run else {}))
+    base = next((r for r in records if r.get("baseline") and r.get("clips_per_hour")
+                 and r.get("embedding_cache") != "warm"), None)
     for record in records:
         if base and record.get("clips_per_hour"):
             record["vs_baseline"] = round(record["clips_per_hour_full"] / base["clips_per_hour_full"], 3)
@@ -95,6 +101,7 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
     if failed:
         raise RuntimeError(f"{len(failed)} clip(s) failed: {failed[0]}")
     per_clip = [reporter.stages.get(r.request.index, {}) | r.seconds for r in results]
+    encoder_loads = getattr(renderer.stages["encode"], "encoder_loads", None)
     encode = sum(s.get("encode", 0.0) for s in per_clip)
     dit = [s.get("sampler", 0.0) for s in per_clip]
     forwards = max(r.forwards for r in results) or 1
@@ -103,6 +110,7 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
     return dict(preset=preset.name, baseline=baseline, stage="batch", clips=len(results),
                 duration_s=round(requests[0].duration, 4), size=f"{requests[0].width}x{requests[0].height}",
                 load_s=round(loaded - began, 2), wall_s=round(wall, 2), encode_s=round(encode, 3),
+                encode_s_per_clip=[round(s.get("encode", 0.0), 4) for s in per_clip], encoder_loads=encoder_loads,
                 dit_s_per_clip=round(sum(dit) / len(dit), 3), forwards=forwards, per_forward_s=round(per_forward, 3),
                 vae_s_per_clip=round(sum(s.get("vae", 0.0) for s in per_clip) / len(per_clip), 3),
                 mux_s_per_clip=round(sum(s.get("mux", 0.0) for s in per_clip) / len(per_clip), 3),
@@ -112,7 +120,8 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
                 notes=f"{forwards} forward(s) per clip timed; clips_per_hour_full uses {full_forwards}")
 
 
-BATCH_COLUMNS = ("clips", "per_forward_s", "vae_s_per_clip", "mux_s_per_clip", "extra_per_clip_s", "clips_per_hour",
+BATCH_COLUMNS = ("clips", "encode_s", "per_forward_s", "vae_s_per_clip", "mux_s_per_clip", "extra_per_clip_s",
+                 "clips_per_hour",
                  "clips_per_hour_full", "vs_baseline", "vs_baseline_same_forwards")
 
 
@@ -123,6 +132,7 @@ def batch_markdown(result: dict) -> str:
              "| --- " * (len(BATCH_COLUMNS) + 1) + "|"]
     for r in result["records"]:
         name = r["preset"] + (" (baseline, clip by clip)" if r.get("baseline") else "")
+        name += f", {r['embedding_cache']} embedding cache" if r.get("embedding_cache") else ""
         lines.append(f"| {name} | " + " | ".join(str(r.get(k, "-")) for k in BATCH_COLUMNS) + " |")
     notes = sorted({f"{r['preset']}: {r['notes']}" for r in result["records"] if r.get("notes")})
     return "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n"

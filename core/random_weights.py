@@ -43,6 +43,15 @@ class FullSizeRandom:
     def text_dim(self) -> int:
         return QWEN3VL_32B_TEXT["hidden_size"]
 
+    def text_encoder_identity(self) -> str:
+        """The embedding cache's key: the random encoder is fixed by its architecture, seed and tokenizer."""
+        import hashlib
+        import json
+
+        spec = json.dumps(dict(text=QWEN3VL_32B_TEXT, vision=QWEN3VL_32B_VISION, seed=self.seed), sort_keys=True)
+        tokenizer = self.tiny_repo.text_encoder_identity()
+        return hashlib.sha256(f"full-size random\0{spec}\0{tokenizer}".encode()).hexdigest()
+
     def text_encoder_config(self):
         from transformers import Qwen2TokenizerFast, Qwen3VLConfig
 

@@ -59,6 +59,12 @@ class ModelRepo:
     def text_dim(self) -> int:
         return json.loads((self.path("transformer") / "config.json").read_text()).get("text_dim", 5120)
 
+    def text_encoder_identity(self) -> str:
+        """What the embedding cache keys on: a fingerprint of the text encoder's and the tokenizer's files."""
+        from h3gen.embedding_cache import encoder_fingerprint
+
+        return encoder_fingerprint([self.path("text_encoder"), self.path("tokenizer")])
+
     def text_encoder_config(self):
         from transformers import AutoConfig
 

@@ -15,6 +15,7 @@ class Qwen3VLConfig:
     layer: int = 50
     max_tokens: int = 1024
     cache: bool = True  # prompt embeddings on disk: a rerun over the same prompts never loads the encoder
+    cache_dir: str = ""  # where they go; empty: the user cache directory (h3gen/embeddings in it)
 
 
 class Qwen3VLEncoder(Stage):
@@ -26,20 +27,25 @@ class Qwen3VLEncoder(Stage):
         """Tokenizer now; the encoder's weights only when a prompt is not in the embedding cache."""
         from transformers import Qwen2TokenizerFast
 
-        self.repo, self.text_encoder = repo, None
+        self.repo, self.text_encoder, self.encoder_loads = repo, None, 0
         self.tokenizer = repo.load("tokenizer", Qwen2TokenizerFast)
         self.cache = None
-        if self.config.cache and hasattr(repo, "root") and hasattr(repo, "path"):
-            from h3gen.embedding_cache import EmbeddingCache, encoder_fingerprint
+        if self.config.cache and hasattr(repo, "text_encoder_identity"):
+            from pathlib import Path
 
-            weights = encoder_fingerprint([repo.path("text_encoder"), repo.path("tokenizer")])
-            self.cache = EmbeddingCache(weights, dict(layer=self.config.layer, dtype=str(self.runtime.dtype),
-                                                      quant=self.runtime.quant.name))
+            from h3gen.embedding_cache import EmbeddingCache
+
+            # The device kind too: another device's kernels round differently (and draws other random weights).
+            settings = dict(layer=self.config.layer, dtype=str(self.runtime.dtype), quant=self.runtime.quant.name,
+                            device=self.runtime.device.split(":")[0])
+            self.cache = EmbeddingCache(repo.text_encoder_identity(), settings,
+                                        Path(self.config.cache_dir).expanduser() if self.config.cache_dir else None)
 
     def load_encoder(self):
         from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
         repo = self.repo
+        self.encoder_loads += 1
         config = repo.text_encoder_config()
         total = config.text_config.num_hidden_layers
         if total <= self.config.layer:

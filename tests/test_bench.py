@@ -70,3 +70,30 @@ def test_full_size_random_weights_have_no_repository_directory():
     from h3gen.stages.conditions import canvas_configs
 
     assert FullSizeRandom(None).root is None and canvas_configs(FullSizeRandom(None))
+
+
+def test_bench_batch_warm_cache_never_loads_the_encoder(tmp_path):
+    """--warm-cache: the batch twice over one fresh embedding cache; the second run reads every prompt from it."""
+    result = h3gen("bench", "--batch", "2", "--preset", "tiny", "--baseline", "none", "--durations", "5", "--size",
+                   "64x32", "--random-weights", "tiny", "--forwards", "1", "--text-tokens", "8", "--warm-cache",
+                   "-o", tmp_path, check_code=0)
+    paths = result.stdout.split()
+    cold, warm = json.loads(open(paths[0]).read())["records"]
+    assert (cold["embedding_cache"], warm["embedding_cache"]) == ("cold", "warm")
+    assert cold["encoder_loads"] == 1 and warm["encoder_loads"] == 0
+    assert all(s > 0 for s in cold["encode_s_per_clip"]) and len(warm["encode_s_per_clip"]) == 2
+    assert "| tiny, warm embedding cache | 2 |" in open(paths[1]).read()
+    rejected = h3gen("bench", "--warm-cache", "-o", tmp_path)
+    assert rejected.returncode == 2 and "--warm-cache" in rejected.stderr
+
+
+def test_full_size_random_encoder_has_a_cache_identity(tiny_model):
+    """The random encoder is fixed by its architecture, seed and tokenizer: those key its embedding cache."""
+    from h3gen.random_weights import FullSizeRandom
+    from h3gen.repo import ModelRepo
+
+    repo = ModelRepo(tiny_model)
+    identity = FullSizeRandom(repo).text_encoder_identity()
+    assert identity == FullSizeRandom(repo).text_encoder_identity()
+    assert identity != FullSizeRandom(repo, seed=7).text_encoder_identity()
+    assert identity != repo.text_encoder_identity()
