@@ -9,6 +9,7 @@ model: a benchmark fixes the token count, not the text.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 # Qwen3-VL-32B's text stack: what MiniMax-H3 conditions on (hidden size 5120 = the DiT's text_dim).
 QWEN3VL_32B_TEXT = dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
@@ -58,7 +59,10 @@ class FullSizeRandom:
         tokenizer = self.tiny_repo.load("tokenizer", Qwen2TokenizerFast)
         ids = {n: tokenizer.convert_tokens_to_ids(f"<|{n}|>") for n in ("image_pad", "video_pad", "vision_start",
                                                                           "vision_end")}
-        return Qwen3VLConfig(text_config=dict(QWEN3VL_32B_TEXT), vision_config=dict(QWEN3VL_32B_VISION),
+        # Deep copies: transformers rewrites the nested rope settings in place, which would change this module's
+        # constants (and the embedding cache's key with them) after the first load.
+        text, vision = copy.deepcopy(QWEN3VL_32B_TEXT), copy.deepcopy(QWEN3VL_32B_VISION)
+        return Qwen3VLConfig(text_config=text, vision_config=vision,
                              image_token_id=ids["image_pad"], video_token_id=ids["video_pad"],
                              vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"])
 
