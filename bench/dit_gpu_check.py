@@ -388,6 +388,10 @@ def run_fast(config, inputs, schedule, reference, outputs):
                                                                        ffn_chunk_rows=chunk))]
     variants += [(f"fp8+table+{name}", dict(use_triton=True, adaln_table=True, attention_backend=name,
                                             ffn_chunk_rows=chunk)) for name in fp8_attention]
+    # The same FP8 linears with scaled_mm's fast accumulation.
+    variants += ["fp8-fast-accum"] + [(f"fp8+fast-accum+table+{name}", dict(use_triton=True, adaln_table=True,
+                                                                            attention_backend=name, ffn_chunk_rows=chunk))
+                                      for name in (best_attention, fp8_attention[-1])]
     if not TINY:  # inductor on the CPU needs a C++ toolchain; the dry run skips compilation
         variants += [("compile+table", dict(use_triton=False, compile_blocks=True, attention_backend=best_attention)),
                      ("compile+triton+table", dict(use_triton=True, attention_backend=best_attention))]
@@ -403,6 +407,13 @@ def run_fast(config, inputs, schedule, reference, outputs):
 
             attention_module.FLASH_ATTN_4_OPTIONS.update(results["flash_attn_4_best_options"])
             attention_module._flash_attn_4.cache_clear()
+            continue
+        if variant == "fp8-fast-accum":
+            from h3gen.stages.quant_linear import FP8RowwiseLinear
+
+            for module in model.modules():
+                if isinstance(module, FP8RowwiseLinear):
+                    module.fast_accum = True
             continue
         if variant == "fp8-linears":
             if not ONLY or any(name.startswith("fp8+") for name in ONLY):

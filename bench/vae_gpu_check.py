@@ -52,11 +52,12 @@ VARIANTS = {
     "fast-b8-tile320": dict(tile_batch=8, tile_height=320, tile_width=320),
     "fast-b8-tile256x384": dict(tile_batch=8, tile_height=256, tile_width=384),
     # FP8 linears in the decoder blocks (the quant stage with roles = ["vae"]): a stated tolerance, not diffusers'.
-    "fast-fp8": dict(fp8=True, exact_norms=False),
-    "fast-fp8-exact-norms": dict(fp8=True),
+    "fast-fp8": dict(fp8={}, exact_norms=False),
+    "fast-fp8-exact-norms": dict(fp8={}),
+    "fast-fp8-fast-accum": dict(fp8=dict(fast_accum=True), exact_norms=False),
 }
 TINY_VARIANTS = {"exact": dict(exact=True, tile_batch=1), "fast-b3": dict(tile_batch=3),
-                 "fast-fused-norms": dict(exact_norms=False), "fast-fp8": dict(fp8=True, exact_norms=False),
+                 "fast-fused-norms": dict(exact_norms=False), "fast-fp8": dict(fp8={}, exact_norms=False),
                  "fast-auto": dict(), "fast-b4-tile128": dict(tile_batch=4, tile_height=128, tile_width=128,
                                                              overlap=32)}
 
@@ -205,11 +206,12 @@ def fast_stage(bench, vae, config, decoders):
     from h3gen.timing import StageTimer
 
     config = dict(config)
-    fp8 = config.pop("fp8", False)
-    if fp8:
-        if "fp8-vae" not in decoders:
-            decoders["fp8-vae"] = fp8_copy(vae)
-        vae = decoders["fp8-vae"]
+    fp8 = config.pop("fp8", None)  # the fp8-rowwise quant stage's knobs, roles = ["vae"]
+    if fp8 is not None:
+        knobs, fp8 = fp8, f"fp8 {sorted(fp8.items())}"
+        if fp8 not in decoders:
+            decoders[fp8] = fp8_copy(vae, **knobs)
+        vae = decoders[fp8]
     stage = FastVAE(FastVAEConfig(**config), Runtime(bench.device.type, bench.dtype, StageTimer(bench.device.type)))
     stage.vae = vae
     config = stage.config
@@ -221,14 +223,15 @@ def fast_stage(bench, vae, config, decoders):
     return stage
 
 
-def fp8_copy(vae):
-    """A copy of `vae` with its decoder blocks' linears quantized by the fp8-rowwise quant stage (roles = ["vae"])."""
+def fp8_copy(vae, **knobs):
+    """A copy of `vae` with its decoder blocks' linears quantized by the fp8-rowwise quant stage (roles = ["vae"],
+    `knobs` its other config keys)."""
     import copy
 
     from h3gen.stages.quant import FP8Rowwise, FP8RowwiseConfig
 
     device = next(vae.parameters()).device
-    quant = FP8Rowwise(FP8RowwiseConfig(roles=["vae"]), SimpleNamespace(device=device.type))
+    quant = FP8Rowwise(FP8RowwiseConfig(roles=["vae"], **knobs), SimpleNamespace(device=device.type))
     quant.load(None)
     return quant.transform("vae", copy.deepcopy(vae))
 

@@ -1,9 +1,14 @@
-"""SwiGLU on a fused projection laid out [up | gate], as diffusers' `SwiGLU` chunks it."""
+"""SwiGLU on a fused projection laid out [up | gate], as diffusers' `SwiGLU` chunks it; and SwiGLU straight into
+the FP8 rows (one scale per row) an FP8 down projection reads, without writing the bf16 activation in between."""
+import os
+
+import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from h3gen.kernels.rounding import NO_FMA
+from h3gen.kernels.quantize_rows import FP8, FP8_MAX, quantize_rows_reference
+from h3gen.kernels.rounding import NO_FMA, round_to, to_fp8
 
 
 def swiglu_reference(up_gate):
@@ -36,3 +41,49 @@ def swiglu_triton(up_gate, block=1024):
 
 def swiglu(up_gate):
     return swiglu_triton(up_gate) if up_gate.is_cuda else swiglu_reference(up_gate)
+
+
+def swiglu_quantized_reference(up_gate):
+    """quantize_rows of the SwiGLU: (fp8 (M, inner), fp32 scale (M, 1)) over the flattened leading dims."""
+    out = swiglu_reference(up_gate)
+    return quantize_rows_reference(out.reshape(-1, out.shape[-1]))
+
+
+@triton.jit
+def _swiglu_quantize_kernel(up_gate_ptr, out_ptr, scale_ptr, inner, dtype_max, BLOCK: tl.constexpr,
+                            EMULATE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < inner
+    src = up_gate_ptr + row * 2 * inner + cols
+    dtype = up_gate_ptr.dtype.element_ty
+    up = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(src + inner, mask=mask, other=0.0).to(tl.float32)
+    # The SwiGLU kernel's values, rounded as it rounds; then quantize_rows' arithmetic on them.
+    silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype, EMULATE)
+    x = round_to(up * silu, dtype, EMULATE)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
+    multiplier = round_to(tl.minimum(tl.math.div_rn(tl.full([], 448.0, tl.float32), amax), dtype_max), dtype, EMULATE)
+    scaled = tl.minimum(tl.maximum(round_to(x * multiplier, dtype, EMULATE), -448.0), 448.0)
+    tl.store(out_ptr + row * inner + cols, to_fp8(scaled, EMULATE), mask=mask)
+    tl.store(scale_ptr + row, tl.math.div_rn(tl.full([], 1.0, tl.float32), multiplier))
+
+
+def swiglu_quantized_triton(up_gate):
+    up_gate = up_gate.contiguous()
+    inner = up_gate.shape[-1] // 2
+    count = up_gate.numel() // (2 * inner)
+    out = torch.empty((count, inner), dtype=FP8, device=up_gate.device)
+    scale = torch.empty((count, 1), dtype=torch.float32, device=up_gate.device)
+    block = triton.next_power_of_2(inner)
+    _swiglu_quantize_kernel[(count,)](up_gate, out, scale, inner, torch.finfo(up_gate.dtype).max, BLOCK=block,
+                                      EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
+                                      num_warps=min(32, max(4, block // 1024)), **NO_FMA)
+    return out, scale
+
+
+def swiglu_quantized(up_gate):
+    """(fp8 rows, fp32 scale (M, 1)) of the SwiGLU of `up_gate` (..., 2 * inner); the Triton kernel on a GPU."""
+    if up_gate.is_cuda and up_gate.dtype in (torch.bfloat16, torch.float32):
+        return swiglu_quantized_triton(up_gate)
+    return swiglu_quantized_reference(up_gate)

@@ -12,6 +12,7 @@ from h3gen.kernels.norm_statistic import torch_rstd
 from h3gen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from h3gen.kernels.rmsnorm_modulate import rmsnorm_modulate, rmsnorm_modulate_reference
 from h3gen.kernels.swiglu import swiglu, swiglu_reference
+from h3gen.stages.quant_linear import swiglu_linear
 
 # Each packed row picks its AdaLN row by (timestep, modality): 0 video, 1 text, 2 audio.
 MODALITIES = 3
@@ -107,11 +108,11 @@ class SwiGLUFeedForward(nn.Module):
     def forward(self, x, ops):
         rows = x.shape[-2]
         if not self.chunk_rows or rows <= self.chunk_rows:
-            return self.down(ops.swiglu(self.up_gate(x)))
+            return swiglu_linear(self.down, self.up_gate(x), ops.swiglu)
         out = x.new_empty((*x.shape[:-1], self.down.out_features))
         for start in range(0, rows, self.chunk_rows):
             part = x[..., start:start + self.chunk_rows, :]
-            out[..., start:start + self.chunk_rows, :] = self.down(ops.swiglu(self.up_gate(part)))
+            out[..., start:start + self.chunk_rows, :] = swiglu_linear(self.down, self.up_gate(part), ops.swiglu)
         return out
 
 

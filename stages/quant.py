@@ -46,6 +46,8 @@ class QuantConfig:
 class FP8RowwiseConfig(QuantConfig):
     # auto: torch._scaled_mm on CUDA sm90+, the dequantizing reference on the CPU; scaled_mm or reference to force
     matmul: str = "auto"
+    # scaled_mm's fast accumulation: partial sums kept in the tensor cores' precision (faster, a little less exact)
+    fast_accum: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -139,7 +141,7 @@ class FP8Rowwise(_LinearSwap):
     def make_linear(self, linear):
         from h3gen.stages.quant_linear import FP8RowwiseLinear
 
-        return FP8RowwiseLinear.from_linear(linear, self.matmul)
+        return FP8RowwiseLinear.from_linear(linear, self.matmul, self.config.fast_accum)
 
 
 class Int8WeightOnly(_LinearSwap):

@@ -36,11 +36,14 @@ class FP8RowwiseLinear(nn.Module):
     """y = x W^T + b with W in fp8 e4m3 (scale per output channel) and x quantized per row on the fly.
 
     `matmul="scaled_mm"` runs `torch._scaled_mm` (Hopper); `"reference"` dequantizes into an fp32 matmul with the
-    same rounding, for machines without fp8 tensor cores and for checking numerics. The fp8 weight is stored as
-    its bytes (uint8) so that casting the whole model (`model.to(torch.bfloat16)`) cannot reinterpret it.
+    same rounding, for machines without fp8 tensor cores and for checking numerics. `fast_accum` lets the Hopper
+    GEMM keep its partial sums in the tensor cores' own precision instead of promoting them to fp32 as it goes
+    (faster, a little less accurate; the reference path has no such mode). The fp8 weight is stored as its bytes
+    (uint8) so that casting the whole model (`model.to(torch.bfloat16)`) cannot reinterpret it.
     """
 
-    def __init__(self, in_features: int, out_features: int, weight_bits, weight_scale, bias, matmul: str):
+    def __init__(self, in_features: int, out_features: int, weight_bits, weight_scale, bias, matmul: str,
+                 fast_accum: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         # The bias is registered first: diffusers reads a module's dtype from its first floating parameter.
@@ -49,34 +52,50 @@ class FP8RowwiseLinear(nn.Module):
         self.register_buffer("weight_scale", weight_scale)
         if matmul == "scaled_mm" and (in_features % 16 or out_features % 16):
             matmul = "reference"  # _scaled_mm needs both weight dimensions in multiples of 16
-        self.matmul = matmul
+        self.matmul, self.fast_accum = matmul, fast_accum
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, matmul: str) -> FP8RowwiseLinear:
+    def from_linear(cls, linear: nn.Linear, matmul: str, fast_accum: bool = False) -> FP8RowwiseLinear:
         quantized, scale = quantize_weight(linear.weight.detach(), FP8_MAX, FP8)
         bias = linear.bias.detach() if linear.bias is not None else None
-        return cls(linear.in_features, linear.out_features, quantized.view(torch.uint8), scale, bias, matmul)
+        return cls(linear.in_features, linear.out_features, quantized.view(torch.uint8), scale, bias, matmul,
+                   fast_accum)
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.weight_bits.view(FP8).float() * self.weight_scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows, row_scale = quantize_rows(x.reshape(-1, self.in_features))
+        return self.project(rows, row_scale, x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def project(self, rows: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(M, out_features) in `dtype` from activations already quantized: fp8 `rows` (M, in_features) and their
+        fp32 scales (M, 1), as `quantize_rows` makes them."""
         weight, bias = self.weight_bits.view(FP8), self.bias
         # The bias is added to the float32 product before its one rounding, in the GEMM's epilogue on Hopper.
         if self.matmul == "scaled_mm":
             # Row-wise scaling wants bf16 out (and a bf16 bias), the weight column-major (a transposed row-major
             # tensor is) and scales shaped (M, 1) and (1, N).
-            out = torch._scaled_mm(rows, weight.t(), scale_a=row_scale, scale_b=self.weight_scale[None, :],
-                                   bias=None if bias is None else bias.to(torch.bfloat16),
-                                   out_dtype=torch.bfloat16).to(x.dtype)
-        else:
-            out = F.linear(rows.float(), weight.float()) * row_scale * self.weight_scale[None, :]
-            out = (out if bias is None else out + bias.float()).to(x.dtype)
-        return out.reshape(*x.shape[:-1], self.out_features)
+            return torch._scaled_mm(rows, weight.t(), scale_a=row_scale, scale_b=self.weight_scale[None, :],
+                                    bias=None if bias is None else bias.to(torch.bfloat16),
+                                    out_dtype=torch.bfloat16, use_fast_accum=self.fast_accum).to(dtype)
+        out = F.linear(rows.float(), weight.float()) * row_scale * self.weight_scale[None, :]
+        return (out if bias is None else out + bias.float()).to(dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, matmul={self.matmul}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, matmul={self.matmul}"
+                + (", fast_accum" if self.fast_accum else ""))
+
+
+def swiglu_linear(linear: nn.Module, up_gate: torch.Tensor, swiglu) -> torch.Tensor:
+    """`linear(swiglu(up_gate))`. An FP8 linear gets h3gen's SwiGLU as FP8 rows from one fused kernel: the values
+    `quantize_rows` gives on the SwiGLU's output, without that output ever being written."""
+    if not isinstance(linear, FP8RowwiseLinear):
+        return linear(swiglu(up_gate))
+    from h3gen.kernels.swiglu import swiglu_quantized
+
+    rows, row_scale = swiglu_quantized(up_gate)
+    return linear.project(rows, row_scale, up_gate.dtype).reshape(*up_gate.shape[:-1], linear.out_features)
 
 
 class Int8WeightOnlyLinear(nn.Module):

@@ -23,6 +23,7 @@ from h3gen.kernels.attention import attention
 from h3gen.kernels.qk_norm_rope import qk_norm_rope
 from h3gen.kernels.residual_rmsnorm import residual_rmsnorm
 from h3gen.kernels.swiglu import swiglu, swiglu_reference
+from h3gen.stages.quant_linear import swiglu_linear
 
 
 class BlockWeights(NamedTuple):
@@ -114,8 +115,8 @@ def fused_block_forward(hidden, normed, w: BlockWeights, next_norm, qk_weight, c
     del qkv, q, k, v
     dtype = normed.dtype
     normed = residual_norm(hidden, w.out(attended), w.scale1, w.norm2, shape, dtype)
-    activated = swiglu(w.up_gate(normed))
-    return residual_norm(hidden, w.down(activated), w.scale2, next_norm, shape, dtype)
+    branch = swiglu_linear(w.down, w.up_gate(normed), swiglu)
+    return residual_norm(hidden, branch, w.scale2, next_norm, shape, dtype)
 
 
 def residual_norm(hidden, branch, scale, norm_weight, shape: BlockShape, dtype):

@@ -92,6 +92,24 @@ def test_fp8_scaled_mm_path_matches_the_dequantizing_reference():
     assert relative_error(out, linear(x)) < 0.08
 
 
+def test_fp8_fast_accumulation_and_prequantized_swiglu():
+    """`fast_accum` reaches torch._scaled_mm (checked on the CPU build); an FP8 down projection fed the SwiGLU as FP8
+    rows from the fused path equals the plain path, quantizing the SwiGLU's output, exactly."""
+    from h3gen.kernels.swiglu import swiglu_reference
+    from h3gen.stages.quant_linear import swiglu_linear
+
+    torch.manual_seed(3)
+    linear = nn.Linear(64, 32, bias=True).to(torch.bfloat16)
+    up_gate = torch.randn(2, 5, 128, dtype=torch.bfloat16)
+    for matmul, fast_accum in (("reference", False), ("scaled_mm", False), ("scaled_mm", True)):
+        fp8 = FP8RowwiseLinear.from_linear(linear, matmul=matmul, fast_accum=fast_accum)
+        expected = fp8(swiglu_reference(up_gate))
+        assert torch.equal(swiglu_linear(fp8, up_gate, swiglu_reference), expected)
+        assert relative_error(expected, linear(swiglu_reference(up_gate))) < 0.08
+    assert "fast_accum" in repr(fp8)
+    assert torch.equal(swiglu_linear(linear, up_gate, swiglu_reference), linear(swiglu_reference(up_gate)))
+
+
 def test_int8_weight_only_linear():
     torch.manual_seed(2)
     linear = nn.Linear(64, 32)
