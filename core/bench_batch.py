@@ -5,8 +5,10 @@ Per clip, the critical path is the clip's DiT plus whatever the device waits for
 start (decode, transfer, and the mux when it is not in the background). `extra_per_clip_s` is that wait: the
 batch's wall time (the text encoding and loading excluded) minus the DiT time, over the clips. With `forwards`
 set, clips per hour are also given for the preset's own forward count, from the measured per-forward time and
-the measured extra. With `warm_cache`, each preset's batch runs twice over one fresh embedding cache: the second
-run's encode seconds are what a rerun over the same prompts pays (`encoder_loads` says whether it loaded the encoder).
+the measured extra. `warmup` clips go first in the same render and are not timed, so the kernels' first-call
+compilation is outside the batch (0 keeps it in); the clock starts when the first timed clip does. With
+`warm_cache`, each preset's batch runs twice over one fresh embedding cache: the second run's encode seconds are what
+a rerun over the same prompts pays (`encoder_loads` says whether it loaded the encoder).
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ class BatchReporter(SilentReporter):
     """Records the seconds every clip spent per stage; says only when a clip is done."""
 
     def __init__(self, say):
-        self.say, self.stages = say, {}
+        self.say, self.stages, self.started = say, {}, {}
+
+    def clip_started(self, clip):
+        self.started[clip.request.id] = time.perf_counter()
 
     def stage_done(self, clip, kind, seconds):
         self.stages.setdefault(clip.request.index, {})[kind] = seconds
@@ -34,10 +39,12 @@ class BatchReporter(SilentReporter):
         self.say(f"bench: clip {result.request.index + 1} {'ok' if result.ok else 'failed: ' + result.error}")
 
 
-def batch_requests(plan: BenchPlan, seconds: float, clips: int) -> list[Request]:
-    return [Request(index=i, prompt=" ".join([f"clip{i}"] + ["a"] * (plan.text_tokens - 1)), seed=plan.seed + i,
-                    width=plan.width, height=plan.height, frames=bench_frames(seconds), id=f"batch-{i}")
-            for i in range(clips)]
+def batch_requests(plan: BenchPlan, seconds: float, clips: int, warmup: int = 0) -> list[Request]:
+    """`warmup` clips, then `clips` timed ones: ids warmup-i and batch-i."""
+    names = [f"warmup-{i}" for i in range(warmup)] + [f"batch-{i}" for i in range(clips)]
+    return [Request(index=i, prompt=" ".join([name] + ["a"] * (plan.text_tokens - 1)), seed=plan.seed + i,
+                    width=plan.width, height=plan.height, frames=bench_frames(seconds), id=name)
+            for i, name in enumerate(names)]
 
 
 def run_batch(plan: BenchPlan, registry, source, random_weights: str | None, clips: int, say=print) -> list[dict]:
@@ -60,7 +67,7 @@ def run_batch(plan: BenchPlan, registry, source, random_weights: str | None, cli
                     say(f"bench: batch of {clips} x {seconds:g} s clips with {name}"
                         + (f", {run} embedding cache" if run else ""))
                     try:
-                        record = time_batch(preset, registry, source, batch_requests(plan, seconds, clips),
+                        record = time_batch(preset, registry, source, batch_requests(plan, seconds, clips, plan.warmup),
                                             Path(workdir) / f"{name}-{run}", full_forwards, baseline, say)
                     except Exception as e:  # one preset failing must not lose the others' numbers
                         say(f"bench: batch with {name} failed: {type(e).__name__}: {str(e)[:300]}")
@@ -96,25 +103,29 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
         results = list(renderer.render(requests, out_dir))
     finally:
         results += renderer.close()
-    wall = time.perf_counter() - loaded
+    ended = time.perf_counter()
     failed = [r.error for r in results if not r.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} clip(s) failed: {failed[0]}")
+    warmup = sum(r.id.startswith("warmup") for r in requests)
+    results = [r for r in results if not r.request.id.startswith("warmup")]
+    wall = ended - reporter.started[results[0].request.id]  # the prompts were all encoded before this
     per_clip = [reporter.stages.get(r.request.index, {}) | r.seconds for r in results]
     encoder_loads = getattr(renderer.stages["encode"], "encoder_loads", None)
     encode = sum(s.get("encode", 0.0) for s in per_clip)
     dit = [s.get("sampler", 0.0) for s in per_clip]
     forwards = max(r.forwards for r in results) or 1
     per_forward = sum(dit) / len(dit) / forwards
-    extra = (wall - encode - sum(dit)) / len(results)
+    extra = (wall - sum(dit)) / len(results)
     return dict(preset=preset.name, baseline=baseline, stage="batch", clips=len(results),
                 duration_s=round(requests[0].duration, 4), size=f"{requests[0].width}x{requests[0].height}",
-                load_s=round(loaded - began, 2), wall_s=round(wall, 2), encode_s=round(encode, 3),
+                load_s=round(loaded - began, 2), warmup_clips=warmup, wall_s=round(wall, 2),
+                encode_s=round(encode, 3),
                 encode_s_per_clip=[round(s.get("encode", 0.0), 4) for s in per_clip], encoder_loads=encoder_loads,
                 dit_s_per_clip=round(sum(dit) / len(dit), 3), forwards=forwards, per_forward_s=round(per_forward, 3),
                 vae_s_per_clip=round(sum(s.get("vae", 0.0) for s in per_clip) / len(per_clip), 3),
                 mux_s_per_clip=round(sum(s.get("mux", 0.0) for s in per_clip) / len(per_clip), 3),
-                extra_per_clip_s=round(extra, 3), clips_per_hour=round(3600 * len(results) / wall, 1),
+                extra_per_clip_s=round(extra, 3), clips_per_hour=round(3600 * len(results) / (wall + encode), 1),
                 full_forwards=full_forwards,
                 clips_per_hour_full=round(clips_per_hour(full_forwards, per_forward, extra, encode / len(results)), 1),
                 notes=f"{forwards} forward(s) per clip timed; clips_per_hour_full uses {full_forwards}")

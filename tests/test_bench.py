@@ -53,6 +53,7 @@ def test_bench_batch_times_clips_through_the_renderer(tmp_path):
     tiny, base = records["tiny"], records["diffusers"]
     assert base["baseline"] and not tiny["baseline"] and tiny["clips"] == base["clips"] == 2
     assert tiny["forwards"] == 1 and tiny["full_forwards"] == 3 and base["full_forwards"] == 49
+    assert tiny["warmup_clips"] == base["warmup_clips"] == 1  # --warmup's default: one untimed clip first
     assert tiny["extra_per_clip_s"] > 0 and tiny["vae_s_per_clip"] > 0 and tiny["mux_s_per_clip"] > 0
     expected = 3600 / (3 * tiny["per_forward_s"] + tiny["extra_per_clip_s"] + tiny["encode_s"] / 2)
     assert abs(tiny["clips_per_hour_full"] - expected) < 0.05 * expected
@@ -76,9 +77,11 @@ def test_bench_batch_warm_cache_never_loads_the_encoder(tmp_path):
     """--warm-cache: the batch twice over one fresh embedding cache; the second run reads every prompt from it."""
     result = h3gen("bench", "--batch", "2", "--preset", "tiny", "--baseline", "none", "--durations", "5", "--size",
                    "64x32", "--random-weights", "tiny", "--forwards", "1", "--text-tokens", "8", "--warm-cache",
+                   "--warmup", "0",
                    "-o", tmp_path, check_code=0)
     paths = result.stdout.split()
     cold, warm = json.loads(open(paths[0]).read())["records"]
+    assert cold["warmup_clips"] == 0
     assert (cold["embedding_cache"], warm["embedding_cache"]) == ("cold", "warm")
     assert cold["encoder_loads"] == 1 and warm["encoder_loads"] == 0
     assert all(s > 0 for s in cold["encode_s_per_clip"]) and len(warm["encode_s_per_clip"]) == 2
