@@ -24,30 +24,43 @@ def quantize_rows_reference(rows):
 
 
 @triton.jit
+def store_fp8_row(x, out_ptrs, scale_ptr, mask, dtype: tl.constexpr, dtype_max, EMULATE: tl.constexpr):
+    """One row `x` (fp32 holding values of `dtype`) stored as FP8 at `out_ptrs` with its scale at `scale_ptr`, in
+    the reference's arithmetic."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
+    # div_rn: IEEE division as torch's (Triton's `/` on fp32 is an approximate division on the GPU)
+    multiplier = round_to(tl.minimum(tl.math.div_rn(tl.full([], 448.0, tl.float32), amax), dtype_max), dtype, EMULATE)
+    scaled = tl.minimum(tl.maximum(round_to(x * multiplier, dtype, EMULATE), -448.0), 448.0)
+    tl.store(out_ptrs, to_fp8(scaled, EMULATE), mask=mask)
+    tl.store(scale_ptr, tl.math.div_rn(tl.full([], 1.0, tl.float32), multiplier))
+
+
+def fp8_rows_launch(count, cols, device):
+    """For a kernel that quantizes one row per program: its outputs (fp8 rows (count, cols), fp32 scales (count,
+    1)), the power-of-two block that holds a row, and the launch options."""
+    block = triton.next_power_of_2(cols)
+    out = torch.empty((count, cols), dtype=FP8, device=device)
+    scale = torch.empty((count, 1), dtype=torch.float32, device=device)
+    options = dict(EMULATE=os.environ.get("TRITON_INTERPRET") == "1", num_warps=min(32, max(4, block // 1024)))
+    return out, scale, block, options
+
+
+@triton.jit
 def _quantize_rows_kernel(rows_ptr, out_ptr, scale_ptr, cols, dtype_max, BLOCK: tl.constexpr,
                           EMULATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     mask = offsets < cols
     x = tl.load(rows_ptr + row * cols + offsets, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
-    dtype = rows_ptr.dtype.element_ty
-    # div_rn: IEEE division as torch's (Triton's `/` on fp32 is an approximate division on the GPU)
-    multiplier = round_to(tl.minimum(tl.math.div_rn(tl.full([], 448.0, tl.float32), amax), dtype_max), dtype, EMULATE)
-    scaled = tl.minimum(tl.maximum(round_to(x * multiplier, dtype, EMULATE), -448.0), 448.0)
-    tl.store(out_ptr + row * cols + offsets, to_fp8(scaled, EMULATE), mask=mask)
-    tl.store(scale_ptr + row, tl.math.div_rn(tl.full([], 1.0, tl.float32), multiplier))
+    store_fp8_row(x, out_ptr + row * cols + offsets, scale_ptr + row, mask, rows_ptr.dtype.element_ty, dtype_max,
+                  EMULATE)
 
 
 def quantize_rows_triton(rows):
     rows = rows.contiguous()
     count, cols = rows.shape
-    out = torch.empty(rows.shape, dtype=FP8, device=rows.device)
-    scale = torch.empty((count, 1), dtype=torch.float32, device=rows.device)
-    block = triton.next_power_of_2(cols)
-    _quantize_rows_kernel[(count,)](rows, out, scale, cols, torch.finfo(rows.dtype).max, BLOCK=block,
-                                    EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
-                                    num_warps=min(32, max(4, block // 1024)))
+    out, scale, block, options = fp8_rows_launch(count, cols, rows.device)
+    _quantize_rows_kernel[(count,)](rows, out, scale, cols, torch.finfo(rows.dtype).max, BLOCK=block, **options)
     return out, scale
 
 

@@ -1,14 +1,12 @@
 """SwiGLU on a fused projection laid out [up | gate], as diffusers' `SwiGLU` chunks it; and SwiGLU straight into
 the FP8 rows (one scale per row) an FP8 down projection reads, without writing the bf16 activation in between."""
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from h3gen.kernels.quantize_rows import FP8, FP8_MAX, quantize_rows_reference
-from h3gen.kernels.rounding import NO_FMA, round_to, to_fp8
+from h3gen.kernels.quantize_rows import fp8_rows_launch, quantize_rows_reference, store_fp8_row
+from h3gen.kernels.rounding import NO_FMA, round_to
 
 
 def swiglu_reference(up_gate):
@@ -62,23 +60,15 @@ def _swiglu_quantize_kernel(up_gate_ptr, out_ptr, scale_ptr, inner, dtype_max, B
     # The SwiGLU kernel's values, rounded as it rounds; then quantize_rows' arithmetic on them.
     silu = round_to(gate / (1.0 + tl.exp(-gate)), dtype, EMULATE)
     x = round_to(up * silu, dtype, EMULATE)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
-    multiplier = round_to(tl.minimum(tl.math.div_rn(tl.full([], 448.0, tl.float32), amax), dtype_max), dtype, EMULATE)
-    scaled = tl.minimum(tl.maximum(round_to(x * multiplier, dtype, EMULATE), -448.0), 448.0)
-    tl.store(out_ptr + row * inner + cols, to_fp8(scaled, EMULATE), mask=mask)
-    tl.store(scale_ptr + row, tl.math.div_rn(tl.full([], 1.0, tl.float32), multiplier))
+    store_fp8_row(x, out_ptr + row * inner + cols, scale_ptr + row, mask, dtype, dtype_max, EMULATE)
 
 
 def swiglu_quantized_triton(up_gate):
     up_gate = up_gate.contiguous()
     inner = up_gate.shape[-1] // 2
-    count = up_gate.numel() // (2 * inner)
-    out = torch.empty((count, inner), dtype=FP8, device=up_gate.device)
-    scale = torch.empty((count, 1), dtype=torch.float32, device=up_gate.device)
-    block = triton.next_power_of_2(inner)
-    _swiglu_quantize_kernel[(count,)](up_gate, out, scale, inner, torch.finfo(up_gate.dtype).max, BLOCK=block,
-                                      EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
-                                      num_warps=min(32, max(4, block // 1024)), **NO_FMA)
+    out, scale, block, options = fp8_rows_launch(up_gate.numel() // (2 * inner), inner, up_gate.device)
+    _swiglu_quantize_kernel[(out.shape[0],)](up_gate, out, scale, inner, torch.finfo(up_gate.dtype).max,
+                                             BLOCK=block, **options, **NO_FMA)
     return out, scale
 
 
