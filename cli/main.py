@@ -93,7 +93,8 @@ def bench(
     durations: Annotated[str, typer.Option("--durations", help="Media seconds, comma-separated (5, 10, 15).")] = "10",
     size: Annotated[str, typer.Option("--size", help="WIDTHxHEIGHT.")] = "1344x768",
     repeat: Annotated[int, typer.Option("--repeat", min=1, help="Timed runs per stage.")] = 3,
-    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed runs per stage first (with --batch: untimed clips).")] = 1,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed runs per stage first (with --batch: "
+                                                                "untimed clips).")] = 1,
     random_weights: Annotated[Optional[str], typer.Option("--random-weights",
                                                           help="full (real sizes, random) or tiny.")] = None,
     model: Annotated[Optional[Path], typer.Option("--model", envvar="H3GEN_MODEL", help="Model directory.")] = None,

@@ -67,8 +67,9 @@ def run_batch(plan: BenchPlan, registry, source, random_weights: str | None, cli
                     say(f"bench: batch of {clips} x {seconds:g} s clips with {name}"
                         + (f", {run} embedding cache" if run else ""))
                     try:
-                        record = time_batch(preset, registry, source, batch_requests(plan, seconds, clips, plan.warmup),
-                                            Path(workdir) / f"{name}-{run}", full_forwards, baseline, say)
+                        requests = batch_requests(plan, seconds, clips, plan.warmup)
+                        record = time_batch(preset, registry, source, requests, Path(workdir) / f"{name}-{run}",
+                                            full_forwards, baseline, say)
                     except Exception as e:  # one preset failing must not lose the others' numbers
                         say(f"bench: batch with {name} failed: {type(e).__name__}: {str(e)[:300]}")
                         record = dict(preset=name, baseline=baseline, stage="batch", clips=clips,
@@ -132,8 +133,7 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
 
 
 BATCH_COLUMNS = ("clips", "encode_s", "per_forward_s", "vae_s_per_clip", "mux_s_per_clip", "extra_per_clip_s",
-                 "clips_per_hour",
-                 "clips_per_hour_full", "vs_baseline", "vs_baseline_same_forwards")
+                 "clips_per_hour", "clips_per_hour_full", "vs_baseline", "vs_baseline_same_forwards")
 
 
 def batch_markdown(result: dict) -> str:
