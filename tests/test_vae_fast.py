@@ -265,3 +265,29 @@ def test_fp8_decoder(vae, matmul):
         fast = FastViTDecoder(quantized)(tiles)
     assert (fast - reference).abs().max() < 1e-4
     assert 1e-3 < float((reference - expected).norm() / expected.norm()) < 5e-2
+
+
+def test_fp8_presets_load_the_decoder_quantized(tiny_model):
+    """An FP8 preset's quant stage quantizes the decoder blocks as the VAE stage loads them, and the fast decoder
+    runs the fused FP8 projections (their fast accumulation only changes the Hopper GEMM)."""
+    from h3gen.plugins.manager import registry as load_registry
+    from h3gen.preset import resolve
+    from h3gen.render import Runtime
+    from h3gen.repo import ModelRepo
+    from h3gen.stages.quant_linear import FP8RowwiseLinear
+    from h3gen.timing import StageTimer
+
+    found = load_registry()
+    preset = resolve("h3-base-fp8", found, ["runtime.device=cpu"])
+    (quant_name, quant_config), (vae_name, vae_config) = preset.stages["quant"], preset.stages["vae"]
+    assert quant_config.roles == ["dit", "text_encoder", "vae"] and quant_config.fast_accum
+    runtime = Runtime("cpu", torch.float32, StageTimer("cpu"))
+    runtime.quant = found.stage("quant", quant_name)(quant_config, runtime)
+    runtime.quant.load(ModelRepo(tiny_model))
+    vae = found.stage("vae", vae_name)(vae_config, runtime)
+    vae.load(ModelRepo(tiny_model))
+    assert len(runtime.quant.quantized["vae"]) == 6 * len(vae.vae.decoder.transformer_blocks)
+    weights = vae.decoder.weights[0]
+    assert all(isinstance(linear, FP8RowwiseLinear) and linear.fast_accum
+               for linear in (weights.qkv, weights.out, weights.up_gate, weights.down))
+    assert weights.qkv.out_features == 3 * vae.vae.decoder.transformer_blocks[0].attn.to_q.out_features
