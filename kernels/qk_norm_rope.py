@@ -19,11 +19,20 @@ def apply_rotary_reference(x, cos, sin):
     return torch.cat((rotary * cos + rotated * sin, passed), dim=-1)
 
 
-def qk_norm_rope_reference(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, rstd=None):
-    """`qkv` (B, L, 3 * heads * head_dim) -> q, k, v each (B, L, heads, head_dim); v is a view. With `in_place` the
-    kernel writes q and k over their own columns of `qkv` (all three are views then); the reference never does.
-    `rstd`, (q's, k's) statistic as torch computes it (`kernels.norm_statistic.torch_rstd`), is for the kernel."""
-    q, k, v = (t.unflatten(-1, (heads, -1)) for t in qkv.chunk(3, dim=-1))
+def split_qkv(qkv, heads, planes=False):
+    """q, k, v views (B, L, heads, head_dim) of a projection laid out (B, L, 3 * inner), or with `planes` (3, B, L,
+    inner): q, k and v each contiguous."""
+    parts = qkv.unbind(0) if planes else qkv.chunk(3, dim=-1)
+    return tuple(t.unflatten(-1, (heads, -1)) for t in parts)
+
+
+def qk_norm_rope_reference(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, rstd=None,
+                           planes=False):
+    """`qkv` (B, L, 3 * heads * head_dim), or with `planes` (3, B, L, heads * head_dim) -> q, k, v each (B, L,
+    heads, head_dim); v is a view. With `in_place` the kernel writes q and k over their own part of `qkv` (all three
+    are views then); the reference never does. `rstd`, (q's, k's) statistic as torch computes it
+    (`kernels.norm_statistic.torch_rstd`), is for the kernel."""
+    q, k, v = split_qkv(qkv, heads, planes)
     head_dim = q.shape[-1]
     q = F.rms_norm(q, (head_dim,), q_weight, eps)
     k = F.rms_norm(k, (head_dim,), k_weight, eps)
@@ -71,12 +80,14 @@ def _qk_norm_rope_kernel(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, rstd_ptr, out_pt
 
 
 def qk_norm_rope_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, rstd=None,
-                        heads_block=8, num_warps=None):
+                        planes=False, heads_block=8, num_warps=None):
     qkv = qkv.contiguous()
-    inner = qkv.shape[-1] // 3
+    inner = qkv.shape[-1] if planes else qkv.shape[-1] // 3
     head_dim = inner // heads
     seq_len = qkv.shape[-2]
-    rows = qkv.numel() // qkv.shape[-1]
+    rows = qkv[0].numel() // inner if planes else qkv.numel() // qkv.shape[-1]
+    # Where q's and k's rows start and how far apart they are: side by side in each row, or one plane each.
+    row_stride, offsets = (inner, (0, rows * inner)) if planes else (qkv.shape[-1], (0, inner))
     has_rope = cos is not None
     if has_rope:
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -91,24 +102,24 @@ def qk_norm_rope_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None,
     grid = (rows, triton.cdiv(heads, heads_block))
     outputs = []
     q_rstd, k_rstd = rstd if rstd is not None else (None, None)
-    for offset, weight, statistic in ((0, q_weight, q_rstd), (inner, k_weight, k_rstd)):
+    views = split_qkv(qkv, heads, planes)
+    for offset, weight, statistic, view in zip(offsets, (q_weight, k_weight), (q_rstd, k_rstd), views):
         if statistic is not None:
             assert statistic.dtype == torch.float32 and statistic.numel() == rows * heads
             statistic = statistic.contiguous()
         if in_place:
-            out, out_row_stride, out_offset = qkv, qkv.shape[-1], offset
+            out, out_row_stride, out_offset = qkv, row_stride, offset
         else:
-            out, out_row_stride, out_offset = qkv.new_empty((*qkv.shape[:-1], heads, head_dim)), inner, 0
+            out, out_row_stride, out_offset = qkv.new_empty(view.shape), inner, 0
         _qk_norm_rope_kernel[grid](qkv, weight, cos, sin, statistic if statistic is not None else weight, out,
-                                   seq_len, heads, qkv.shape[-1], offset, out_row_stride, out_offset, eps,
+                                   seq_len, heads, row_stride, offset, out_row_stride, out_offset, eps,
                                    HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, HEADS_BLOCK=heads_block,
                                    HAS_ROPE=has_rope, HAS_RSTD=statistic is not None, num_warps=num_warps,
                                    **NO_FMA)
-        outputs.append(qkv[..., offset:offset + inner].unflatten(-1, (heads, head_dim)) if in_place else out)
-    v = qkv[..., 2 * inner:].unflatten(-1, (heads, head_dim))
-    return outputs[0], outputs[1], v
+        outputs.append(view if in_place else out)
+    return outputs[0], outputs[1], views[2]
 
 
-def qk_norm_rope(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, rstd=None):
+def qk_norm_rope(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, rstd=None, planes=False):
     fn = qk_norm_rope_triton if qkv.is_cuda else qk_norm_rope_reference
-    return fn(qkv, heads, q_weight, k_weight, eps, cos, sin, in_place, rstd)
+    return fn(qkv, heads, q_weight, k_weight, eps, cos, sin, in_place, rstd, planes)

@@ -4,7 +4,8 @@ Switches, each measurable on its own: `use_triton` (fused norm/modulate, QK-norm
 `adaln_table` (modulation rows read from tables built by `precompute_adaln`), `compile_blocks` (regional
 torch.compile of each block), `attention_backend` ("auto" or a name from `h3gen.kernels.attention.BACKENDS`),
 `ffn_chunk_rows` (the feed-forward over row chunks, for memory), `exact_norms` (with `use_triton`: each norm's
-statistic computed by torch, so the forward rounds as diffusers' does).
+statistic computed by torch, so the forward rounds as diffusers' does), `qkv_planes` (q, k and v projected by one
+GEMM each into contiguous planes, for the attention kernel to read).
 """
 import torch
 import torch.nn as nn
@@ -33,7 +34,7 @@ class FastH3Transformer(nn.Module):
     h3gen_loader = True
 
     def __init__(self, config: H3DiTConfig, use_triton=True, adaln_table=True, compile_blocks=False,
-                 attention_backend="auto", ffn_chunk_rows=0, exact_norms=False):
+                 attention_backend="auto", ffn_chunk_rows=0, exact_norms=False, qkv_planes=False):
         super().__init__()
         self.config = cfg = config
         self.proj_in = nn.Linear(cfg.video_patch_dim, cfg.hidden_size)
@@ -50,10 +51,11 @@ class FastH3Transformer(nn.Module):
         self.register_buffer("adaln_timesteps", None, persistent=False)
         self.adaln_groups = {}  # a group's values (one forward's `timestep`) -> its first row in the tables
         self.compile_blocks = False
-        self.configure(use_triton, adaln_table, compile_blocks, attention_backend, ffn_chunk_rows, exact_norms)
+        self.configure(use_triton, adaln_table, compile_blocks, attention_backend, ffn_chunk_rows, exact_norms,
+                       qkv_planes)
 
     def configure(self, use_triton=None, adaln_table=None, compile_blocks=None, attention_backend=None,
-                  ffn_chunk_rows=None, exact_norms=None):
+                  ffn_chunk_rows=None, exact_norms=None, qkv_planes=None):
         """Flip switches on a built model (None keeps a switch as it is); regional compilation cannot be undone."""
         if use_triton is not None:
             self.use_triton = use_triton
@@ -71,6 +73,8 @@ class FastH3Transformer(nn.Module):
             block.ops, block.attention_backend = self.ops, self.attention_backend
             if ffn_chunk_rows is not None:
                 block.ff.chunk_rows = ffn_chunk_rows
+            if qkv_planes is not None:
+                block.attn.qkv_planes = qkv_planes
         if compile_blocks is not None and compile_blocks != self.compile_blocks:
             if not compile_blocks:
                 raise ValueError("compiled blocks cannot be uncompiled; build a new model with compile_blocks=False")

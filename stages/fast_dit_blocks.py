@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from h3gen.kernels.attention import attention
 from h3gen.kernels.gated_residual import gated_residual, gated_residual_reference
 from h3gen.kernels.norm_statistic import torch_rstd
-from h3gen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+from h3gen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference, split_qkv
 from h3gen.kernels.rmsnorm_modulate import rmsnorm_modulate, rmsnorm_modulate_reference
 from h3gen.kernels.swiglu import swiglu, swiglu_reference
 from h3gen.stages.quant_linear import swiglu_linear
@@ -27,10 +27,10 @@ def rmsnorm_modulate_exact(x, weight, eps, *modulation):
     return rmsnorm_modulate(x, weight, eps, *modulation, rstd=torch_rstd(x, eps))
 
 
-def qk_norm_rope_exact(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False):
-    q, k, _ = (t.unflatten(-1, (heads, -1)) for t in qkv.chunk(3, dim=-1))
-    return qk_norm_rope(qkv, heads, q_weight, k_weight, eps, cos, sin, in_place, rstd=(torch_rstd(q, eps),
-                                                                                       torch_rstd(k, eps)))
+def qk_norm_rope_exact(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, planes=False):
+    q, k, _ = split_qkv(qkv, heads, planes)
+    return qk_norm_rope(qkv, heads, q_weight, k_weight, eps, cos, sin, in_place,
+                        rstd=(torch_rstd(q, eps), torch_rstd(k, eps)), planes=planes)
 
 
 # The Triton kernels with every norm's statistic computed by torch: the forward rounds exactly as diffusers' does, so
@@ -78,13 +78,26 @@ class FusedAttention(nn.Module):
         self.norm_q = nn.RMSNorm(head_dim, eps=qk_norm_eps)
         self.norm_k = nn.RMSNorm(head_dim, eps=qk_norm_eps)
         self.to_out = nn.Linear(heads * head_dim, hidden_size, bias=False)
+        # Project q, k and v into three planes, one GEMM each, so attention reads each contiguous (rather than
+        # as strided views of one projection). A quantized to_qkv keeps the one fused GEMM.
+        self.qkv_planes = False
+
+    def project(self, x):
+        """(projection, planes): (B, L, 3 * inner) from one GEMM, or (3, B, L, inner) from one GEMM per plane."""
+        if not (self.qkv_planes and isinstance(self.to_qkv, nn.Linear)):
+            return self.to_qkv(x), False
+        weight = self.to_qkv.weight
+        planes = x.new_empty((3, *x.shape[:-1], weight.shape[0] // 3))
+        for plane, rows in zip(planes, weight.chunk(3)):
+            torch.matmul(x, rows.t(), out=plane)
+        return planes, True
 
     def forward(self, x, cos, sin, ops, backend):
-        qkv = self.to_qkv(x)
+        qkv, planes = self.project(x)
         del x  # a caller that passes the normed rows straight in gets them freed before attention
-        # q and k are normalized and rotated over their own columns of the projection, where the kernel runs.
+        # q and k are normalized and rotated over their own part of the projection, where the kernel runs.
         q, k, v = ops.qk_norm_rope(qkv, self.heads, self.norm_q.weight, self.norm_k.weight, self.norm_q.eps, cos,
-                                   sin, in_place=True)
+                                   sin, in_place=True, planes=planes)
         del qkv
         attended = self.attend(q, k, v, backend).flatten(2, 3).type_as(q)
         del q, k, v  # the projection is freed before the output GEMM

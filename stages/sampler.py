@@ -35,6 +35,7 @@ class EulerConfig:
     attention: str = "auto"  # h3gen DiT: auto, flash-attn-4, sdpa-cudnn, sdpa-flash, sdpa, triton-fp8, cudnn-fp8
     ffn_chunk_rows: int = 0  # h3gen DiT: feed-forward over chunks of this many rows (0: all), less peak memory
     exact_norms: bool = False  # h3gen DiT, Triton: norm statistics from torch, rounding as diffusers does (slower)
+    qkv_planes: bool = False  # h3gen DiT: q, k, v projected into three contiguous planes (one GEMM each)
 
 
 def sigma_schedule(config: EulerConfig, shift: float):
@@ -156,6 +157,7 @@ class EulerSampler(Stage):
                              adaln_timesteps=timesteps, use_triton=config.triton, adaln_table=config.adaln_table,
                              compile_blocks=config.compile, attention_backend=config.attention,
                              ffn_chunk_rows=config.ffn_chunk_rows, exact_norms=config.exact_norms,
+                             qkv_planes=config.qkv_planes,
                              # adapters are added per checkpoint tensor, before Q, K, V are fused and the AdaLN
                              # tables built
                              checkpoint_tensor=lambda key, tensor: quant.checkpoint_tensor("dit", key, tensor))
