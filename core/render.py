@@ -26,6 +26,10 @@ class Runtime:
     quant: object = None
     on_step: object = lambda clip, step, steps: None
 
+    def quantize(self, role: str, module):
+        """`module` as the preset's quant stage transforms it for `role`; as loaded for a stage built without one."""
+        return self.quant.transform(role, module) if self.quant is not None else module
+
 
 @dataclasses.dataclass
 class ClipResult:

@@ -56,7 +56,7 @@ class Qwen3VLEncoder(Stage):
         self.processor = repo.load("processor", Qwen3VLProcessor)
         self.text_encoder = repo.load("text_encoder", Qwen3VLForConditionalGeneration, config=config,
                                       dtype=self.runtime.dtype, device_map=self.runtime.device).eval()
-        self.text_encoder = self.runtime.quant.transform("text_encoder", self.text_encoder)
+        self.text_encoder = self.runtime.quantize("text_encoder", self.text_encoder)
 
     def run(self, clip):
         import torch

@@ -104,7 +104,7 @@ class EulerSampler(Stage):
             self.dit = self.partition = None
             memory.release(self.runtime.device)
         dit = self.load_fast_dit(partition) if self.config.dit == "h3gen" else self.load_reference_dit(partition)
-        self.dit = self.runtime.quant.transform("dit", dit.eval())
+        self.dit = self.runtime.quantize("dit", dit.eval())
         if self.group is not None:
             from h3gen.parallel.ulysses import apply_ulysses
 

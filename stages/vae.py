@@ -20,7 +20,7 @@ class ReferenceVAE(Stage):
         device = self.runtime.device
         vae = repo.load("vae", AutoencoderKLMiniMaxH3, torch_dtype=self.runtime.dtype, device_map=device).eval()
         # The quant stage quantizes the decoder's blocks only when its roles name the VAE.
-        self.vae = self.runtime.quant.transform("vae", vae) if self.runtime.quant else vae
+        self.vae = self.runtime.quantize("vae", vae)
         # The audio VAE is small and decodes in fp32, as the reference does.
         self.audio_vae = repo.load("audio_vae", AutoencoderKLMiniMaxH3Audio, torch_dtype=torch.float32,
                                    device_map=device).eval()
