@@ -10,6 +10,7 @@ groups; the clips of one batch mostly share one size, so round-robin keeps the g
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -67,6 +68,9 @@ def serve(job: dict) -> int:
 
         return Worker(job, device).run()
     finally:
+        # What the stages built may hold a group in a reference cycle; a gloo group freed only at interpreter exit
+        # aborts the process, so it goes now, while the groups are alive.
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -1,3 +1,4 @@
+import gc
 import os
 import subprocess
 import sys
@@ -47,3 +48,16 @@ def run_parity_under_triton_interpreter(test_file: str) -> None:
                            env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
     assert " passed" in child.stdout and "skipped" not in child.stdout, child.stdout[-2000:]
+
+
+def leave_group():
+    """End a spawned gloo rank's process group. Call it with nothing left that holds the group: a gloo group freed
+    only at interpreter exit aborts the process ("terminate called without an active exception"), so whatever still
+    holds one in a reference cycle is collected while the group is alive. A gloo collective can return on one rank
+    before its messages are through, so the ranks meet before the group goes."""
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import leave_group
 from h3gen.errors import UsageError
 from h3gen.parallel.ulysses import apply_ulysses, row_counts
 
@@ -34,13 +35,6 @@ def spawn(worker, ranks, *args):
 def join_group(rank, ranks, folder):
     torch.set_num_threads(1)  # several ranks share two cores
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=ranks)
-
-
-def leave_group():
-    # A gloo collective can return on one rank before its messages are through; tearing the group down then can
-    # abort the process, so the ranks meet first.
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def forward_inputs():
@@ -83,11 +77,14 @@ def forward_worker(rank, ranks, folder):
         with pytest.raises(UsageError) as refused:
             apply_ulysses(load_dit(f"{folder}/transformer", "table", inputs), groups[3])
         torch.save(str(refused.value), f"{folder}/refused-{rank}.pt")
+        del refused  # its traceback holds the group
     for k in (2, 4):
         for variant in VARIANTS:
             if rank < k:
                 dit = apply_ulysses(load_dit(f"{folder}/transformer", variant, inputs), groups[k])
                 torch.save(dit(**inputs), f"{folder}/{variant}-k{k}-rank{rank}.pt")
+                del dit
+    del groups
     leave_group()
 
 
@@ -178,6 +175,7 @@ def sampler_worker(rank, ranks, folder, tiny_model):
         latents = sample(sampler, clip, partition)
         assert sampler.dit.ulysses_slices is not None
         torch.save(latents, f"{folder}/{partition}-rank{rank}.pt")
+    del sampler
     leave_group()
 
 

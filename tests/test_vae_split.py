@@ -3,6 +3,8 @@
 import numpy as np
 import torch
 
+from conftest import leave_group
+
 # 12 latent frames (39 frames, 2 chunks) of 20x22 latents. Exact: 2x2 tiles a chunk, 8 in batches of 3, so in the
 # second round the second rank has no batch and sends padding only. Fast: 128 px tiles in batches the
 # ranks agree on (4 on a CPU), so 24 tiles (3x4 a chunk) in 6 batches over 3 rounds.
@@ -36,19 +38,14 @@ def rank_main(rank, world, init_file, model_dir, out_dir):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        for name, config in CONFIGS.items():
-            clip = decode_clip(model_dir, config, dist.group.WORLD)
-            if rank == 0:
-                np.save(f"{out_dir}/{name}.npy", clip.frames)
-                np.save(f"{out_dir}/{name}-audio.npy", clip.audio)
-            else:
-                assert clip.frames is None and clip.audio is None
-        # gloo's gather returns on the sending rank before the send is through; tearing the group down then can
-        # abort the process, so the ranks meet first.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    for name, config in CONFIGS.items():
+        clip = decode_clip(model_dir, config, dist.group.WORLD)
+        if rank == 0:
+            np.save(f"{out_dir}/{name}.npy", clip.frames)
+            np.save(f"{out_dir}/{name}-audio.npy", clip.audio)
+        else:
+            assert clip.frames is None and clip.audio is None
+    leave_group()
 
 
 def test_two_ranks_equal_one(tiny_model, tmp_path):
