@@ -41,7 +41,7 @@ def weights_source(random_weights, model):
 
 
 def run_bench_command(presets, baseline, durations, size, repeat, warmup, random_weights, model, stages, forwards,
-                      text_tokens, output, batch=None, warm_cache=False):
+                      text_tokens, output, batch=None, warm_cache=False, baseline_clips=None):
     import sys
 
     from h3gen.bench import run_bench
@@ -50,10 +50,11 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     from h3gen.preset import resolve
     from h3gen.quiet import quiet_libraries
 
-    if warm_cache and not batch:
-        raise UsageError("--warm-cache times a batch's second run", "add --batch N")
+    if (warm_cache or baseline_clips) and not batch:
+        option = "--warm-cache" if warm_cache else "--baseline-clips"
+        raise UsageError(f"{option} belongs to a batch benchmark", "add --batch N")
     plan = parse_plan(presets, baseline, durations, size, repeat, warmup, stages, forwards, text_tokens)
-    plan.warm_cache = warm_cache
+    plan.warm_cache, plan.baseline_clips = warm_cache, baseline_clips
     found = registry()
     for name in plan.presets + ([plan.baseline] if plan.baseline else []):
         resolve(name, found)  # a typo fails now, not after the first preset's minutes

@@ -107,6 +107,8 @@ def bench(
                                                                         "does and time the batch instead.")] = None,
     warm_cache: Annotated[bool, typer.Option("--warm-cache", help="With --batch: run each batch twice over one "
                                                                   "fresh embedding cache, cold then warm.")] = False,
+    baseline_clips: Annotated[Optional[int], typer.Option("--baseline-clips", min=1, help="With --batch: clips the "
+                                                          "baseline renders (default: the batch's N).")] = None,
 ):
     """Time presets against the diffusers baseline, stage by stage; write JSON, a markdown table and a chart.
     With --batch N: N clips through the renderer per preset (the baseline clip by clip), the time each clip adds
@@ -115,7 +117,7 @@ def bench(
 
     try:
         run_bench_command(presets or ["h3-base"], baseline, durations, size, repeat, warmup, random_weights, model,
-                          stages, forwards, text_tokens, output, batch, warm_cache)
+                          stages, forwards, text_tokens, output, batch, warm_cache, baseline_clips)
     except H3genError as e:
         fail(e)
 

@@ -40,6 +40,7 @@ class BenchPlan:
     text_tokens: int = 256
     seed: int = 1101
     warm_cache: bool = False  # --batch: each batch twice over one fresh embedding cache, cold then warm
+    baseline_clips: int | None = None  # --batch: the baseline's clip count, when not the batch's
 
 
 def forward_overrides(preset, forwards: int | None) -> list[str]:

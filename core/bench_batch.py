@@ -5,10 +5,12 @@ Per clip, the critical path is the clip's DiT plus whatever the device waits for
 start (decode, transfer, and the mux when it is not in the background). `extra_per_clip_s` is that wait: the
 batch's wall time (the text encoding and loading excluded) minus the DiT time, over the clips. With `forwards`
 set, clips per hour are also given for the preset's own forward count, from the measured per-forward time and
-the measured extra. `warmup` clips go first in the same render and are not timed, so the kernels' first-call
-compilation is outside the batch (0 keeps it in); the clock starts when the first timed clip does. With
-`warm_cache`, each preset's batch runs twice over one fresh embedding cache: the second run's encode seconds are what
-a rerun over the same prompts pays (`encoder_loads` says whether it loaded the encoder).
+the measured extra. The baseline renders clip by clip, so nothing overlaps across its clips: `baseline_clips` can
+give it fewer clips than the batch at the same per-clip costs. `warmup` clips go first in the same render and are
+not timed, so the kernels' first-call compilation is outside the batch (0 keeps it in); the clock starts when the
+first timed clip does. With `warm_cache`, each preset's batch runs twice over one fresh embedding cache: the second
+run's encode seconds are what a rerun over the same prompts pays (`encoder_loads` says whether it loaded the
+encoder).
 """
 
 from __future__ import annotations
@@ -63,16 +65,17 @@ def run_batch(plan: BenchPlan, registry, source, random_weights: str | None, cli
                 if baseline:  # the baseline renders clip by clip: nothing in the background
                     overrides.append("mux.workers=0")
                 preset = resolve(name, registry, overrides)
+                count = (plan.baseline_clips or clips) if baseline else clips
                 for run in ("cold", "warm") if plan.warm_cache else (None,):
-                    say(f"bench: batch of {clips} x {seconds:g} s clips with {name}"
+                    say(f"bench: batch of {count} x {seconds:g} s clips with {name}"
                         + (f", {run} embedding cache" if run else ""))
                     try:
-                        requests = batch_requests(plan, seconds, clips, plan.warmup)
+                        requests = batch_requests(plan, seconds, count, plan.warmup)
                         record = time_batch(preset, registry, source, requests, Path(workdir) / f"{name}-{run}",
                                             full_forwards, baseline, say)
                     except Exception as e:  # one preset failing must not lose the others' numbers
                         say(f"bench: batch with {name} failed: {type(e).__name__}: {str(e)[:300]}")
-                        record = dict(preset=name, baseline=baseline, stage="batch", clips=clips,
+                        record = dict(preset=name, baseline=baseline, stage="batch", clips=count,
                                       notes=f"failed: {type(e).__name__}: {e}"[:500])
                     records.append(record | (dict(embedding_cache=run) if run else {}))
     base = next((r for r in records if r.get("baseline") and r.get("clips_per_hour")
