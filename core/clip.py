@@ -89,6 +89,7 @@ class Clip:
     audio_latents: Any = None
     frames: Any = None  # uint8 (T, H, W, 3) on the host
     audio: Any = None  # float32 (2, N) on the host
+    arriving: Any = None  # frames and audio as the decode hands them to a mux started with it (h3gen.arriving)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     notes: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -96,4 +97,4 @@ class Clip:
         """Let go of what the stages made, so the next clip starts from the same memory."""
         self.prompt_embeds = self.text_token_tags = self.video_latents = self.audio_latents = None
         if not keep_media:
-            self.frames = self.audio = None
+            self.frames = self.audio = self.arriving = None

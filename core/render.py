@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from h3gen import memory, outputs
+from h3gen.arriving import ArrivingMedia
 from h3gen.clip import Clip, Request
 from h3gen.errors import ClipError, H3genError, ModelError
 from h3gen.timing import StageTimer
@@ -145,28 +146,37 @@ class Renderer:
         return failed
 
     def render_one(self, clip: Clip, claim) -> None:
-        """DiT and decode on the device, then the mux, in the background when the mux stage can."""
+        """DiT and decode on the device, then the mux, in the background when the mux stage can: started with the
+        decode when the VAE stage hands its frames over chunk by chunk, so only the last chunk is left to encode."""
         import torch
 
         self.reporter.clip_started(clip)
         cuda = self.runtime.device.startswith("cuda")
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        error = ""
+        error, mux, job = "", self.stages["mux"], None
         try:
             check_disk(self.out_dir, clip.request)
-            for kind in ("sampler", "vae"):
-                clip = self.stages[kind](clip)
+            clip = self.stages["sampler"](clip)
             if self.save_latents:
                 write_latents(clip)
+            if getattr(self.stages["vae"], "hands_over_frames", False) and hasattr(mux, "submit"):
+                clip.arriving = ArrivingMedia()
+                job = mux.submit(clip)
+            clip = self.stages["vae"](clip)
             clip.drop_tensors(keep_media=True)  # the device's share goes now; the mux needs only frames and audio
             clip.notes["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
-            job = self.stages["mux"].submit(clip) if hasattr(self.stages["mux"], "submit") else None
+            if job is None and hasattr(mux, "submit"):
+                job = mux.submit(clip)
             if job is not None:
                 self.muxing.append((clip, claim, job))
                 return
-            clip = self.stages["mux"](clip)
-        except Exception as e:  # a faulty stage costs its clip, not the batch
+            clip = mux(clip)
+        except BaseException as e:  # a faulty stage costs its clip, not the batch
+            if job is not None:
+                abandon(clip, job, e)
+            if not isinstance(e, Exception):
+                raise
             self.check_fatal(clip, e)
             error = clip_error(clip, e)
         self.done.append(self.finish(clip, error, claim=claim))
@@ -218,6 +228,18 @@ class Renderer:
                 claim.release()
         self.muxing.clear()
         return written
+
+
+def abandon(clip: Clip, job, error: BaseException) -> None:
+    """Stop the mux that started with a decode that failed: it writes nothing (a file it finished goes too)."""
+    clip.arriving.fail(error)
+    if job.cancel():
+        return
+    try:
+        job.result()
+    except Exception:
+        return
+    clip.path.unlink(missing_ok=True)
 
 
 def clip_error(clip: Clip, error: Exception) -> str:

@@ -51,6 +51,7 @@ class FastVAE(ReferenceVAE):
     description = ("AutoencoderKLMiniMaxH3 with the clip's tiles batched, fused QKV and fused kernels rounding as "
                    "diffusers' ops do, uint8 frames on the device copied out chunk by chunk; exact = true runs "
                    "diffusers' own decoder modules")
+    hands_over_frames = True  # fills a clip's `arriving` media chunk by chunk, for a mux started with the decode
 
     def __init__(self, config, runtime):
         super().__init__(config, runtime)
@@ -99,24 +100,31 @@ class FastVAE(ReferenceVAE):
 
         measure = self.runtime.timer.measure
         lead = self.lead()
+        media = clip.arriving if lead else None
         with torch.inference_mode():
             with measure(clip, "vae_video", report=False):
-                frames = self.decode_frames(clip.video_latents)
+                frames = self.decode_frames(clip.video_latents, media)
             with measure(clip, "vae_audio", report=False):
                 audio = self.decode_audio(clip.audio_latents) if lead else None
             with measure(clip, "transfer", report=False):
-                clip.frames = frames.wait() if lead else None
-                clip.audio = audio.cpu().numpy() if lead else None
+                if media is not None:  # the mux waits for the frames' copies itself
+                    media.finish(audio.cpu().numpy())
+                else:
+                    clip.frames = frames.wait() if lead else None
+                    clip.audio = audio.cpu().numpy() if lead else None
         clip.notes["sample_rate"] = self.sample_rate
         return clip
 
-    def decode_frames(self, latents):
-        """uint8 frames of `latents` (1, C, T, H, W) on their way to host memory: a `HostFrames` (None off the lead)."""
+    def decode_frames(self, latents, media=None):
+        """uint8 frames of `latents` (1, C, T, H, W) on their way to host memory: a `HostFrames` (None off the lead).
+        With `media` (`h3gen.arriving`), each chunk is handed to the mux as it lands."""
         import torch
 
         frames = None
         if self.lead():
-            frames = HostFrames(self.plan(latents.shape), torch.device(self.runtime.device))
+            frames = HostFrames(self.plan(latents.shape), torch.device(self.runtime.device), media)
+            if media is not None:
+                media.open(frames.frames.numpy(), self.sample_rate)
         self.decode(latents, frames.write if frames is not None else None)
         return frames
 
@@ -192,9 +200,10 @@ class HostFrames:
     """uint8 (T, H, W, 3) frames in host memory, filled chunk by chunk as the decode finishes them.
 
     On CUDA each chunk becomes uint8 on the device (one Triton pass) and is copied on a side stream into pinned
-    memory, so the copy overlaps the next tiles' decode; on the CPU the frames are written in place."""
+    memory, so the copy overlaps the next tiles' decode; on the CPU the frames are written in place. With `media`
+    (`h3gen.arriving`), each chunk is announced to the mux as written, with the CUDA event of its copy."""
 
-    def __init__(self, plan, device):
+    def __init__(self, plan, device, media=None):
         import torch
 
         self.cuda = device.type == "cuda"
@@ -204,7 +213,7 @@ class HostFrames:
         self.mean = torch.tensor(PIXEL_MEAN, device=device)
         self.std = torch.tensor(PIXEL_STD, device=device)
         self.copies = torch.cuda.Stream(device) if self.cuda else None
-        self.written = 0
+        self.written, self.media = 0, media
 
     def write(self, video) -> None:
         """`video` (3, n, H, W): the clip's next n frames, in the VAE's normalized pixel space."""
@@ -214,14 +223,20 @@ class HostFrames:
 
         target = self.frames[self.written:self.written + video.shape[1]]
         self.written += video.shape[1]
+        copied = None
         if not self.cuda:
             to_frames(video, self.mean, self.std, out=target)
-            return
-        staged = to_frames(video, self.mean, self.std)
-        self.copies.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.copies):
-            target.copy_(staged, non_blocking=True)
-        staged.record_stream(self.copies)
+        else:
+            staged = to_frames(video, self.mean, self.std)
+            self.copies.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.copies):
+                target.copy_(staged, non_blocking=True)
+                if self.media is not None:
+                    copied = torch.cuda.Event()
+                    copied.record()
+            staged.record_stream(self.copies)
+        if self.media is not None:
+            self.media.landed(self.written, copied)
 
     def wait(self):
         """The frames as a numpy array, once every copy has landed."""

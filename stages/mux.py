@@ -37,11 +37,12 @@ def write_mp4(
 ) -> None:
     """Write H.264 + AAC to `path` atomically; a partial MP4 never appears at `path`.
 
-    `frames` is uint8 (T, H, W, 3) RGB; `audio` is float (2, N) in [-1, 1].
-    Identical inputs give byte-identical files. `cancelled()` is polled per frame: when it turns true the write
-    stops with `MuxCancelled` and leaves nothing behind.
+    `frames` is uint8 (T, H, W, 3) RGB, or frames still arriving from the decode (`h3gen.arriving`); `audio` is float
+    (2, N) in [-1, 1], or a callable that gives it once the frames are through. Identical inputs give byte-identical
+    files. `cancelled()` is polled per frame: when it turns true the write stops with `MuxCancelled` and leaves
+    nothing behind.
     """
-    _check_inputs(frames, audio)
+    _check_frames(frames)
     path = Path(path)
     partial = path.with_name(f".{path.name}.partial.mp4")
     try:
@@ -49,7 +50,7 @@ def write_mp4(
             video = _add_video_stream(container, frames, fps, crf, preset, x264_threads)
             sound = _add_audio_stream(container, sample_rate)
             _encode_video(container, video, frames, cancelled)
-            _encode_audio(container, sound, audio, sample_rate)
+            _encode_audio(container, sound, audio() if callable(audio) else audio, sample_rate)
         _fsync(partial)
         os.replace(partial, path)
         _fsync(path.parent)
@@ -58,9 +59,12 @@ def write_mp4(
         raise
 
 
-def _check_inputs(frames: np.ndarray, audio: np.ndarray) -> None:
+def _check_frames(frames) -> None:
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"frames must be uint8 (T, H, W, 3), got {frames.dtype} {frames.shape}")
+
+
+def _check_audio(audio) -> None:
     if audio.ndim != 2 or audio.shape[0] != 2:
         raise ValueError(f"audio must be (2, N), got {audio.shape}")
 
@@ -100,6 +104,7 @@ def _encode_video(container, stream, frames, cancelled):
 
 
 def _encode_audio(container, stream, audio, sample_rate):
+    _check_audio(audio)
     samples = np.clip(audio, -1.0, 1.0).astype(np.float32)
     for start in range(0, samples.shape[1], AAC_FRAME_SAMPLES):
         chunk = np.ascontiguousarray(samples[:, start : start + AAC_FRAME_SAMPLES])
@@ -164,7 +169,10 @@ class PyAVMux(Stage):
         self.pool, self.stopping = None, threading.Event()
 
     def run(self, clip):
-        write_mp4(clip.path, clip.frames, clip.audio, sample_rate=clip.notes.get("sample_rate", 32000),
-                  crf=self.config.crf, preset=self.config.x264_preset, x264_threads=self.config.x264_threads,
+        media = clip.arriving  # set when the mux starts with the decode
+        frames, audio = (media, media.audio) if media is not None else (clip.frames, clip.audio)
+        sample_rate = media.sample_rate if media is not None else clip.notes.get("sample_rate", 32000)
+        write_mp4(clip.path, frames, audio, sample_rate=sample_rate, crf=self.config.crf,
+                  preset=self.config.x264_preset, x264_threads=self.config.x264_threads,
                   cancelled=self.stopping.is_set)
         return clip

@@ -4,16 +4,21 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import h3gen
 from h3gen.validate import validate_clip
 
 THREE = '{"id": "a", "prompt": "a fox"}\n{"id": "b", "prompt": "waves"}\n{"id": "c", "prompt": "rain on a roof"}\n'
 
 
-def test_background_muxing_writes_the_same_bytes_as_muxing_in_line(prompts_file, tmp_path):
+@pytest.mark.parametrize("vae", ["reference", "fast"])
+def test_background_muxing_writes_the_same_bytes_as_muxing_in_line(prompts_file, tmp_path, vae):
+    """With the fast VAE the background mux starts with the decode and reads the frames as they land."""
     prompts = prompts_file(THREE)
     for workers in (0, 2):
-        h3gen("render", prompts, "-o", tmp_path / f"w{workers}", "--set", f"mux.workers={workers}", check_code=0)
+        h3gen("render", prompts, "-o", tmp_path / f"w{workers}", "--set", f"mux.workers={workers}",
+              "--set", f"vae.use={vae}", check_code=0)
     for name in "abc":
         assert (tmp_path / f"w0/{name}.mp4").read_bytes() == (tmp_path / f"w2/{name}.mp4").read_bytes()
 

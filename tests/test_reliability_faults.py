@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from h3gen.plugins.hookspecs import hookimpl
+from h3gen.stages.fast_vae import FastVAE, FastVAEConfig
 from h3gen.stages.mux import PyAVMux, PyAVMuxConfig
 from h3gen.stages.sampler import EulerConfig, EulerSampler
 
@@ -80,10 +81,35 @@ class SlowMux(PyAVMux):
         return super().run(clip)
 
 
+@dataclasses.dataclass
+class SlowDecodeConfig(FastVAEConfig):
+    slow_id: str = ""
+    marker: str = ""
+
+
+class SlowDecodeVAE(FastVAE):
+    """Hands the first chunk of the slow clip's frames to the mux, says so with the marker, then takes its time."""
+    kind, name = "vae", "slow-decode"
+    Config = SlowDecodeConfig
+
+    def decode(self, latents, emit):
+        def emit_slowly(video):
+            emit(video)
+            if self.slow:
+                Path(self.config.marker).touch()
+                time.sleep(60)
+        return super().decode(latents, emit_slowly if emit is not None else None)
+
+    def run(self, clip):
+        self.slow = clip.request.id == self.config.slow_id
+        return super().run(clip)
+
+
 @hookimpl
 def h3gen_register_stages(register):
     register(OomSampler)
     register(SlowMux)
+    register(SlowDecodeVAE)
 '''
 
 
@@ -348,3 +374,23 @@ def test_signal_with_background_muxing_leaves_only_whole_files(faults, prompts_f
     rerun = h3gen(*render, env=env, check_code=0)
     assert "3 of 3 clips written" in rerun.stderr or "already there and valid (skipped)" in rerun.stderr
     assert sorted(p.name for p in out.glob("*.mp4")) == ["a.mp4", "b.mp4", "c.mp4"]
+
+
+def test_signal_while_the_mux_reads_a_decode_in_flight_leaves_only_whole_files(faults, prompts_file, tmp_path):
+    """The mux started with b's decode and has its first frames when the signal lands: b is discarded, no partial
+    MP4 is left, the run ends at once."""
+    env, preset = faults
+    out, marker = tmp_path / "out", tmp_path / "decoding-b"
+    render = ["render", prompts_file(TWO_CLIPS + '{"id": "c", "prompt": "rain"}\n'), "-o", out, "--preset", preset]
+    process = start_render(render[1:] + ["--set", "vae.use=slow-decode", "--set", 'vae.slow_id="b"',
+                                         "--set", f'vae.marker="{marker}"', "--set", "mux.workers=2"], env)
+    wait_for(marker, process)
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143, stderr[-2000:]
+    assert time.monotonic() - signalled < 30  # not after the decode's minute
+    assert not list(out.glob(".*"))  # no partial MP4, no claim left behind
+    # a's background mux may or may not have finished when the signal came; b's never does
+    assert {p.name for p in out.glob("*.mp4")} <= {"a.mp4"}
+    assert all(validate_clip(path, expected_frames=124) == [] for path in out.glob("*.mp4"))

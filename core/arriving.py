@@ -1,0 +1,101 @@
+"""A clip's frames and soundtrack handed from the decode to a mux that starts with it.
+
+The decode (on the render thread) `open`s the media with the clip's uint8 (T, H, W, 3) host buffer, says which frames
+have `landed` after each chunk (with the CUDA event its copy recorded, or None when the frames are in place already),
+then `finish`es with the audio, or `fail`s. The mux (on a background thread) reads the frames' shape, iterates the
+frames, each once it has landed, and then takes the audio. It sees the frames and audio a finished decode would give
+it, in the same order, so the MP4 is byte-identical; only the last chunk's frames are left to encode when the decode
+ends.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+
+class DecodeFailed(Exception):
+    """The decode feeding the mux stopped; the mux writes nothing."""
+
+
+class ArrivingMedia:
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._frames = None
+        self._landed = collections.deque()  # (frames landed so far, CUDA event of their copy or None)
+        self._audio = None
+        self._error = None
+        self._sample_rate = None
+
+    # The decode's side.
+    def open(self, frames, sample_rate: int) -> None:
+        with self._changed:
+            self._frames, self._sample_rate = frames, sample_rate
+            self._changed.notify_all()
+
+    def landed(self, count: int, copied=None) -> None:
+        """The first `count` frames are in the host buffer, or will be once `copied` (a CUDA event) completes."""
+        with self._changed:
+            self._landed.append((count, copied))
+            self._changed.notify_all()
+
+    def finish(self, audio) -> None:
+        with self._changed:
+            self._audio = audio
+            self._changed.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._changed:
+            self._error = error
+            self._changed.notify_all()
+
+    # The mux's side.
+    def _wait(self, ready):
+        """Until `ready()`; once the decode has failed, every read stops the mux."""
+        with self._changed:
+            while self._error is None and not ready():
+                self._changed.wait()
+            if self._error is not None:
+                raise DecodeFailed(f"the decode stopped: {type(self._error).__name__}: {self._error}")
+
+    def _opened(self):
+        self._wait(lambda: self._frames is not None)
+        return self._frames
+
+    @property
+    def sample_rate(self) -> int:
+        self._opened()
+        return self._sample_rate
+
+    @property
+    def shape(self):
+        return self._opened().shape
+
+    @property
+    def dtype(self):
+        return self._opened().dtype
+
+    @property
+    def ndim(self):
+        return self._opened().ndim
+
+    def __len__(self):
+        return len(self._opened())
+
+    def __iter__(self):
+        frames, available = self._opened(), 0
+        for index in range(len(frames)):
+            while index >= available:
+                self._wait(lambda: self._landed or self._audio is not None)
+                with self._changed:
+                    if not self._landed:
+                        raise DecodeFailed(f"the decode ended after {available} of {len(frames)} frames")
+                    available, copied = self._landed.popleft()
+                if copied is not None:
+                    copied.synchronize()
+            self._wait(lambda: True)  # a failed decode stops the mux at its next frame
+            yield frames[index]
+
+    def audio(self):
+        self._wait(lambda: self._audio is not None)
+        return self._audio

@@ -1,0 +1,120 @@
+"""The mux started with the decode: it encodes frames as the decode lands them and writes the MP4 a finished decode
+would give; a decode that fails takes the file with it."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+from h3gen.arriving import ArrivingMedia, DecodeFailed
+from h3gen.stages.mux import write_mp4
+
+TWO_CLIPS = '{"id": "a", "prompt": "a fox"}\n{"id": "b", "prompt": "waves"}\n'
+
+
+def clip_media(frames=22, seed=0):
+    generator = np.random.default_rng(seed)
+    video = generator.integers(0, 256, (frames, 32, 48, 3), dtype=np.uint8)
+    audio = (generator.random((2, 32000 * frames // 24), dtype=np.float32) - 0.5)
+    return video, audio
+
+
+def decode_in_background(media, video, audio, chunk, mux_reading, fail_after=None):
+    """Land `video` chunk by chunk into the host buffer the media was opened with; after the first chunk, wait until
+    the mux is reading, so the rest provably lands while it encodes."""
+    buffer = np.zeros_like(video)
+
+    def decode():
+        media.open(buffer, 32000)
+        for start in range(0, len(video), chunk):
+            if fail_after is not None and start >= fail_after:
+                media.fail(RuntimeError("decoder fault"))
+                return
+            buffer[start:start + chunk] = video[start:start + chunk]
+            media.landed(min(start + chunk, len(video)))
+            if start == 0:
+                assert mux_reading.wait(30)
+        media.finish(audio)
+
+    thread = threading.Thread(target=decode)
+    thread.start()
+    return thread
+
+
+def test_arriving_frames_give_the_bytes_of_finished_ones(tmp_path):
+    video, audio = clip_media()
+    write_mp4(tmp_path / "whole.mp4", video, audio)
+    media, reading = ArrivingMedia(), threading.Event()
+    decoder = decode_in_background(media, video, audio, chunk=5, mux_reading=reading)
+    write_mp4(tmp_path / "arriving.mp4", media, media.audio, cancelled=lambda: reading.set() or False)
+    decoder.join()
+    assert (tmp_path / "arriving.mp4").read_bytes() == (tmp_path / "whole.mp4").read_bytes()
+
+
+def test_a_failed_decode_leaves_no_file(tmp_path):
+    video, audio = clip_media()
+    media, reading = ArrivingMedia(), threading.Event()
+    decoder = decode_in_background(media, video, audio, chunk=5, mux_reading=reading, fail_after=10)
+    with pytest.raises(DecodeFailed, match="decoder fault"):
+        write_mp4(tmp_path / "clip.mp4", media, media.audio, cancelled=lambda: reading.set() or False)
+    decoder.join()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_decode_that_ends_short_stops_the_mux(tmp_path):
+    video, audio = clip_media()
+    media = ArrivingMedia()
+    media.open(video, 32000)
+    media.landed(10)
+    media.finish(audio)
+    with pytest.raises(DecodeFailed, match="after 10 of 22 frames"):
+        write_mp4(tmp_path / "clip.mp4", media, media.audio)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_decode_failing_mid_clip_costs_that_clip_and_no_file(tiny_model, tmp_path):
+    """The fast VAE hands its first chunk to the mux, then fails: the clip fails, its MP4 never appears, the next
+    clip is written."""
+    from h3gen.cli.ui import PlainReporter
+    from h3gen.plugins.manager import Registered, registry
+    from h3gen.preset import resolve
+    from h3gen.prompts import read_prompts
+    from h3gen.render import Renderer
+    from h3gen.repo import ModelRepo
+    from h3gen.stages.fast_vae import FastVAE
+
+    class FailingVAE(FastVAE):
+        name = "failing-fast"
+
+        def decode(self, latents, emit):
+            if self.failing:
+                def emit_once(video):
+                    emit(video)
+                    raise RuntimeError("decoder fault")
+                return super().decode(latents, emit_once)
+            return super().decode(latents, emit)
+
+        def run(self, clip):
+            self.failing = clip.request.id == "a"
+            assert clip.arriving is not None  # the mux has started
+            return super().run(clip)
+
+    found = registry()
+    found.stages[("vae", "failing-fast")] = Registered("vae", "failing-fast", FailingVAE, "test")
+    preset_file = tmp_path / "failing.toml"
+    preset_file.write_text((ROOT / "presets" / "tiny.toml").read_text().replace('use = "reference"',
+                                                                                'use = "failing-fast"'))
+    preset = resolve(str(preset_file), found)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(TWO_CLIPS)
+    renderer = Renderer(preset, found, ModelRepo(tiny_model), PlainReporter(2))
+    out = tmp_path / "out"
+    try:
+        results = list(renderer.render(read_prompts(prompts, 0, preset.request), out))
+    finally:
+        renderer.close()
+    assert [r.ok for r in results] == [False, True]
+    assert "decoder fault" in results[0].error
+    assert sorted(p.name for p in out.glob("*.mp4")) == ["b.mp4"]
+    assert not [p for p in out.iterdir() if p.name.startswith(".") and p.suffix == ".mp4"]
