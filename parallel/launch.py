@@ -127,9 +127,29 @@ def run(config, job: dict) -> int:
         return 128 + int(stop.sigval)
 
 
+def first_failure(failed):
+    """(rank, failure) that came first: torchrun's pick (the earliest whole second, then its own order), except that
+    of h3gen errors recorded within that second the earliest is named (a rank that loses its connection to a failed
+    peer records its error after the peer's)."""
+    failures = failed.failures
+    rank = min(failures, key=lambda r: failures[r].timestamp)
+    if recorded_at(failures[rank]) is None:  # killed, or a crash without h3gen's record: as torchrun says
+        return rank, failures[rank]
+    same_second = [r for r in failures
+                   if failures[r].timestamp == failures[rank].timestamp and recorded_at(failures[r]) is not None]
+    rank = min(same_second, key=lambda r: recorded_at(failures[r]))
+    return rank, failures[rank]
+
+
+def recorded_at(failure) -> float | None:
+    message = failure.error_file_data.get("message")
+    info = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+    return info.get("h3gen_time")
+
+
 def root_cause(failed, device: str) -> H3genError:
     """The first failure, in one line: an h3gen error as the worker raised it, a signal, or an exception."""
-    rank, failure = failed.get_first_failure()
+    rank, failure = first_failure(failed)
     worker = f"{'GPU' if device == 'gpu' else 'CPU'} worker {rank}"
     data = failure.error_file_data.get("message")
     info = data.get("extraInfo", {}) if isinstance(data, dict) else {}

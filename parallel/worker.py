@@ -45,9 +45,9 @@ def record_error(error: H3genError) -> None:
     if not path:
         print(f"h3gen: error: {error}", file=sys.stderr)
         return
-    with open(path, "w") as f:
+    with open(path, "w") as f:  # torchrun reads whole seconds; h3gen_time orders ranks failing within one
         json.dump({"message": {"message": str(error), "extraInfo": {
-            "timestamp": str(int(time.time())), "h3gen_exit_code": error.exit_code}}}, f)
+            "timestamp": str(int(time.time())), "h3gen_time": time.time(), "h3gen_exit_code": error.exit_code}}}, f)
 
 
 def serve(job: dict) -> int:
@@ -67,6 +67,10 @@ def serve(job: dict) -> int:
         from h3gen.parallel.serve import Worker
 
         return Worker(job, device).run()
+    except H3genError as error:
+        # On record before the group goes: the other ranks fail on the lost connection only after this one's error.
+        record_error(error)
+        return error.exit_code
     finally:
         # What the stages built may hold a group in a reference cycle; a gloo group freed only at interpreter exit
         # aborts the process, so it goes now, while the groups are alive.

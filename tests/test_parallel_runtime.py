@@ -190,6 +190,25 @@ def test_layout_rule():
     assert choose_layout(8, 8, 100, 56, ulysses=2) == Layout(4, 2)
 
 
+def test_the_first_failure_is_the_rank_that_failed_first_within_the_second():
+    """Rank 1 fails, then rank 0 loses its connection to it within the same second: rank 1 is named."""
+    from types import SimpleNamespace
+
+    from h3gen.parallel.launch import first_failure
+
+    def failure(seconds, recorded=None):
+        info = {"h3gen_time": recorded} if recorded is not None else {}
+        data = {"message": {"message": "m", "extraInfo": info}} if recorded is not None else {}
+        return SimpleNamespace(timestamp=seconds, error_file_data=data)
+
+    failed = SimpleNamespace(failures={0: failure(7, 7.9), 1: failure(7, 7.2), 2: failure(8, 8.0)})
+    assert first_failure(failed)[0] == 1
+    failed.failures = {3: failure(7), 0: failure(7, 7.1)}  # torchrun's pick killed without a record: kept
+    assert first_failure(failed)[0] == 3
+    failed.failures = {0: failure(6, 6.9), 1: failure(7, 7.0)}  # torchrun's whole seconds still come first
+    assert first_failure(failed)[0] == 0
+
+
 def test_parallel_section_of_a_preset(tmp_path):
     from h3gen.errors import UsageError
     from h3gen.plugins.manager import registry
