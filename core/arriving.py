@@ -1,8 +1,8 @@
 """A clip's frames and soundtrack handed from the decode to a mux that starts with it.
 
 The decode (on the render thread) `open`s the media with the clip's uint8 (T, H, W, 3) host buffer, says which frames
-have `landed` after each chunk (with the CUDA event its copy recorded, or None when the frames are in place already),
-then `finish`es with the audio, or `fail`s. The mux (on a background thread) reads the frames' shape, iterates the
+have `landed` after each chunk (with a call that waits for its copy to host memory, or None when the frames are in
+place already), then `finish`es with the audio, or `fail`s. The mux (on a background thread) reads the frames' shape, iterates the
 frames, each once it has landed, and then takes the audio. It sees the frames and audio a finished decode would give
 it, in the same order, so the MP4 is byte-identical; only the last chunk's frames are left to encode when the decode
 ends.
@@ -22,7 +22,7 @@ class ArrivingMedia:
     def __init__(self):
         self._changed = threading.Condition()
         self._frames = None
-        self._landed = collections.deque()  # (frames landed so far, CUDA event of their copy or None)
+        self._landed = collections.deque()  # (frames landed so far, a wait for their copy or None)
         self._audio = None
         self._error = None
         self._sample_rate = None
@@ -34,7 +34,7 @@ class ArrivingMedia:
             self._changed.notify_all()
 
     def landed(self, count: int, copied=None) -> None:
-        """The first `count` frames are in the host buffer, or will be once `copied` (a CUDA event) completes."""
+        """The first `count` frames are in the host buffer, or will be once `copied()` returns."""
         with self._changed:
             self._landed.append((count, copied))
             self._changed.notify_all()
@@ -92,7 +92,7 @@ class ArrivingMedia:
                         raise DecodeFailed(f"the decode ended after {available} of {len(frames)} frames")
                     available, copied = self._landed.popleft()
                 if copied is not None:
-                    copied.synchronize()
+                    copied()
             self._wait(lambda: True)  # a failed decode stops the mux at its next frame
             yield frames[index]
 

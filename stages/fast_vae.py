@@ -196,12 +196,26 @@ class FastVAE(ReferenceVAE):
         return tokens * decoder.proj_in.out_features * 80 + channels * frames * height * width * 2 * 4
 
 
+def copy_landed(device):
+    """A call that returns once the work queued so far on the current stream (a copy to host memory) is done; it sets
+    `device` on the thread that waits, which would otherwise open a context on the first GPU."""
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+
+    def wait():
+        with torch.cuda.device(device):
+            event.synchronize()
+    return wait
+
+
 class HostFrames:
     """uint8 (T, H, W, 3) frames in host memory, filled chunk by chunk as the decode finishes them.
 
     On CUDA each chunk becomes uint8 on the device (one Triton pass) and is copied on a side stream into pinned
     memory, so the copy overlaps the next tiles' decode; on the CPU the frames are written in place. With `media`
-    (`h3gen.arriving`), each chunk is announced to the mux as written, with the CUDA event of its copy."""
+    (`h3gen.arriving`), each chunk is announced to the mux as written, with a wait for its copy."""
 
     def __init__(self, plan, device, media=None):
         import torch
@@ -232,8 +246,7 @@ class HostFrames:
             with torch.cuda.stream(self.copies):
                 target.copy_(staged, non_blocking=True)
                 if self.media is not None:
-                    copied = torch.cuda.Event()
-                    copied.record()
+                    copied = copy_landed(staged.device)
             staged.record_stream(self.copies)
         if self.media is not None:
             self.media.landed(self.written, copied)

@@ -2,9 +2,11 @@
 would give; a decode that fails takes the file with it."""
 
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import ROOT
 from h3gen.arriving import ArrivingMedia, DecodeFailed
@@ -118,3 +120,26 @@ def test_a_decode_failing_mid_clip_costs_that_clip_and_no_file(tiny_model, tmp_p
     assert "decoder fault" in results[0].error
     assert sorted(p.name for p in out.glob("*.mp4")) == ["b.mp4"]
     assert not [p for p in out.iterdir() if p.name.startswith(".") and p.suffix == ".mp4"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_frames_copied_from_the_device_arrive_as_the_reference_makes_them():
+    """On CUDA each chunk lands after its copy on the side stream: a reader on another thread waits for it."""
+    from h3gen.kernels.frames import frames_reference
+    from h3gen.stages.fast_vae import PIXEL_MEAN, PIXEL_STD, HostFrames
+
+    device = torch.device("cuda")
+    plan = SimpleNamespace(frames=10, row_starts=[0], col_starts=[0], tile_height=16, tile_width=24)
+    media = ArrivingMedia()
+    host = HostFrames(plan, device, media)
+    media.open(host.frames.numpy(), 32000)
+    read = []
+    reader = threading.Thread(target=lambda: read.extend(np.array(frame) for frame in media))
+    reader.start()
+    video = torch.randn(3, 10, 16, 24, device=device)
+    for start in range(0, 10, 4):
+        host.write(video[:, start:start + 4])
+    media.finish(np.zeros((2, 10), dtype=np.float32))
+    reader.join(30)
+    mean, std = torch.tensor(PIXEL_MEAN, device=device), torch.tensor(PIXEL_STD, device=device)
+    assert np.array_equal(np.stack(read), frames_reference(video, mean, std).cpu().numpy())
