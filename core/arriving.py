@@ -1,11 +1,11 @@
 """A clip's frames and soundtrack handed from the decode to a mux that starts with it.
 
-The decode (on the render thread) `open`s the media with the clip's uint8 (T, H, W, 3) host buffer, says which frames
-have `landed` after each chunk (with a call that waits for its copy to host memory, or None when the frames are in
-place already), then `finish`es with the audio, or `fail`s. The mux (on a background thread) reads the frames' shape, iterates the
-frames, each once it has landed, and then takes the audio. It sees the frames and audio a finished decode would give
-it, in the same order, so the MP4 is byte-identical; only the last chunk's frames are left to encode when the decode
-ends.
+The decode (on the render thread) `open`s the media with the clip's uint8 (T, H, W, 3) host buffer, says which
+frames have `landed` after each chunk (with a call that waits for its copy to host memory, or None when the frames
+are in place already), then `finish`es with the audio, or `fail`s. The mux (on a background thread) reads the
+frames' shape, iterates the frames, each once it has landed, and then takes the audio. It sees the frames and audio
+a finished decode would give it, in the same order, so the MP4 is byte-identical; only the last chunk's frames are
+left to encode when the decode ends.
 """
 
 from __future__ import annotations
