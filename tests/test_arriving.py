@@ -24,8 +24,8 @@ def clip_media(frames=22, seed=0):
 
 def decode_in_background(media, video, audio, chunk, mux_reading, fail_after=None):
     """Land `video` chunk by chunk into the host buffer the media was opened with; after the first chunk, wait until
-    the mux is reading, so the rest provably lands while it encodes."""
-    buffer = np.zeros_like(video)
+    the mux is reading, so the rest lands while it encodes. Returns the thread and whether the mux read that early."""
+    buffer, read_early = np.zeros_like(video), []
 
     def decode():
         media.open(buffer, 32000)
@@ -36,28 +36,29 @@ def decode_in_background(media, video, audio, chunk, mux_reading, fail_after=Non
             buffer[start:start + chunk] = video[start:start + chunk]
             media.landed(min(start + chunk, len(video)))
             if start == 0:
-                assert mux_reading.wait(30)
+                read_early.append(mux_reading.wait(30))
         media.finish(audio)
 
     thread = threading.Thread(target=decode)
     thread.start()
-    return thread
+    return thread, read_early
 
 
 def test_arriving_frames_give_the_bytes_of_finished_ones(tmp_path):
     video, audio = clip_media()
     write_mp4(tmp_path / "whole.mp4", video, audio)
     media, reading = ArrivingMedia(), threading.Event()
-    decoder = decode_in_background(media, video, audio, chunk=5, mux_reading=reading)
+    decoder, read_early = decode_in_background(media, video, audio, chunk=5, mux_reading=reading)
     write_mp4(tmp_path / "arriving.mp4", media, media.audio, cancelled=lambda: reading.set() or False)
     decoder.join()
+    assert read_early == [True]  # the mux had its first frame before the rest of the clip landed
     assert (tmp_path / "arriving.mp4").read_bytes() == (tmp_path / "whole.mp4").read_bytes()
 
 
 def test_a_failed_decode_leaves_no_file(tmp_path):
     video, audio = clip_media()
     media, reading = ArrivingMedia(), threading.Event()
-    decoder = decode_in_background(media, video, audio, chunk=5, mux_reading=reading, fail_after=10)
+    decoder, _ = decode_in_background(media, video, audio, chunk=5, mux_reading=reading, fail_after=10)
     with pytest.raises(DecodeFailed, match="decoder fault"):
         write_mp4(tmp_path / "clip.mp4", media, media.audio, cancelled=lambda: reading.set() or False)
     decoder.join()
