@@ -267,6 +267,7 @@ def phase_attention():
     if DEVICE.type == "cuda":
         flash_attn_4_options(q, k, v, expected)
         fp8_attention_configs(q, k, v, expected)
+        cudnn_fp8_plans(q, k, v, expected)
 
 
 def attention_row(run, expected, seq_len):
@@ -311,6 +312,37 @@ def fp8_attention_configs(q, k, v, expected):
         try:
             log(name, attention_row(lambda: attention_fp8.attention_fp8_triton(
                 q, k, v, block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages), expected, seq_len))
+        except Exception as exc:
+            log(f"{name}_error", repr(exc)[:300])
+
+
+def cudnn_fp8_plans(q, k, v, expected):
+    """Every execution plan cuDNN's heuristics offer for the FP8 SDPA graph (the backend runs the first), each timed
+    alone on the quantized inputs, with its output's error."""
+    from h3gen.kernels import attention_cudnn_fp8 as fp8
+
+    if fp8.cudnn_module() is None:
+        return
+    quantized = [fp8.quantize_tensor(t) for t in (q, k, v)]
+    graph = fp8._graph(q.shape[0], q.shape[2], q.shape[1], q.shape[3], q.device.index)
+    out = torch.empty(q.shape, dtype=fp8.FP8, device=q.device)
+    pack = graph.variant_pack(*(t for t, _ in quantized), [s for _, s in quantized], out)
+    count = graph.graph.get_execution_plan_count()
+    log("attention_cudnn-fp8_plans", count)
+    for index in range(count):
+        name = f"attention_cudnn-fp8_plan{index}"
+        try:
+            graph.graph.build_plan_at_index(index)
+            workspace = torch.empty(graph.graph.get_workspace_size_plan_at_index(index), dtype=torch.uint8,
+                                    device=q.device)
+
+            def run():
+                graph.graph.execute_plan_at_index(pack, workspace, index, handle=graph.handle)
+                return out.to(q.dtype).mul_(quantized[2][1])
+
+            row = attention_row(run, expected, q.shape[1])
+            row["plan"] = graph.graph.get_plan_name_at_index(index)
+            log(name, row)
         except Exception as exc:
             log(f"{name}_error", repr(exc)[:300])
 

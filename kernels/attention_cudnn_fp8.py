@@ -50,16 +50,20 @@ class _FP8Graph:
         graph.build_plans()
         self.graph, self.workspace_size = graph, graph.get_workspace_size()
 
-    def __call__(self, q8, k8, v8, descales, out):
+    def variant_pack(self, q8, k8, v8, descales, out) -> dict:
+        """The graph's tensors bound to these inputs, `out` and fresh scalars; cuDNN set to the current stream."""
         device = q8.device
         scalars = [*descales, torch.tensor(1 / P_SCALE, device=device), torch.tensor(P_SCALE, device=device),
                    1 / descales[2]]
         amax_buffers = [torch.empty(1, 1, 1, 1, device=device) for _ in self.amaxes]
-        workspace = torch.empty(self.workspace_size, dtype=torch.uint8, device=device)
-        pack = {**dict(zip(self.inputs, (q8, k8, v8))), self.out: out,
+        self.cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(device).cuda_stream)
+        return {**dict(zip(self.inputs, (q8, k8, v8))), self.out: out,
                 **{t: s.reshape(1, 1, 1, 1).float() for t, s in zip(self.scalars, scalars)},
                 **dict(zip(self.amaxes, amax_buffers))}
-        self.cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(device).cuda_stream)
+
+    def __call__(self, q8, k8, v8, descales, out):
+        pack = self.variant_pack(q8, k8, v8, descales, out)
+        workspace = torch.empty(self.workspace_size, dtype=torch.uint8, device=q8.device)
         self.graph.execute(pack, workspace, handle=self.handle)
         return out
 
