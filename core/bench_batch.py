@@ -8,7 +8,8 @@ set, clips per hour are also given for the preset's own forward count, from the 
 the measured extra. The baseline renders clip by clip, so nothing overlaps across its clips: `baseline_clips` can
 give it fewer clips than the batch at the same per-clip costs. `warmup` clips go first in the same render and are
 not timed, so the kernels' first-call compilation is outside the batch (0 keeps it in); the clock starts when the
-first timed clip does. With `warm_cache`, each preset's batch runs twice over one fresh embedding cache: the second
+first timed clip does. `last_clip_tail_s` is the time from the last clip's decode to the batch's end: its mux,
+which no next clip hides. With `warm_cache`, each preset's batch runs twice over one fresh embedding cache: the second
 run's encode seconds are what a rerun over the same prompts pays (`encoder_loads` says whether it loaded the
 encoder).
 """
@@ -29,13 +30,15 @@ class BatchReporter(SilentReporter):
     """Records the seconds every clip spent per stage; says only when a clip is done."""
 
     def __init__(self, say):
-        self.say, self.stages, self.started = say, {}, {}
+        self.say, self.stages, self.started, self.decoded = say, {}, {}, {}
 
     def clip_started(self, clip):
         self.started[clip.request.id] = time.perf_counter()
 
     def stage_done(self, clip, kind, seconds):
         self.stages.setdefault(clip.request.index, {})[kind] = seconds
+        if kind == "vae":
+            self.decoded[clip.request.index] = time.perf_counter()
 
     def clip_done(self, result):
         self.say(f"bench: clip {result.request.index + 1} {'ok' if result.ok else 'failed: ' + result.error}")
@@ -129,14 +132,18 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
                 dit_s_per_clip=round(sum(dit) / len(dit), 3), forwards=forwards, per_forward_s=round(per_forward, 3),
                 vae_s_per_clip=round(sum(s.get("vae", 0.0) for s in per_clip) / len(per_clip), 3),
                 mux_s_per_clip=round(sum(s.get("mux", 0.0) for s in per_clip) / len(per_clip), 3),
-                extra_per_clip_s=round(extra, 3), clips_per_hour=round(3600 * len(results) / (wall + encode), 1),
+                extra_per_clip_s=round(extra, 3),
+                # after the last clip's decode: its mux, which no next clip hides
+                last_clip_tail_s=round(ended - reporter.decoded[results[-1].request.index], 3),
+                clips_per_hour=round(3600 * len(results) / (wall + encode), 1),
                 full_forwards=full_forwards,
                 clips_per_hour_full=round(clips_per_hour(full_forwards, per_forward, extra, encode / len(results)), 1),
                 notes=f"{forwards} forward(s) per clip timed; clips_per_hour_full uses {full_forwards}")
 
 
 BATCH_COLUMNS = ("clips", "encode_s", "per_forward_s", "vae_s_per_clip", "mux_s_per_clip", "extra_per_clip_s",
-                 "clips_per_hour", "clips_per_hour_full", "vs_baseline", "vs_baseline_same_forwards")
+                 "last_clip_tail_s", "clips_per_hour", "clips_per_hour_full", "vs_baseline",
+                 "vs_baseline_same_forwards")
 
 
 def batch_markdown(result: dict) -> str:

@@ -56,6 +56,7 @@ def test_bench_batch_times_clips_through_the_renderer(tmp_path):
     assert tiny["forwards"] == 1 and tiny["full_forwards"] == 3 and base["full_forwards"] == 49
     assert tiny["warmup_clips"] == base["warmup_clips"] == 1  # --warmup's default: one untimed clip first
     assert tiny["extra_per_clip_s"] > 0 and tiny["vae_s_per_clip"] > 0 and tiny["mux_s_per_clip"] > 0
+    assert 0 < tiny["last_clip_tail_s"] < tiny["wall_s"] and 0 < base["last_clip_tail_s"] < base["wall_s"]
     expected = 3600 / (3 * tiny["per_forward_s"] + tiny["extra_per_clip_s"] + tiny["encode_s"] / 2)
     assert abs(tiny["clips_per_hour_full"] - expected) < 0.05 * expected
     assert tiny["vs_baseline"] == round(tiny["clips_per_hour_full"] / base["clips_per_hour_full"], 3)
