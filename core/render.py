@@ -163,6 +163,8 @@ class Renderer:
             if getattr(self.stages["vae"], "hands_over_frames", False) and hasattr(mux, "submit"):
                 clip.arriving = ArrivingMedia()
                 job = mux.submit(clip)
+                if job is None:  # the mux runs in line, after the decode: it takes the finished frames
+                    clip.arriving = None
             clip = self.stages["vae"](clip)
             clip.drop_tensors(keep_media=True)  # the device's share goes now; the mux needs only frames and audio
             clip.notes["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
