@@ -1,14 +1,22 @@
 """Errors a user can act on. Each renders as one line: what is wrong, then how to fix it."""
 
 
+def one_line(text: str) -> str:
+    """`text` with every line break written as an escape, so a name read from the user cannot split the message."""
+    return "".join(repr(c)[1:-1] if c in LINE_BREAKS else c for c in text)
+
+
+LINE_BREAKS = frozenset("\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029")  # where str.splitlines cuts
+
+
 class H3genError(Exception):
     """A problem with the user's input or environment; the CLI prints it as one line and exits non-zero."""
 
     exit_code = 2
 
     def __init__(self, problem: str, fix: str = ""):
-        self.problem, self.fix = problem, fix
-        super().__init__(f"{problem}{' (' + fix + ')' if fix else ''}")
+        self.problem, self.fix = one_line(problem), one_line(fix)
+        super().__init__(f"{self.problem}{' (' + self.fix + ')' if self.fix else ''}")
 
 
 class UsageError(H3genError):

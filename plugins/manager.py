@@ -38,7 +38,7 @@ class Registry:
         if found is None:
             allowed = ", ".join(sorted(n for k, n in self.stages if k == kind)) or "none"
             broken = "".join(f"; plugin '{p}' {why}" for p, why in self.failed)
-            raise UsageError(f"unknown {kind} stage '{name}'", f"registered {kind} stages: {allowed}{broken}")
+            raise UsageError(f"unknown {kind} stage {name!r}", f"registered {kind} stages: {allowed}{broken}")
         return found.stage
 
 

@@ -6,7 +6,7 @@ import string
 import tempfile
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from h3gen.errors import H3genError
@@ -78,5 +78,11 @@ overrides = st.builds(lambda s, k, v: f"{s}.{k}={v}", sections, toml_keys, toml_
 
 @FUZZ
 @given(sets=st.lists(overrides | st.text(max_size=20), max_size=4))
+@example(sets=['encode.use="euler"', "encode.use=0\n0"])  # a stage name with a line break in it
 def test_preset_overrides_never_crash(sets):
     parses_or_refuses(resolve, "tiny", registry(), sets)
+
+
+def test_an_error_is_one_line_whatever_names_it_quotes():
+    error = H3genError("unknown stage 'a\nb\u2028c'", "use x\ry")
+    assert str(error).splitlines() == [str(error)] and "a\\nb" in error.problem and error.fix == "use x\\ry"
