@@ -142,17 +142,20 @@ def first_failure(failed):
 
 
 def recorded_at(failure) -> float | None:
+    return extra_info(failure).get("h3gen_time")
+
+
+def extra_info(failure) -> dict:
+    """What the worker's error file adds to its message (h3gen's exit code and time); {} where it adds nothing."""
     message = failure.error_file_data.get("message")
-    info = message.get("extraInfo", {}) if isinstance(message, dict) else {}
-    return info.get("h3gen_time")
+    return message.get("extraInfo", {}) if isinstance(message, dict) else {}
 
 
 def root_cause(failed, device: str) -> H3genError:
     """The first failure, in one line: an h3gen error as the worker raised it, a signal, or an exception."""
     rank, failure = first_failure(failed)
     worker = f"{'GPU' if device == 'gpu' else 'CPU'} worker {rank}"
-    data = failure.error_file_data.get("message")
-    info = data.get("extraInfo", {}) if isinstance(data, dict) else {}
+    data, info = failure.error_file_data.get("message"), extra_info(failure)
     if "h3gen_exit_code" in info:  # an H3genError: as a one-process run would print it
         error = H3genError(data["message"])
         error.exit_code = int(info["h3gen_exit_code"])
