@@ -144,6 +144,23 @@ def layout_inputs(config, step=10):
     return {k: v.to(DEVICE) for k, v in inputs.items()}, groups
 
 
+def full_size_config() -> dict:
+    """diffusers' MiniMaxH3Transformer3DModel config as its constructor's defaults give it: the full-size DiT."""
+    import inspect
+
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    return {k: p.default for k, p in inspect.signature(MiniMaxH3Transformer3DModel.__init__).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
+def draw_random_(data, name, generator):
+    """Fill `data`, the parameter `name`, with normal random values and no zeros: norm weights N(1, 0.1), the rest
+    N(0, 0.02)."""
+    is_norm_weight = "norm" in name and data.ndim == 1
+    return data.normal_(1.0 if is_norm_weight else 0.0, 0.1 if is_norm_weight else 0.02, generator=generator)
+
+
 def random_reference(config):
     """diffusers' model at `config`, bf16 with the fp32 modules fp32, normal random weights (no zeros anywhere)."""
     from diffusers import MiniMaxH3Transformer3DModel
@@ -161,9 +178,7 @@ def random_reference(config):
                 continue
             full_name = f"{module_name}.{name}" if module_name else name
             dtype = torch.float32 if is_fp32_key(full_name) else torch.bfloat16
-            data = torch.empty(param.shape, device=DEVICE, dtype=dtype)
-            is_norm_weight = "norm" in full_name and param.ndim == 1
-            data.normal_(1.0 if is_norm_weight else 0.0, 0.1 if is_norm_weight else 0.02, generator=g)
+            data = draw_random_(torch.empty(param.shape, device=DEVICE, dtype=dtype), full_name, g)
             module._parameters[name] = torch.nn.Parameter(data, requires_grad=False)
     model.rope.inv_freq = rotary_inv_freq(model.rope.rope_freq_dim, model.config.rope_theta).to(DEVICE)
     return model.eval().requires_grad_(False)
@@ -550,13 +565,7 @@ def main():
     log("device", torch.cuda.get_device_name(0) if DEVICE.type == "cuda" else "cpu")
     log("versions", dict(torch=torch.__version__, triton=__import__("triton").__version__,
                          diffusers=__import__("diffusers").__version__))
-    import inspect
-
-    from diffusers import MiniMaxH3Transformer3DModel
-
-    config = {k: p.default for k, p in inspect.signature(MiniMaxH3Transformer3DModel.__init__).parameters.items()
-              if p.default is not inspect.Parameter.empty}
-    config.update(TINY_CONFIG if TINY else {})
+    config = full_size_config() | (TINY_CONFIG if TINY else {})
     torch.set_grad_enabled(False)
     if "kernels" in PHASES:
         phase_kernels()

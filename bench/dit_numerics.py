@@ -120,9 +120,6 @@ def main():
     check.import_h3gen()
     tiny = check.TINY
     torch.set_grad_enabled(False)
-    import inspect
-
-    from diffusers import MiniMaxH3Transformer3DModel
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     from h3gen.stages.fast_dit import FastH3Transformer
@@ -130,9 +127,7 @@ def main():
 
     if "--gemm" in sys.argv:
         gemm_layouts(tiny)
-    config = {k: p.default for k, p in inspect.signature(MiniMaxH3Transformer3DModel.__init__).parameters.items()
-              if p.default is not inspect.Parameter.empty}
-    config.update(check.TINY_CONFIG if tiny else {})
+    config = check.full_size_config() | (check.TINY_CONFIG if tiny else {})
     config["num_layers"] = 2
     model = check.random_reference(config)
     inputs, schedule = check.layout_inputs(config)

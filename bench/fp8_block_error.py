@@ -16,11 +16,15 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dit_gpu_check as check  # noqa: E402
 
 SKIPS = {"none": [], "to_qkv": ["to_qkv"], "to_out": ["to_out"], "up_gate": ["up_gate"], "down": ["down"],
          "to_out+down": ["to_out", "down"], "attention (to_qkv+to_out)": ["to_qkv", "to_out"],
@@ -29,19 +33,14 @@ SKIPS = {"none": [], "to_qkv": ["to_qkv"], "to_out": ["to_out"], "up_gate": ["up
 
 def build_reference(folder: Path):
     """diffusers' DiT at full width, one block, random weights, saved as a `transformer/` folder."""
-    import inspect
-
     from diffusers import MiniMaxH3Transformer3DModel
 
-    config = {k: p.default for k, p in inspect.signature(MiniMaxH3Transformer3DModel.__init__).parameters.items()
-              if p.default is not inspect.Parameter.empty}
-    config.update(num_layers=1, num_refiner_layers=1)
+    config = check.full_size_config() | dict(num_layers=1, num_refiner_layers=1)
     model = MiniMaxH3Transformer3DModel(**config)
     g = torch.Generator().manual_seed(1234)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            is_norm_weight = "norm" in name and param.ndim == 1
-            param.normal_(1.0 if is_norm_weight else 0.0, 0.1 if is_norm_weight else 0.02, generator=g)
+            check.draw_random_(param, name, g)
     model.save_pretrained(folder)
     return config
 
