@@ -7,8 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
-from h3gen.bench import add_ratios
-from h3gen.bench_report import chart, markdown
+from h3gen.bench.sweep import add_ratios
+from h3gen.bench.report import chart, markdown
 
 
 def combine(paths: list[Path]) -> dict:

@@ -1,6 +1,6 @@
 """Full-size MiniMax-H3 DiT on one GPU: diffusers' forward against h3gen's FastH3Transformer, random weights.
 
-Usage (diffusers importable, e.g. on PYTHONPATH; h3gen is imported from this checkout if not installed):
+Usage (diffusers importable, e.g. on PYTHONPATH; h3gen installed):
     python3 bench/dit_gpu_check.py [PHASES] [--only=NAME,...] [--tiny]
 PHASES, comma separated (default all): kernels (Triton kernels vs torch references, full-size shapes),
 attn (attention alone per backend), ref (diffusers as shipped and with SDPA forced to cuDNN), fast (the fast
@@ -12,7 +12,6 @@ On a machine without diffusers: `pip install --no-deps --target /tmp/site diffus
 from carried wheels and put /tmp/site on PYTHONPATH; flash-attn-4 (optional) likewise, plus
 <target>/nvidia_cutlass_dsl/dsl_packages on PYTHONPATH. All phases take about 4 minutes on one H200.
 """
-import importlib.util
 import json
 import os
 import sys
@@ -21,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(os.environ.get("OUT", "."))
 TINY = "--tiny" in sys.argv
 PROFILE = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--profile=")), ())
@@ -38,18 +36,6 @@ results = {}
 BLOCK_IO = {}  # block index -> (input, output) of diffusers' block, for per-block parity free of depth amplification
 
 
-def import_h3gen():
-    try:
-        import h3gen.stages.fast_dit  # noqa: F401
-        return
-    except ImportError:
-        pass
-    for name, folder in (("h3gen", "core"), ("h3gen.kernels", "kernels"), ("h3gen.stages", "stages")):
-        spec = importlib.util.spec_from_file_location(name, ROOT / folder / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / folder)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
 
 
 def log(key, value):
@@ -165,8 +151,8 @@ def random_reference(config):
     """diffusers' model at `config`, bf16 with the fp32 modules fp32, normal random weights (no zeros anywhere)."""
     from diffusers import MiniMaxH3Transformer3DModel
 
-    from h3gen.stages.fast_dit_blocks import rotary_inv_freq
-    from h3gen.stages.fast_dit_checkpoint import is_fp32_key
+    from h3gen.models.dit.blocks import rotary_inv_freq
+    from h3gen.models.dit.checkpoint import is_fp32_key
 
     with torch.device("meta"):
         model = MiniMaxH3Transformer3DModel(**config)
@@ -207,7 +193,7 @@ def warm_then_time(model, inputs, call, capture=None):
 
 def phase_kernels():
     from h3gen.kernels import gated_residual, qk_norm_rope, quantize_rows, rmsnorm_modulate, swiglu
-    from h3gen.stages.fast_dit_blocks import rotary_angles, rotary_inv_freq
+    from h3gen.models.dit.blocks import rotary_angles, rotary_inv_freq
 
     def bench(fn):
         fn()
@@ -396,7 +382,7 @@ def run_reference(config, inputs, time_forwards):
 
 
 def run_fast(config, inputs, schedule, reference, outputs):
-    from h3gen.stages.fast_dit import FastH3Transformer
+    from h3gen.models.dit.transformer import FastH3Transformer
 
     flop = forward_flop(config, inputs["position_ids"].shape[0])
     model, seconds = timed(lambda: FastH3Transformer.from_reference(reference, use_triton=False, adaln_table=False))
@@ -468,7 +454,7 @@ def run_fast(config, inputs, schedule, reference, outputs):
             attention_module._flash_attn_4.cache_clear()
             continue
         if variant == "fp8-fast-accum":
-            from h3gen.stages.quant_linear import FP8RowwiseLinear
+            from h3gen.models.quant_linear import FP8RowwiseLinear
 
             for module in model.modules():
                 if isinstance(module, FP8RowwiseLinear):
@@ -510,7 +496,7 @@ def swap_fp8_linears(model, skip=(), fast_accum=False):
     """The DiT blocks' remaining bf16 linears but those named in `skip` become FP8; every FP8 linear then accumulates
     as `fast_accum` says."""
     from h3gen.stages.quant import SCOPES
-    from h3gen.stages.quant_linear import FP8RowwiseLinear, swap_linears
+    from h3gen.models.quant_linear import FP8RowwiseLinear, swap_linears
 
     matmul = "reference" if TINY else "scaled_mm"
     _, seconds = timed(lambda: swap_linears(model, lambda linear: FP8RowwiseLinear.from_linear(linear, matmul),
@@ -536,7 +522,7 @@ def profile_forward(model, inputs, label):
 
 def block_parity(model, inputs):
     """Each captured diffusers block against the fast model's block on the same input."""
-    from h3gen.stages.fast_dit_blocks import rotary_angles
+    from h3gen.models.dit.blocks import rotary_angles
 
     index, from_table = model.adaln_index(inputs["timestep"], inputs["timestep_indices"], inputs["token_tags"])
     cos, sin = rotary_angles(inputs["position_ids"], model.rope_inv_freq)
@@ -561,7 +547,6 @@ def print_table():
 
 
 def main():
-    import_h3gen()
     log("device", torch.cuda.get_device_name(0) if DEVICE.type == "cuda" else "cpu")
     log("versions", dict(torch=torch.__version__, triton=__import__("triton").__version__,
                          diffusers=__import__("diffusers").__version__))

@@ -1,6 +1,6 @@
 """Where h3gen's DiT block departs from diffusers' in bf16: block 0 at full width and full row count, op by op.
 
-Usage (diffusers importable; h3gen from this checkout if not installed):
+Usage (diffusers importable; h3gen installed):
     python3 bench/dit_numerics.py [--tiny] [--gemm]
 Builds diffusers' MiniMaxH3Transformer3DModel with two blocks at full width (random weights as dit_gpu_check.py
 draws them), runs the 10 s layout's block 0 op by op the way diffusers' forward does, then feeds each of h3gen's
@@ -117,13 +117,12 @@ def gemm_layouts(tiny):
 
 
 def main():
-    check.import_h3gen()
     tiny = check.TINY
     torch.set_grad_enabled(False)
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    from h3gen.stages.fast_dit import FastH3Transformer
-    from h3gen.stages.fast_dit_blocks import EXACT_NORM_OPS, REFERENCE_OPS, TRITON_OPS, rotary_angles
+    from h3gen.models.dit.transformer import FastH3Transformer
+    from h3gen.models.dit.blocks import EXACT_NORM_OPS, REFERENCE_OPS, TRITON_OPS, rotary_angles
 
     if "--gemm" in sys.argv:
         gemm_layouts(tiny)

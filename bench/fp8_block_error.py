@@ -61,10 +61,10 @@ def similarity(actual, expected):
 
 
 def main():
-    from h3gen.clip import Request
-    from h3gen.quant_error import make_probe
-    from h3gen.stages.fast_dit import FastH3Transformer
-    from h3gen.stages.quant_linear import FP8RowwiseLinear, swap_linears
+    from h3gen.inputs.request import Request
+    from h3gen.bench.velocity_error import make_probe
+    from h3gen.models.dit.transformer import FastH3Transformer
+    from h3gen.models.quant_linear import FP8RowwiseLinear, swap_linears
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="384x384")

@@ -1,6 +1,6 @@
 """Each quant mode against the unquantized reference on the same DiT weights and inputs: velocity error, memory, time.
 
-Usage (h3gen importable, e.g. installed as in bench/offline.sh; otherwise it is imported from this checkout):
+Usage (h3gen installed, e.g. as in bench/offline.sh):
     python3 bench/quant_error.py [--modes fp8-rowwise,int8-weight-only] [--random-weights full|tiny | --model DIR]
                                  [--size 1344x768] [--duration 5] [--text-tokens 256] [--sigmas 0.5]
                                  [--dit diffusers|h3gen] [--set skip=[]] [--encoder] [--repeat 2]
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.util
 import json
 import os
 import sys
@@ -27,21 +26,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def import_h3gen():
-    try:
-        import h3gen.quant_error  # noqa: F401
-        return
-    except ImportError:
-        pass
-    for name, folder in (("h3gen", "core"), ("h3gen.stages", "stages")):
-        spec = importlib.util.spec_from_file_location(name, ROOT / folder / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / folder)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
 
 
 def parse_args():
@@ -66,15 +52,15 @@ def parse_args():
 
 
 def weights_source(args):
-    from h3gen.repo import ModelRepo
+    from h3gen.models.repo import ModelRepo
 
     if args.model:
         return ModelRepo(args.model)
-    from h3gen.tiny import ensure_tiny_model
+    from h3gen.models.tiny import ensure_tiny_model
 
     if args.random_weights == "tiny":
         return ModelRepo(ensure_tiny_model())
-    from h3gen.random_weights import FullSizeRandom
+    from h3gen.bench.random_weights import FullSizeRandom
 
     # The tiny model only lends its tokenizer to the full-size text encoder: the DiT alone does not need it.
     return FullSizeRandom(ModelRepo(ensure_tiny_model()) if args.encoder else None)
@@ -82,7 +68,7 @@ def weights_source(args):
 
 def load_dit(source, args, dtype, sigmas, attention):
     if args.dit == "h3gen":
-        from h3gen.stages.fast_dit import FastH3Transformer
+        from h3gen.models.dit.transformer import FastH3Transformer
 
         return source.load("transformer", FastH3Transformer, dtype=dtype, device=args.device,
                            adaln_timesteps=sorted({1.0 - s for s in sigmas}), use_triton=args.device != "cpu",
@@ -97,7 +83,7 @@ def load_dit(source, args, dtype, sigmas, attention):
 def quant_stage(mode, knobs, device, dtype):
     from types import SimpleNamespace
 
-    from h3gen.preset import parse_override
+    from h3gen.config.preset import parse_override
     from h3gen.stages.base import build_config
     from h3gen.stages.quant import FP8Rowwise, Int8WeightOnly, NoQuant
 
@@ -125,7 +111,7 @@ def peak_gib(device):
 
 
 def timed_velocities(dit, probes, args, dtype):
-    from h3gen.quant_error import velocity
+    from h3gen.bench.velocity_error import velocity
 
     out, seconds = [], None
     for probe in probes:
@@ -140,8 +126,8 @@ def timed_velocities(dit, probes, args, dtype):
 
 
 def dit_rows(args, source, modes, dtype, log):
-    from h3gen.clip import Request, frames_for_duration
-    from h3gen.quant_error import compare, make_probe, weight_bytes
+    from h3gen.inputs.request import Request, frames_for_duration
+    from h3gen.bench.velocity_error import compare, make_probe, weight_bytes
 
     width, height = (int(v) for v in args.size.lower().split("x"))
     request = Request(index=0, prompt="probe", seed=1101, width=width, height=height,
@@ -175,7 +161,7 @@ def dit_rows(args, source, modes, dtype, log):
 def encoder_rows(args, source, modes, dtype, log):
     from transformers import Qwen3VLForConditionalGeneration
 
-    from h3gen.quant_error import weight_bytes
+    from h3gen.bench.velocity_error import weight_bytes
 
     vocab = source.text_encoder_config().text_config.vocab_size
     tokens = torch.randint(0, vocab, (1, args.text_tokens), generator=torch.Generator("cpu").manual_seed(1101))
@@ -204,8 +190,7 @@ def encoder_rows(args, source, modes, dtype, log):
 
 def main():
     args = parse_args()
-    import_h3gen()
-    from h3gen.quiet import quiet_libraries
+    from h3gen.run.quiet import quiet_libraries
 
     quiet_libraries()
     dtype = getattr(torch, args.dtype)

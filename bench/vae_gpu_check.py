@@ -1,6 +1,6 @@
 """Full-size MiniMax-H3 video VAE decode on one GPU: diffusers' decode against h3gen's `fast` stage, random weights.
 
-Usage (diffusers importable; h3gen is imported from this checkout if not installed):
+Usage (diffusers importable; h3gen installed):
     python3 bench/vae_gpu_check.py -o vae_gpu_check.json [--tiny] [--only=NAME,...] [--profile=NAME,...]
 Builds AutoencoderKLMiniMaxH3 at full size (2.6 B params, bf16 with the checkpoint's fp32 islands) with random
 weights, decodes random latents of the 10 s 1344x768 clip (1, 24, 72, 48, 84), and for each variant prints and
@@ -11,7 +11,6 @@ checks the kernel's uint8 values equal the reference's. A failing variant (out o
 run goes on; variants are skipped once the run nears 5 minutes. --tiny runs a tiny config on the CPU as a dry run.
 """
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -21,7 +20,6 @@ from types import SimpleNamespace
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 BUDGET_S = 260  # variants still to run are skipped past this, so the whole run stays under 5 minutes
 
 # Full size per the model card / diffusers 0.42.1 defaults: 16x spatial, 4x temporal, 24 latent channels, CNN
@@ -70,19 +68,6 @@ TINY_VARIANTS = {"exact": dict(exact=True, tile_batch=1), "fast-b3": dict(tile_b
                                                              overlap=32)}
 
 
-def import_h3gen():
-    try:
-        import h3gen.stages.fast_vae  # noqa: F401
-        return
-    except ImportError:
-        pass
-    for name, folder in (("h3gen", "core"), ("h3gen.kernels", "kernels"), ("h3gen.stages", "stages"),
-                         ("h3gen.parallel", "parallel")):
-        spec = importlib.util.spec_from_file_location(name, ROOT / folder / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / folder)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
 
 
 class Bench:
@@ -159,7 +144,7 @@ def denormalized(vae, latents):
 def diffusers_frames(vae, latents):
     """The reference stage's decode: diffusers' tiled decode, then the torch uint8 conversion, then the host copy."""
     from h3gen.kernels.frames import frames_reference
-    from h3gen.stages.vae import PIXEL_MEAN, PIXEL_STD
+    from h3gen.models.vae.host_frames import PIXEL_MEAN, PIXEL_STD
 
     video = vae.decode(denormalized(vae, latents), return_dict=False)[0]
     mean, std = (torch.tensor(v, device=latents.device) for v in (PIXEL_MEAN, PIXEL_STD))
@@ -185,7 +170,7 @@ def frames_and_copy(bench, vae, latents):
     """uint8 + device-to-host of a decoded video alone: the reference's torch ops and `.cpu()` against the Triton
     kernel per 17-frame chunk into pinned memory; the kernel's values must equal the reference's."""
     from h3gen.kernels.frames import frames_reference, to_frames
-    from h3gen.stages.vae import PIXEL_MEAN, PIXEL_STD
+    from h3gen.models.vae.host_frames import PIXEL_MEAN, PIXEL_STD
 
     with torch.inference_mode():
         video = vae.decode(denormalized(vae, latents[:, :, :12]), return_dict=False)[0][0]  # 39 frames
@@ -208,10 +193,10 @@ def frames_and_copy(bench, vae, latents):
 
 
 def fast_stage(bench, vae, config, decoders):
-    from h3gen.render import Runtime
-    from h3gen.stages.fast_vae import FastVAE, FastVAEConfig
-    from h3gen.stages.vae_vit import FastViTDecoder
-    from h3gen.timing import StageTimer
+    from h3gen.run.render import Runtime
+    from h3gen.stages.vae import FastVAE, FastVAEConfig
+    from h3gen.models.vae.vit import FastViTDecoder
+    from h3gen.run.timing import StageTimer
 
     config = dict(config)
     fp8 = config.pop("fp8", None)  # the fp8-rowwise quant stage's knobs, roles = ["vae"]
@@ -318,7 +303,6 @@ def main():
     parser.add_argument("--only", default="", help="comma-separated variant names (diffusers always runs)")
     parser.add_argument("--profile", default="", help="comma-separated variant names: one decode's CUDA kernels")
     args = parser.parse_args()
-    import_h3gen()
     bench = Bench(args)
     if not bench.tiny:
         bench.record("device", torch.cuda.get_device_name())

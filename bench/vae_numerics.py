@@ -1,6 +1,6 @@
 """Where h3gen's fast video decoder departs from diffusers' on the GPU: decoder block 0 at full width, op by op.
 
-Usage (diffusers importable; h3gen from this checkout if not installed):
+Usage (diffusers importable; h3gen installed):
     python3 bench/vae_numerics.py [--tiny]
 Builds the full-size AutoencoderKLMiniMaxH3 (random weights as vae_gpu_check.py draws them), decodes one batch of the
 fast stage's latent tiles at the 10 s clip's shape (16 tiles of 7 latent frames of 16 x 16), runs decoder block 0 op
@@ -52,7 +52,6 @@ def diffusers_block(block, hidden, rotary):
 
 
 def main():
-    check.import_h3gen()
     torch.set_grad_enabled(False)
     args = type("Args", (), dict(tiny="--tiny" in sys.argv, output=str(OUT / "vae_numerics_build.json")))()
     bench = check.Bench(args)
@@ -68,7 +67,7 @@ def main():
     from h3gen.kernels.qk_norm_rope import qk_norm_rope
     from h3gen.kernels.residual_rmsnorm import residual_rmsnorm
     from h3gen.kernels.swiglu import swiglu
-    from h3gen.stages.vae_vit import FastViTDecoder
+    from h3gen.models.vae.vit import FastViTDecoder
 
     size, batch = (4, 2) if bench.tiny else (16, 16)  # the fast stage's tile batch on an H200
     tiles = torch.randn(batch, 24, 7, size, size, device=bench.device)

@@ -8,7 +8,7 @@ STAGES = ("encode", "dit", "vae", "mux")
 
 
 def parse_plan(presets, baseline, durations, size, repeat, warmup, stages, forwards, text_tokens):
-    from h3gen.bench import BenchPlan
+    from h3gen.bench.sweep import BenchPlan
 
     try:
         seconds = [float(d) for d in durations.split(",") if d.strip()]
@@ -26,13 +26,13 @@ def parse_plan(presets, baseline, durations, size, repeat, warmup, stages, forwa
 
 
 def weights_source(random_weights, model):
-    from h3gen.repo import ModelRepo
-    from h3gen.tiny import ensure_tiny_model
+    from h3gen.models.repo import ModelRepo
+    from h3gen.models.tiny import ensure_tiny_model
 
     if random_weights not in (None, "full", "tiny"):
         raise UsageError(f"--random-weights {random_weights!r}", "use full or tiny")
     if random_weights == "full":
-        from h3gen.random_weights import FullSizeRandom
+        from h3gen.bench.random_weights import FullSizeRandom
 
         return FullSizeRandom(ModelRepo(ensure_tiny_model()))
     if random_weights == "tiny" or model is None:
@@ -44,11 +44,11 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
                       text_tokens, output, batch=None, warm_cache=False, baseline_clips=None):
     import sys
 
-    from h3gen.bench import run_bench
-    from h3gen.bench_report import write_results
+    from h3gen.bench.sweep import run_bench
+    from h3gen.bench.report import write_results
     from h3gen.plugins.manager import registry
-    from h3gen.preset import resolve
-    from h3gen.quiet import quiet_libraries
+    from h3gen.config.preset import resolve
+    from h3gen.run.quiet import quiet_libraries
 
     if (warm_cache or baseline_clips) and not batch:
         option = "--warm-cache" if warm_cache else "--baseline-clips"
@@ -65,7 +65,7 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
         print(text, file=sys.stderr, flush=True)
 
     if batch:
-        from h3gen.bench_batch import run_batch, write_batch_results
+        from h3gen.bench.batch import run_batch, write_batch_results
 
         paths = write_batch_results(run_batch(plan, found, source, random_weights, batch, say), output)
     else:

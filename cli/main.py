@@ -74,7 +74,7 @@ def render(
 ):
     """Render one MP4 per prompt."""
     from h3gen.cli.run import run_render
-    from h3gen.prompts import parse_shard
+    from h3gen.inputs.prompts import parse_shard
 
     parallel = {"gpus": gpus, "cpu_workers": cpu_workers, "ulysses": ulysses, "nnodes": nnodes,
                 "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint, "rdzv_id": rdzv_id}
@@ -128,7 +128,7 @@ def validate(
     frames: Annotated[Optional[int], typer.Option("--frames", help="Expected frame count.")] = None,
 ):
     """Check that clips are valid: H.264 at 24 fps, AAC stereo 32 kHz, matching durations, not blank or silent."""
-    from h3gen.validate import validate_clip
+    from h3gen.run.validate import validate_clip
 
     bad = 0
     for path in files:
@@ -145,7 +145,7 @@ def validate(
 def presets_list():
     """List the presets every plugin registered."""
     from h3gen.plugins.manager import registry
-    from h3gen.preset import load_toml
+    from h3gen.config.preset import load_toml
 
     for name, path in sorted(registry().presets.items()):
         typer.echo(f"{name:12s} {load_toml(path).get('description', '')}")
@@ -158,7 +158,7 @@ def presets_show(
 ):
     """Print a preset's resolved configuration and where each value came from."""
     from h3gen.plugins.manager import registry
-    from h3gen.preset import describe, resolve
+    from h3gen.config.preset import describe, resolve
 
     try:
         resolved = resolve(name, registry(), overrides or [])
@@ -184,7 +184,7 @@ def plugins():
 @app.command()
 def tiny(directory: Annotated[Optional[Path], typer.Argument(help="Where to write it (default: user cache).")] = None):
     """Write the embedded tiny random-weight model and print where it is."""
-    from h3gen.tiny import TINY_NOTICE, ensure_tiny_model
+    from h3gen.models.tiny import TINY_NOTICE, ensure_tiny_model
 
     typer.echo(str(ensure_tiny_model(directory)))
     typer.echo(f"note: {TINY_NOTICE}", err=True)

@@ -60,7 +60,7 @@ def check_plugins(found, strict: bool, reporter) -> None:
 
 def check_unique_outputs(requests, preset_name: str, prompts: Path) -> None:
     """Two lines that would write one file: the second would silently replace the first."""
-    from h3gen.render import clip_name
+    from h3gen.run.render import clip_name
 
     first_line = {}
     for request in requests:
@@ -73,9 +73,9 @@ def check_unique_outputs(requests, preset_name: str, prompts: Path) -> None:
 
 def skip_finished(requests, output: Path, preset_name: str, save_latents: bool, reporter) -> list:
     """Results for the clips a previous run already wrote (file there and valid): a rerun resumes."""
-    from h3gen.render import already_done
+    from h3gen.run.render import already_done
 
-    from h3gen.outputs import record
+    from h3gen.run.outputs import record
 
     finished = [already_done(request, output, preset_name, save_latents) for request in requests]
     for result in filter(None, finished):
@@ -112,8 +112,8 @@ def prepare(prompts, output, preset, found, model, seed, json_out, strict_plugin
     """Check the prompts file, output directory, plugins, model and adapter contracts; `quiet` checks without a
     word (the launcher, whose rank 0 says it all again)."""
     from h3gen.cli.ui import SilentReporter
-    from h3gen.contract import check_adapters
-    from h3gen.prompts import read_prompts, shard_requests
+    from h3gen.config.contract import check_adapters
+    from h3gen.inputs.prompts import read_prompts, shard_requests
 
     every = read_prompts(prompts, seed, preset.request)
     check_unique_outputs(every, preset.name, prompts)  # across shards too: two shards must not write one file
@@ -130,7 +130,7 @@ def prepare(prompts, output, preset, found, model, seed, json_out, strict_plugin
 def _run_render(prompts, output, preset_name, model, seed, overrides, json_out, save_latents, force,
                 strict_plugins, shard, parallel) -> int:
     from h3gen.plugins.manager import registry
-    from h3gen.preset import resolve
+    from h3gen.config.preset import resolve
 
     found = registry()
     preset = resolve(preset_name, found, overrides)
@@ -193,10 +193,10 @@ def worker_count(parallel: dict, preset) -> int:
 
 
 def model_repo(model, reporter):
-    from h3gen.repo import ModelRepo
+    from h3gen.models.repo import ModelRepo
 
     if model is None:
-        from h3gen.tiny import TINY_NOTICE, ensure_tiny_model
+        from h3gen.models.tiny import TINY_NOTICE, ensure_tiny_model
 
         model = ensure_tiny_model()
         reporter.say(f"note: {TINY_NOTICE}")
@@ -209,8 +209,8 @@ def render_pending(requests, output, save_latents, preset, found, repo, reporter
 
     With `group` (a process group of two or more ranks rendering each clip together; `leader` is its first rank)
     this rank renders its share of every clip, and only the leader gets results."""
-    from h3gen.quiet import quiet_libraries
-    from h3gen.render import Renderer
+    from h3gen.run.quiet import quiet_libraries
+    from h3gen.run.render import Renderer
 
     quiet_libraries()
     if group is None:
@@ -223,7 +223,7 @@ def render_pending(requests, output, save_latents, preset, found, repo, reporter
     reporter.say(f"h3gen: loaded on {renderer.runtime.device} ({preset.runtime['dtype']})"
                  + (f", attention {attention}" if attention else ""))
     if renderer.runtime.device.startswith("cuda"):
-        from h3gen.memory import cuda_fit_warning
+        from h3gen.run.memory import cuda_fit_warning
 
         warning = cuda_fit_warning(requests, repo.path("transformer") / "config.json", renderer.runtime.dtype.itemsize)
         if warning:

@@ -9,7 +9,7 @@ sent to the others before the clip starts, so the ranks never disagree about whi
 from __future__ import annotations
 
 from h3gen.errors import ClipError, H3genError
-from h3gen.render import Renderer, check_disk, clip_error
+from h3gen.run.render import Renderer, check_disk, clip_error
 
 PARALLEL_STAGES = ("encode", "sampler", "vae")
 GO, PASS = 0, 1  # the first rank's word on a clip: render it, or leave it (busy, skipped, failed)
@@ -74,5 +74,4 @@ class GroupError(H3genError):
         if self.leads:
             return super().finish(clip, error, status, claim)
         clip.drop_tensors()
-        clip.notes.clear()
         return None

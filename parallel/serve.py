@@ -68,7 +68,7 @@ class Worker:
 
     def preset(self):
         from h3gen.plugins.manager import registry
-        from h3gen.preset import resolve
+        from h3gen.config.preset import resolve
 
         found = registry()
         preset = resolve(self.job["preset"], found, self.job["overrides"])
@@ -77,7 +77,7 @@ class Worker:
 
     def render(self, share: list, reporter, group, leader: int) -> list:
         from h3gen.cli.run import render_pending
-        from h3gen.repo import ModelRepo
+        from h3gen.models.repo import ModelRepo
 
         if not share:
             return []  # a group with nothing to do loads nothing
@@ -85,7 +85,7 @@ class Worker:
             preset, found, repo = self.batch.preset, self.batch.found, self.batch.repo
             preset.runtime["device"] = self.device
         else:
-            from h3gen.tiny import ensure_tiny_model
+            from h3gen.models.tiny import ensure_tiny_model
 
             preset, found = self.preset()
             repo = ModelRepo(self.job["model"] or ensure_tiny_model())

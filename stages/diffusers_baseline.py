@@ -106,7 +106,7 @@ class DiffusersSampler(Stage):
         finally:
             hook.remove()
         clip.video_latents, clip.audio_latents = state["latents"], state["audio_latents"]
-        clip.notes.update(forwards=forwards, attention=f"sdpa ({self.config.sdpa_backend})")
+        clip.forwards, clip.attention = forwards, f"sdpa ({self.config.sdpa_backend})"
         return clip
 
     def unload(self):
@@ -148,7 +148,7 @@ class DiffusersDecode(Stage):
         # diffusers hands back float frames in [0, 1] on the host; the encoder wants uint8.
         clip.frames = (np.asarray(state["videos"][0]) * 255).round().astype(np.uint8)
         clip.audio = state["audio"][0].cpu().numpy()
-        clip.notes["sample_rate"] = state["sampling_rate"]
+        clip.sample_rate = state["sampling_rate"]
         return clip
 
     def unload(self):

@@ -1,13 +1,18 @@
-"""Text encode: Qwen3-VL, read at the unnormalized hidden state after layer 50 (the layers past it never run)."""
+"""Text encode: Qwen3-VL, read at the unnormalized hidden state after layer 50 (the layers past it never run).
+
+A t2va clip's prompt is encoded alone (and kept in the embedding cache). A conditioned clip's prompt is presented
+with its media (so it never reads or fills the prompt-only cache), and its keyframes or references are encoded by
+the VAEs into `clip.conditions` (h3gen.models.conditions); "conditions" in the clip's seconds is the time spent on
+the media and the VAEs.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
 from h3gen.errors import ClipError, ModelError
+from h3gen.models.dit.tags import TEXT_TAG
 from h3gen.stages.base import Stage
-
-TEXT_TAG = 1  # the AdaLN table's modality tag of a text row: a checkpoint contract
 
 
 @dataclasses.dataclass
@@ -21,19 +26,24 @@ class Qwen3VLConfig:
 class Qwen3VLEncoder(Stage):
     kind, name = "encode", "qwen3vl"
     Config = Qwen3VLConfig
-    description = "Qwen3-VL text encoder (transformers), truncated after the layer H3 reads"
+    text_encoder = media = None  # until `load`
+    description = ("Qwen3-VL text encoder (transformers), truncated after the layer H3 reads; fl2va keyframes and "
+                   "ref2va references through diffusers' blocks and the VAE encoders")
 
     def load(self, repo):
         """Tokenizer now; the encoder's weights only when a prompt is not in the embedding cache."""
         from transformers import Qwen2TokenizerFast
 
+        from h3gen.models.conditions import MediaConditioner
+
         self.repo, self.text_encoder, self.encoder_loads = repo, None, 0
+        self.media = MediaConditioner(self.runtime, repo)  # loads its VAEs on the first conditioned clip
         self.tokenizer = repo.load("tokenizer", Qwen2TokenizerFast)
         self.cache = None
         if self.config.cache and hasattr(repo, "text_encoder_identity"):
             from pathlib import Path
 
-            from h3gen.embedding_cache import EmbeddingCache
+            from h3gen.run.embedding_cache import EmbeddingCache
 
             # The device kind too: another device's kernels round differently (and draws other random weights).
             settings = dict(layer=self.config.layer, dtype=str(self.runtime.dtype), quant=self.runtime.quant.name,
@@ -58,30 +68,58 @@ class Qwen3VLEncoder(Stage):
                                       dtype=self.runtime.dtype, device_map=self.runtime.device).eval()
         self.text_encoder = self.runtime.quantize("text_encoder", self.text_encoder)
 
-    def run(self, clip):
-        import torch
-        from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
-
-        token_ids = self.tokenizer(clip.request.prompt, add_special_tokens=False)["input_ids"]
+    def prompt_tokens(self, prompt: str) -> list[int]:
+        token_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         if len(token_ids) > self.config.max_tokens:
             raise ClipError(f"prompt is {len(token_ids)} tokens, over the encoder limit of {self.config.max_tokens}",
                             "shorten the prompt")
+        return token_ids
+
+    def run(self, clip):
+        token_ids = self.prompt_tokens(clip.request.prompt)
+        if clip.request.task != "t2va":
+            return self.run_conditioned(clip)
         cached = self.cache.get(clip.request.prompt) if self.cache else None
         if cached is not None:
             embeds, clip.text_token_tags = cached
             clip.prompt_embeds = embeds.to(self.runtime.device)
-            clip.notes["encode_cached"] = True
+            clip.encode_cached = True
             return clip
-        if self.text_encoder is None:
-            self.load_encoder()
-        with torch.inference_mode():
-            clip.prompt_embeds = get_qwen3vl_prompt_embeds(
-                self.text_encoder, self.processor, token_ids, {}, text_encoder_layer=self.config.layer,
-                device=self.runtime.device, dtype=self.runtime.dtype)
+        import torch
+
+        clip.prompt_embeds = self.hidden_state(token_ids, {})
         clip.text_token_tags = torch.full((len(token_ids),), TEXT_TAG, dtype=torch.long)
         if self.cache:
             self.cache.put(clip.request.prompt, clip.prompt_embeds, clip.text_token_tags)
         return clip
 
+    def run_conditioned(self, clip):
+        import torch
+
+        if self.text_encoder is None:
+            self.load_encoder()
+        request, measure = clip.request, self.runtime.timer.measure
+        with measure(clip, "conditions", report=False):
+            media = self.media.prepare(request)
+        token_ids, clip.text_token_tags, vision = self.media.presentation(self.tokenizer, self.processor,
+                                                                          request.prompt, media)
+        clip.prompt_embeds = self.hidden_state(token_ids, vision)
+        with torch.inference_mode(), measure(clip, "conditions", report=False):
+            clip.conditions = self.media.encode(media)
+        return clip
+
+    def hidden_state(self, token_ids, vision):
+        import torch
+        from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
+
+        if self.text_encoder is None:
+            self.load_encoder()
+        with torch.inference_mode():
+            return get_qwen3vl_prompt_embeds(self.text_encoder, self.processor, token_ids, vision,
+                                             text_encoder_layer=self.config.layer, device=self.runtime.device,
+                                             dtype=self.runtime.dtype)
+
     def unload(self):
         self.text_encoder = self.processor = None
+        if self.media is not None:
+            self.media.unload()

@@ -37,7 +37,7 @@ def write_mp4(
 ) -> None:
     """Write H.264 + AAC to `path` atomically; a partial MP4 never appears at `path`.
 
-    `frames` is uint8 (T, H, W, 3) RGB, or frames still arriving from the decode (`h3gen.arriving`); `audio` is float
+    `frames` is uint8 (T, H, W, 3) RGB, or frames still arriving from the decode (`h3gen.run.arriving`); `audio` is float
     (2, N) in [-1, 1], or a callable that gives it once the frames are through. Identical inputs give byte-identical
     files. `cancelled()` is polled per frame: when it turns true the write stops with `MuxCancelled` and leaves
     nothing behind.
@@ -171,7 +171,7 @@ class PyAVMux(Stage):
     def run(self, clip):
         media = clip.arriving  # set when the mux starts with the decode
         frames, audio = (media, media.audio) if media is not None else (clip.frames, clip.audio)
-        sample_rate = media.sample_rate if media is not None else clip.notes.get("sample_rate", 32000)
+        sample_rate = media.sample_rate if media is not None else clip.sample_rate
         write_mp4(clip.path, frames, audio, sample_rate=sample_rate, crf=self.config.crf,
                   preset=self.config.x264_preset, x264_threads=self.config.x264_threads,
                   cancelled=self.stopping.is_set)

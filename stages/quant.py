@@ -58,7 +58,7 @@ class FP8RowwiseConfig(QuantConfig):
 class QuantStage(Stage):
     """Base of every quant stage: fuses the preset's adapters into the DiT, then calls `quantize`.
 
-    `config.adapter` is the preset's [adapter] section, handed over by `h3gen.preset.resolve` (adapters are
+    `config.adapter` is the preset's [adapter] section, handed over by `h3gen.config.preset.resolve` (adapters are
     fused in this same load-time pass, so this stage is where they arrive).
     """
 
@@ -66,13 +66,13 @@ class QuantStage(Stage):
     Config = NoQuantConfig
 
     def load(self, repo):
-        from h3gen.contract import AdapterConfig, find_adapter
+        from h3gen.config.contract import AdapterConfig, find_adapter
 
         adapter = getattr(self.config, "adapter", None) or AdapterConfig()
         adapters = [find_adapter(name, getattr(repo, "root", None)) for name in adapter.paths]
         self.adapter_deltas = None
         if adapters:
-            from h3gen.stages.adapters import AdapterDeltas
+            from h3gen.models.adapters import AdapterDeltas
 
             self.adapter_deltas = AdapterDeltas(adapters, [adapter.scale_of(i) for i in range(len(adapters))])
         self.quantized: dict[str, list[str]] = {}
@@ -109,7 +109,7 @@ class _LinearSwap(QuantStage):
     def quantize(self, role: str, module):
         if role not in self.config.roles:
             return module
-        from h3gen.stages.quant_linear import swap_linears
+        from h3gen.models.quant_linear import swap_linears
 
         keep = set(self.config.skip) | set(getattr(module, "_keep_in_fp32_modules", None) or ())
         self.quantized[role] = swap_linears(module, self.make_linear, SCOPES[role], keep)
@@ -139,7 +139,7 @@ class FP8Rowwise(_LinearSwap):
                                  "use quant int8-weight-only, or --set quant.matmul=reference (slow)")
 
     def make_linear(self, linear):
-        from h3gen.stages.quant_linear import FP8RowwiseLinear
+        from h3gen.models.quant_linear import FP8RowwiseLinear
 
         return FP8RowwiseLinear.from_linear(linear, self.matmul, self.config.fast_accum)
 
@@ -149,6 +149,6 @@ class Int8WeightOnly(_LinearSwap):
     description = "int8 weights with per-channel scales, matmuls in the activation dtype (any device)"
 
     def make_linear(self, linear):
-        from h3gen.stages.quant_linear import Int8WeightOnlyLinear
+        from h3gen.models.quant_linear import Int8WeightOnlyLinear
 
         return Int8WeightOnlyLinear.from_linear(linear)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 
 from h3gen.errors import ClipError, UsageError
-from h3gen.clip import AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
+from h3gen.inputs.request import AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
+from h3gen.models.dit.tags import AUDIO_TAG, VIDEO_TAG
 from h3gen.stages.base import Stage
 
-VIDEO_TAG, AUDIO_TAG = 0, 2
 # The t (= 1 - sigma) a visual condition is held at: H3 was trained with its anchors noised just short of clean
 # (diffusers' keyframe_noise_aug). Reference soundtracks ride along clean, at t = 1. Checkpoint contracts, both.
 CONDITION_T, AUDIO_CONDITION_T = 0.999, 1.0
@@ -99,7 +99,7 @@ class EulerSampler(Stage):
         if partition == "transformer_ref":
             self.check_ref_partition()
         if self.partition is not None:
-            from h3gen import memory
+            from h3gen.run import memory
 
             self.dit = self.partition = None
             memory.release(self.runtime.device)
@@ -134,7 +134,7 @@ class EulerSampler(Stage):
         if not (root / "transformer_ref").is_dir():
             raise ClipError(f"ref2va runs the transformer_ref/ partition, which {root} does not have",
                             "download transformer_ref/ of MiniMaxAI/MiniMax-H3 into the model directory")
-        from h3gen.repo import ModelRepo
+        from h3gen.models.repo import ModelRepo
 
         ModelRepo(root, components=("transformer_ref",))  # safetensors only, complete and readable
 
@@ -146,7 +146,7 @@ class EulerSampler(Stage):
                               device_map=self.runtime.device)
 
     def load_fast_dit(self, partition: str):
-        from h3gen.stages.fast_dit import FastH3Transformer
+        from h3gen.models.dit.transformer import FastH3Transformer
 
         config = self.config
         # The conditioning levels are a group of their own; fl2va and ref2va forwards find each of their values in
@@ -264,7 +264,7 @@ class EulerSampler(Stage):
             audio_rows[held_audio:] = audio_schedule.step(audio_velocity[0, held_audio:].float(), audio_t,
                                                           audio_rows[held_audio:], return_dict=False)[0]
             self.runtime.on_step(clip, i + 1, steps)
-        clip.notes.update(forwards=steps, attention=self.attention_backend)
+        clip.forwards, clip.attention = steps, self.attention_backend
         return video_rows, audio_rows
 
     def unpack(self, layout, video_rows, audio_rows):

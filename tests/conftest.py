@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    from h3gen.tiny import ensure_tiny_model
+    from h3gen.models.tiny import ensure_tiny_model
 
     return ensure_tiny_model()
 

@@ -8,13 +8,13 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import h3gen
-from h3gen.contract import check_adapters, find_adapter
+from h3gen.config.contract import check_adapters, find_adapter
 from h3gen.errors import ModelError, UsageError
 from h3gen.plugins.manager import registry
-from h3gen.preset import resolve
-from h3gen.prompts import read_prompts
-from h3gen.quant_error import compare, make_probe, velocity
-from h3gen.stages.adapters import fuse_adapters
+from h3gen.config.preset import resolve
+from h3gen.inputs.prompts import read_prompts
+from h3gen.bench.velocity_error import compare, make_probe, velocity
+from h3gen.models.adapters import fuse_adapters
 from test_quant import REQUEST, tiny_dit
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "net.0.proj", "net.2", "adaln_proj.linear", "proj_out"]
@@ -107,7 +107,7 @@ def test_fast_dit_takes_the_adapters_while_it_loads(tiny_model, tmp_path, adaln_
     first, so it equals diffusers' DiT with the same adapters fused (fp32; measured 0 on the fly, 1.3e-7 with tables)."""
     from diffusers import MiniMaxH3Transformer3DModel
 
-    from h3gen.stages.fast_dit import FastH3Transformer
+    from h3gen.models.dit.transformer import FastH3Transformer
 
     peft_adapter(tiny_model, tmp_path / "lora")
     full_rank_adapter(tmp_path / "deltas.safetensors", tiny_dit(tiny_model, torch.float32))

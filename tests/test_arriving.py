@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from h3gen.arriving import ArrivingMedia, DecodeFailed
+from h3gen.run.arriving import ArrivingMedia, DecodeFailed
 from h3gen.stages.mux import write_mp4
 
 TWO_CLIPS = '{"id": "a", "prompt": "a fox"}\n{"id": "b", "prompt": "waves"}\n'
@@ -81,11 +81,11 @@ def test_a_decode_failing_mid_clip_costs_that_clip_and_no_file(tiny_model, tmp_p
     clip is written."""
     from h3gen.cli.ui import PlainReporter
     from h3gen.plugins.manager import Registered, registry
-    from h3gen.preset import resolve
-    from h3gen.prompts import read_prompts
-    from h3gen.render import Renderer
-    from h3gen.repo import ModelRepo
-    from h3gen.stages.fast_vae import FastVAE
+    from h3gen.config.preset import resolve
+    from h3gen.inputs.prompts import read_prompts
+    from h3gen.run.render import Renderer
+    from h3gen.models.repo import ModelRepo
+    from h3gen.stages.vae import FastVAE
 
     class FailingVAE(FastVAE):
         name = "failing-fast"
@@ -127,7 +127,7 @@ def test_a_decode_failing_mid_clip_costs_that_clip_and_no_file(tiny_model, tmp_p
 def test_frames_copied_from_the_device_arrive_as_the_reference_makes_them():
     """On CUDA each chunk lands after its copy on the side stream: a reader on another thread waits for it."""
     from h3gen.kernels.frames import frames_reference
-    from h3gen.stages.fast_vae import PIXEL_MEAN, PIXEL_STD, HostFrames
+    from h3gen.models.vae.host_frames import PIXEL_MEAN, PIXEL_STD, HostFrames
 
     device = torch.device("cuda")
     plan = SimpleNamespace(frames=10, row_starts=[0], col_starts=[0], tile_height=16, tile_width=24)

@@ -71,8 +71,8 @@ def test_bench_batch_times_clips_through_the_renderer(tmp_path):
 
 def test_full_size_random_weights_have_no_repository_directory():
     # Stages that read optional files from the repository (the canvas rules of conditions) use the defaults.
-    from h3gen.random_weights import FullSizeRandom
-    from h3gen.stages.conditions import canvas_configs
+    from h3gen.bench.random_weights import FullSizeRandom
+    from h3gen.models.conditions import canvas_configs
 
     assert FullSizeRandom(None).root is None and canvas_configs(FullSizeRandom(None))
 
@@ -96,8 +96,8 @@ def test_bench_batch_warm_cache_never_loads_the_encoder(tmp_path):
 
 def test_full_size_random_encoder_has_a_cache_identity(tiny_model):
     """The random encoder is fixed by its architecture, seed and tokenizer: those key its embedding cache."""
-    from h3gen.random_weights import FullSizeRandom
-    from h3gen.repo import ModelRepo
+    from h3gen.bench.random_weights import FullSizeRandom
+    from h3gen.models.repo import ModelRepo
 
     repo = ModelRepo(tiny_model)
     identity = FullSizeRandom(repo).text_encoder_identity()

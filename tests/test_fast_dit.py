@@ -5,8 +5,8 @@ from diffusers import MiniMaxH3Transformer3DModel
 from diffusers.modular_pipelines.minimax_h3.before_denoise import (MiniMaxH3PrepareLayoutStep,
                                                                    MiniMaxH3SetTimestepsStep)
 
-from h3gen.stages.fast_dit import FastH3Transformer
-from h3gen.stages.fast_dit_blocks import EXACT_NORM_OPS
+from h3gen.models.dit.transformer import FastH3Transformer
+from h3gen.models.dit.blocks import EXACT_NORM_OPS
 
 TINY = dict(num_attention_heads=2, attention_head_dim=128, hidden_size=64, num_layers=2, num_refiner_layers=1,
             ffn_dim=128, text_dim=32, freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=32)

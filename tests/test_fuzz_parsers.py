@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from h3gen.errors import H3genError
 from h3gen.plugins.manager import registry
-from h3gen.preset import resolve
-from h3gen.prompts import read_prompts
+from h3gen.config.preset import resolve
+from h3gen.inputs.prompts import read_prompts
 
 DEFAULTS = {"width": 32, "height": 32, "duration": 5.0}
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -4,7 +4,7 @@ import pytest
 
 from conftest import h3gen
 from h3gen.errors import UsageError
-from h3gen.prompts import read_prompts
+from h3gen.inputs.prompts import read_prompts
 
 DEFAULTS = {"width": 32, "height": 32, "duration": 5.0}
 

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import h3gen
 from h3gen.errors import ModelError
-from h3gen.repo import ModelRepo
+from h3gen.models.repo import ModelRepo
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def test_tiny_model_has_the_repository_layout(tiny_model):
 
 
 def test_tiny_model_is_written_deterministically(tmp_path):
-    from h3gen.tiny import write_tiny_model
+    from h3gen.models.tiny import write_tiny_model
 
     write_tiny_model(tmp_path / "a")
     write_tiny_model(tmp_path / "b")

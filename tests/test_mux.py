@@ -5,7 +5,7 @@ import pytest
 
 from h3gen.stages import mux
 from h3gen.stages.mux import write_mp4
-from h3gen.validate import probe_clip, validate_clip
+from h3gen.run.validate import probe_clip, validate_clip
 
 FRAMES, SIZE, FPS, RATE = 124, 32, 24, 32000
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import h3gen
-from h3gen.validate import validate_clip
+from h3gen.run.validate import validate_clip
 
 THREE = '{"id": "a", "prompt": "a fox"}\n{"id": "b", "prompt": "waves"}\n{"id": "c", "prompt": "rain on a roof"}\n'
 
@@ -40,13 +40,14 @@ def test_a_second_run_takes_its_embeddings_from_the_cache(prompts_file, tmp_path
 def test_the_encoder_weights_never_load_on_a_full_cache_hit(tiny_model, tmp_path):
     import torch
 
-    from h3gen.clip import Clip, Request
-    from h3gen.embedding_cache import EmbeddingCache
-    from h3gen.render import Runtime
-    from h3gen.repo import ModelRepo
+    from h3gen.inputs.request import Request
+    from h3gen.stages.clip import Clip
+    from h3gen.run.embedding_cache import EmbeddingCache
+    from h3gen.run.render import Runtime
+    from h3gen.models.repo import ModelRepo
     from h3gen.stages.encode import Qwen3VLConfig, Qwen3VLEncoder
     from h3gen.stages.quant import NoQuant
-    from h3gen.timing import StageTimer
+    from h3gen.run.timing import StageTimer
 
     runtime = Runtime("cpu", torch.float32, StageTimer("cpu"))
     runtime.quant = NoQuant(None, runtime)

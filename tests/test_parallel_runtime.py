@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import h3gen
-from h3gen.validate import validate_clip
+from h3gen.run.validate import validate_clip
 
 ENV = {"OMP_NUM_THREADS": "1"}
 PRESET = ["--set", "sampler.dit=h3gen"]
@@ -212,7 +212,7 @@ def test_the_first_failure_is_the_rank_that_failed_first_within_the_second():
 def test_parallel_section_of_a_preset(tmp_path):
     from h3gen.errors import UsageError
     from h3gen.plugins.manager import registry
-    from h3gen.preset import resolve
+    from h3gen.config.preset import resolve
 
     preset = resolve("tiny", registry(), ["parallel.cpu_workers=2", "parallel.ulysses=2"])
     assert preset.parallel == {"gpus": 0, "cpu_workers": 2, "ulysses": 2}

@@ -5,7 +5,7 @@ import pytest
 from conftest import h3gen
 from h3gen.errors import UsageError
 from h3gen.plugins.manager import registry
-from h3gen.preset import resolve
+from h3gen.config.preset import resolve
 from h3gen.stages.sampler import forwards
 
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from h3gen.clip import Request
+from h3gen.inputs.request import Request
 from h3gen.errors import UsageError
 from h3gen.plugins.manager import registry
-from h3gen.preset import resolve
-from h3gen.quant_error import compare, make_probe, velocity, weight_bytes
+from h3gen.config.preset import resolve
+from h3gen.bench.velocity_error import compare, make_probe, velocity, weight_bytes
 from h3gen.stages.quant import FP8Rowwise, Int8WeightOnly
-from h3gen.stages.quant_linear import FP8RowwiseLinear, Int8WeightOnlyLinear
+from h3gen.models.quant_linear import FP8RowwiseLinear, Int8WeightOnlyLinear
 
 FP32_MODULES = ("proj_in", "audio_proj_in", "time_embedder.linear_1", "time_embedder.linear_2", "proj_out",
                 "audio_proj_out")
@@ -28,7 +28,7 @@ REQUEST = Request(index=0, prompt="probe", seed=1, width=32, height=32, frames=1
 def tiny_dit(tiny_model, dtype=torch.bfloat16, fast=False):
     """diffusers' DiT (or h3gen's, with `fast`) on the tiny checkpoint, block weights redrawn at unit gain."""
     if fast:
-        from h3gen.stages.fast_dit import FastH3Transformer
+        from h3gen.models.dit.transformer import FastH3Transformer
 
         dit = FastH3Transformer.from_pretrained(tiny_model / "transformer", dtype=dtype, use_triton=False)
     else:
@@ -96,7 +96,7 @@ def test_fp8_fast_accumulation_and_prequantized_swiglu():
     """`fast_accum` reaches torch._scaled_mm (checked on the CPU build); an FP8 down projection fed the SwiGLU as FP8
     rows from the fused path equals the plain path, quantizing the SwiGLU's output, exactly."""
     from h3gen.kernels.swiglu import swiglu_reference
-    from h3gen.stages.quant_linear import swiglu_linear
+    from h3gen.models.quant_linear import swiglu_linear
 
     torch.manual_seed(3)
     linear = nn.Linear(64, 32, bias=True).to(torch.bfloat16)

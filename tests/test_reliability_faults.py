@@ -18,7 +18,7 @@ import weakref
 import pytest
 
 from conftest import ROOT, h3gen
-from h3gen.validate import validate_clip
+from h3gen.run.validate import validate_clip
 
 FAULTS_PLUGIN = '''
 import dataclasses, time
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from h3gen.plugins.hookspecs import hookimpl
-from h3gen.stages.fast_vae import FastVAE, FastVAEConfig
+from h3gen.stages.vae import FastVAE, FastVAEConfig
 from h3gen.stages.mux import PyAVMux, PyAVMuxConfig
 from h3gen.stages.sampler import EulerConfig, EulerSampler
 
@@ -167,10 +167,10 @@ def test_a_failed_clip_gives_its_memory_back_before_the_next(tiny_model, tmp_pat
 
     from h3gen.cli.ui import PlainReporter
     from h3gen.plugins.manager import Registered, registry
-    from h3gen.preset import resolve
-    from h3gen.prompts import read_prompts
-    from h3gen.render import Renderer
-    from h3gen.repo import ModelRepo
+    from h3gen.config.preset import resolve
+    from h3gen.inputs.prompts import read_prompts
+    from h3gen.run.render import Renderer
+    from h3gen.models.repo import ModelRepo
     from h3gen.stages.sampler import EulerSampler
 
     leaked = []
@@ -183,7 +183,7 @@ def test_a_failed_clip_gives_its_memory_back_before_the_next(tiny_model, tmp_pat
                 holder = {"latents": torch.zeros(1 << 20)}
                 holder["self"] = holder  # only the garbage collector frees this
                 leaked.append(weakref.ref(holder["latents"]))
-                clip.notes["holder"] = holder
+                clip.video_latents = holder
                 raise torch.OutOfMemoryError("CUDA out of memory")
             assert leaked and leaked[0]() is None, "the failed clip's tensor is still alive"
             return super().run(clip)
@@ -211,10 +211,10 @@ def test_cuda_memory_returns_to_its_starting_level_between_clips(tiny_model, tmp
 
     from h3gen.cli.ui import PlainReporter
     from h3gen.plugins.manager import registry
-    from h3gen.preset import resolve
-    from h3gen.prompts import read_prompts
-    from h3gen.render import Renderer
-    from h3gen.repo import ModelRepo
+    from h3gen.config.preset import resolve
+    from h3gen.inputs.prompts import read_prompts
+    from h3gen.run.render import Renderer
+    from h3gen.models.repo import ModelRepo
 
     preset = resolve("tiny", registry(), ["runtime.device=cuda"])
     prompts = tmp_path / "prompts.txt"
@@ -230,8 +230,8 @@ def test_cuda_memory_returns_to_its_starting_level_between_clips(tiny_model, tmp
 
 def test_peak_estimate_matches_the_measured_h200_forward():
     """shared/H3.md: 62.4 GiB of DiT weights, 74.8 GiB peak for one forward over the 10 s request's 73,642 rows."""
-    from h3gen.clip import Request
-    from h3gen.memory import GIB, DiTShape, packed_rows, peak_bytes
+    from h3gen.inputs.request import Request
+    from h3gen.run.memory import GIB, DiTShape, packed_rows, peak_bytes
 
     ten_seconds = Request(index=0, prompt="x", seed=1101, width=1344, height=768, frames=243)
     assert packed_rows(ten_seconds, DiTShape()) == 73_642
@@ -241,8 +241,8 @@ def test_peak_estimate_matches_the_measured_h200_forward():
 
 
 def test_peak_estimate_warns_only_when_the_largest_clip_does_not_fit():
-    from h3gen.clip import Request
-    from h3gen.memory import GIB, DiTShape, fit_warning
+    from h3gen.inputs.request import Request
+    from h3gen.run.memory import GIB, DiTShape, fit_warning
 
     small = Request(index=0, prompt="x", seed=0, width=1344, height=768, frames=124, line=1)
     large = Request(index=1, prompt="y", seed=0, width=1344, height=768, frames=362, line=2)
@@ -288,9 +288,9 @@ def test_disk_full_while_writing_costs_one_clip_and_leaves_no_partial_file(promp
 def test_a_clip_that_cannot_fit_on_the_disk_fails_before_it_renders(tmp_path, monkeypatch):
     import shutil
 
-    from h3gen.clip import Request
+    from h3gen.inputs.request import Request
     from h3gen.errors import ClipError
-    from h3gen.render import check_disk
+    from h3gen.run.render import check_disk
 
     clip = Request(index=0, prompt="x", seed=0, width=1344, height=768, frames=243)
     check_disk(tmp_path, clip)

@@ -3,7 +3,7 @@
 import json
 
 from conftest import h3gen
-from h3gen.validate import validate_clip
+from h3gen.run.validate import validate_clip
 
 TWO_PROMPTS = 'a red fox in the snow\n# a comment\n\n{"id": "waves", "prompt": "waves on rocks", "seed": 5}\n'
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import h3gen
-from h3gen.validate import validate_clip
+from h3gen.run.validate import validate_clip
 
 # fp32 on the CPU with diffusers' own media preparation, encoders and layout builders, and the same ops in the same
 # order in the loop: the latents agree to rounding noise (the reference DiT path measured exactly equal). The fast

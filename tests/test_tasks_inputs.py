@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import h3gen
-from h3gen.clip import Clip
+from h3gen.stages.clip import Clip
 from h3gen.errors import ClipError, UsageError
-from h3gen.prompts import read_prompts
+from h3gen.inputs.prompts import read_prompts
 from test_tasks import write_image, write_video, write_wav
 
 DEFAULTS = {"width": 32, "height": 32, "duration": 5.0}
@@ -67,7 +67,7 @@ def test_keyframe_canvas_on_h3_base_is_diffusers_canvas_rule(image):
     from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3ResizeStep
     from diffusers.modular_pipelines.minimax_h3.modular_pipeline import resolve_canvas_size
 
-    from h3gen.media import keyframe_canvas
+    from h3gen.inputs.media import keyframe_canvas
 
     rule = {spec.name: spec.default for spec in MiniMaxH3ResizeStep().expected_configs}
     height, width = resolve_canvas_size(*image, 32, rule["canvas_short_edge"], rule["canvas_max_pixels"])
@@ -122,9 +122,9 @@ def test_a_task_the_adapter_was_not_distilled_for_is_refused(media, tmp_path, pr
     import torch
     from safetensors.torch import save_file
 
-    from h3gen.contract import check_adapters
+    from h3gen.config.contract import check_adapters
     from h3gen.plugins.manager import registry
-    from h3gen.preset import resolve
+    from h3gen.config.preset import resolve
 
     adapter = tmp_path / "adapters" / f"{preset}.safetensors"
     adapter.parent.mkdir()

@@ -56,9 +56,9 @@ def forward_inputs():
 
 
 def load_dit(checkpoint, variant, inputs):
-    from h3gen.stages.fast_dit import FastH3Transformer
+    from h3gen.models.dit.transformer import FastH3Transformer
     from h3gen.stages.quant import SCOPES
-    from h3gen.stages.quant_linear import FP8RowwiseLinear, swap_linears
+    from h3gen.models.quant_linear import FP8RowwiseLinear, swap_linears
 
     table = variant != "on-the-fly"
     dit = FastH3Transformer.from_pretrained(checkpoint, dtype=torch.float32, use_triton=False, adaln_table=table,
@@ -134,11 +134,11 @@ def test_a_group_size_that_does_not_divide_the_heads_is_refused(forward_run):
 
 
 def sampler_for(tiny_model, dit="h3gen"):
-    from h3gen.render import Runtime
-    from h3gen.repo import ModelRepo
+    from h3gen.run.render import Runtime
+    from h3gen.models.repo import ModelRepo
     from h3gen.stages.quant import NoQuant
     from h3gen.stages.sampler import EulerConfig, EulerSampler
-    from h3gen.timing import StageTimer
+    from h3gen.run.timing import StageTimer
 
     runtime = Runtime("cpu", torch.float32, StageTimer("cpu"))
     runtime.quant = NoQuant(None, runtime)
@@ -149,7 +149,8 @@ def sampler_for(tiny_model, dit="h3gen"):
 
 
 def t2va_clip(folder):
-    from h3gen.clip import Clip, Request
+    from h3gen.inputs.request import Request
+    from h3gen.stages.clip import Clip
 
     clip = Clip(Request(index=0, prompt="probe", seed=5, width=32, height=32, frames=124), folder / "x.mp4")
     clip.prompt_embeds = torch.randn(1, 7, 32, generator=torch.Generator().manual_seed(2))

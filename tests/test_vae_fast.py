@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from h3gen.stages.vae_tiles import ChunkJoiner, DecodePlan, plan_decode, split_tiles, stitch
+from h3gen.models.vae.tiles import ChunkJoiner, DecodePlan, plan_decode, split_tiles, stitch
 
 EXACT_FLOAT, FAST_FLOAT = 1e-5, 2e-5
 
@@ -67,10 +67,10 @@ def test_plan_frame_count(vae, latent_frames):
 
 
 def stage(vae, **config):
-    from h3gen.render import Runtime
-    from h3gen.stages.fast_vae import FastVAE, FastVAEConfig
-    from h3gen.stages.vae_vit import FastViTDecoder
-    from h3gen.timing import StageTimer
+    from h3gen.run.render import Runtime
+    from h3gen.stages.vae import FastVAE, FastVAEConfig
+    from h3gen.models.vae.vit import FastViTDecoder
+    from h3gen.run.timing import StageTimer
 
     fast = FastVAE(FastVAEConfig(**config), Runtime("cpu", torch.float32, StageTimer("cpu")))
     fast.vae = vae
@@ -141,11 +141,12 @@ def test_joiner_takes_tiles_in_any_order(vae):
 
 def test_stage_frames_equal_the_reference_stage(tiny_model, tmp_path):
     """The registered stage on the tiny model: uint8 frames and audio as the reference stage makes them."""
-    from h3gen.clip import Clip, Request
+    from h3gen.inputs.request import Request
+    from h3gen.stages.clip import Clip
     from h3gen.plugins.manager import registry as load_registry
-    from h3gen.render import Runtime
-    from h3gen.repo import ModelRepo
-    from h3gen.timing import StageTimer
+    from h3gen.run.render import Runtime
+    from h3gen.models.repo import ModelRepo
+    from h3gen.run.timing import StageTimer
 
     registry, repo = load_registry(), ModelRepo(tiny_model)
     runtime = Runtime("cpu", torch.float32, StageTimer("cpu"))
@@ -165,7 +166,7 @@ def test_stage_frames_equal_the_reference_stage(tiny_model, tmp_path):
     for key in (("fast", True), ("fast", False)):
         clip = results[key]
         assert clip.frames.dtype == reference.frames.dtype and clip.frames.shape == reference.frames.shape
-        assert (clip.audio == reference.audio).all() and clip.notes["sample_rate"] == reference.notes["sample_rate"]
+        assert (clip.audio == reference.audio).all() and clip.sample_rate == reference.sample_rate
         assert {"vae_video", "vae_audio", "transfer"} <= set(clip.seconds)
     assert (results["fast", True].frames == reference.frames).all()
     difference = abs(results["fast", False].frames.astype(int) - reference.frames.astype(int))
@@ -174,9 +175,9 @@ def test_stage_frames_equal_the_reference_stage(tiny_model, tmp_path):
 
 def test_config_checks():
     from h3gen.errors import UsageError
-    from h3gen.render import Runtime
-    from h3gen.stages.fast_vae import FastVAE, FastVAEConfig
-    from h3gen.timing import StageTimer
+    from h3gen.run.render import Runtime
+    from h3gen.stages.vae import FastVAE, FastVAEConfig
+    from h3gen.run.timing import StageTimer
 
     runtime = Runtime("cpu", torch.float32, StageTimer("cpu"))
     for bad in ({"exact": True, "tile_height": 320}, {"overlap": 256}, {"tile_width": 100}, {"tile_batch": -1},
@@ -188,7 +189,7 @@ def test_config_checks():
 
 def test_compiled_block(vae):
     """`compile = true`: the block through torch.compile (one graph for every block) gives the eager decoder's tiles."""
-    from h3gen.stages.vae_vit import FastViTDecoder
+    from h3gen.models.vae.vit import FastViTDecoder
 
     tiles = torch.randn(3, 24, 7, 4, 5)
     with torch.inference_mode():
@@ -201,7 +202,7 @@ def test_fused_block_rounds_as_the_unfused_one(vae):
     """The eager decoder's fused chain against `block_forward`'s separate ops, bf16 with the float32 islands: on the CPU
     the chain runs the kernels' torch references, which round as the separate ops do, so the tiles are equal (the
     kernels' parity with their references is test_kernels.py's)."""
-    from h3gen.stages.vae_vit import FastViTDecoder, block_forward
+    from h3gen.models.vae.vit import FastViTDecoder, block_forward
 
     bf16 = copy.deepcopy(vae)
     keep = set(bf16._keep_in_fp32_modules)  # the checkpoint's float32 islands, as loading keeps them
@@ -230,8 +231,8 @@ def fp8_vae(vae, matmul):
 
 
 def test_fused_linears_compute_their_parts():
-    from h3gen.stages.quant_linear import FP8RowwiseLinear
-    from h3gen.stages.vae_vit import fuse_linears
+    from h3gen.models.quant_linear import FP8RowwiseLinear
+    from h3gen.models.vae.vit import fuse_linears
 
     torch.manual_seed(3)
     x = torch.randn(5, 32)
@@ -255,7 +256,7 @@ def test_fp8_decoder(vae, matmul):
     """FP8 linears in the decoder blocks: the fast decoder rounds as diffusers' decoder on the same quantized
     linears (measured equal; bound 1e-4, as an activation a float32 ulp away can land on the other side of an FP8
     rounding), and both stay within 5 % of the unquantized decode (measured 1.7 % on this tiny decoder)."""
-    from h3gen.stages.vae_vit import FastViTDecoder
+    from h3gen.models.vae.vit import FastViTDecoder
 
     tiles = torch.randn(3, 24, 7, 4, 5)
     quantized = fp8_vae(vae, matmul)
@@ -271,11 +272,11 @@ def test_fp8_presets_load_the_decoder_quantized(tiny_model):
     """An FP8 preset's quant stage quantizes the decoder blocks as the VAE stage loads them, and the fast decoder
     runs the fused FP8 projections (their fast accumulation only changes the Hopper GEMM)."""
     from h3gen.plugins.manager import registry as load_registry
-    from h3gen.preset import resolve
-    from h3gen.render import Runtime
-    from h3gen.repo import ModelRepo
-    from h3gen.stages.quant_linear import FP8RowwiseLinear
-    from h3gen.timing import StageTimer
+    from h3gen.config.preset import resolve
+    from h3gen.run.render import Runtime
+    from h3gen.models.repo import ModelRepo
+    from h3gen.models.quant_linear import FP8RowwiseLinear
+    from h3gen.run.timing import StageTimer
 
     found = load_registry()
     preset = resolve("h3-base-fp8", found, ["runtime.device=cpu"])

@@ -13,11 +13,12 @@ CONFIGS = {"exact": {"exact": True, "tile_batch": 3}, "fast": {"tile_height": 12
 
 
 def decode_clip(model_dir, config, group=None):
-    from h3gen.clip import Clip, Request
-    from h3gen.render import Runtime
-    from h3gen.repo import ModelRepo
-    from h3gen.stages.fast_vae import FastVAE, FastVAEConfig
-    from h3gen.timing import StageTimer
+    from h3gen.inputs.request import Request
+    from h3gen.stages.clip import Clip
+    from h3gen.run.render import Runtime
+    from h3gen.models.repo import ModelRepo
+    from h3gen.stages.vae import FastVAE, FastVAEConfig
+    from h3gen.run.timing import StageTimer
 
     stage = FastVAE(FastVAEConfig(**config), Runtime("cpu", torch.float32, StageTimer("cpu")))
     stage.load(ModelRepo(model_dir))

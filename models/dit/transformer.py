@@ -11,9 +11,10 @@ import torch
 import torch.nn as nn
 
 from h3gen.kernels.attention import attention_backend as attention_backend_name
-from h3gen.stages.fast_dit_blocks import (EXACT_NORM_OPS, MODALITIES, REFERENCE_OPS, TRITON_OPS, H3Block, OutputNorm,
+from h3gen.models.dit.tags import MODALITIES
+from h3gen.models.dit.blocks import (EXACT_NORM_OPS, REFERENCE_OPS, TRITON_OPS, H3Block, OutputNorm,
                                           RefinerBlock, TimeEmbedding, rotary_angles, rotary_inv_freq)
-from h3gen.stages.fast_dit_checkpoint import H3DiTConfig, SafetensorsCheckpoint, fuse, is_fp32_key, read_config
+from h3gen.models.dit.checkpoint import H3DiTConfig, SafetensorsCheckpoint, fuse, is_fp32_key, read_config
 
 # Timesteps are unscaled in [0, 1] and the highest sinusoid frequency is 1, so a 1e-6 mismatch moves the embedding
 # by at most 1e-6: far below bf16 resolution. Anything further apart is a different noise level.

@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from h3gen.contract import AdapterConfig
+from h3gen.config.contract import AdapterConfig
 from h3gen.errors import UsageError
 from h3gen.stages.base import STAGE_KINDS, build_config
 

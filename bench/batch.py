@@ -20,10 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from h3gen.bench import (BenchPlan, adapter_overrides, bench_frames, cache_overrides, forward_overrides,
+from h3gen.bench.sweep import (BenchPlan, adapter_overrides, bench_frames, cache_overrides, forward_overrides,
                          preset_forwards)
 from h3gen.cli.ui import SilentReporter
-from h3gen.clip import Request
+from h3gen.inputs.request import Request
 
 
 class BatchReporter(SilentReporter):
@@ -53,7 +53,7 @@ def batch_requests(plan: BenchPlan, seconds: float, clips: int, warmup: int = 0)
 
 
 def run_batch(plan: BenchPlan, registry, source, random_weights: str | None, clips: int, say=print) -> list[dict]:
-    from h3gen.preset import resolve
+    from h3gen.config.preset import resolve
 
     names = ([(plan.baseline, True)] if plan.baseline else []) + [(name, False) for name in plan.presets]
     records = []
@@ -99,7 +99,7 @@ def clips_per_hour(forwards: int, per_forward_s: float, extra_per_clip_s: float,
 
 
 def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards: int, baseline: bool, say) -> dict:
-    from h3gen.render import Renderer
+    from h3gen.run.render import Renderer
 
     reporter = BatchReporter(say)
     began = time.perf_counter()
@@ -162,7 +162,7 @@ def batch_markdown(result: dict) -> str:
 def write_batch_results(records: list[dict], out_dir: Path) -> dict[str, Path]:
     import json
 
-    from h3gen.bench_report import environment
+    from h3gen.bench.report import environment
 
     result = {**environment(), "records": records}
     out_dir.mkdir(parents=True, exist_ok=True)

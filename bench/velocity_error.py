@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from h3gen.clip import AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, Request, audio_latents
+from h3gen.models.dit.tags import AUDIO_TAG, TEXT_TAG, VIDEO_TAG
+from h3gen.inputs.request import AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, Request, audio_latents
 
-VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2
 
 
 @dataclasses.dataclass

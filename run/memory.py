@@ -13,7 +13,7 @@ import gc
 import json
 from pathlib import Path
 
-from h3gen.clip import AUDIO_CHANNELS, Request
+from h3gen.inputs.request import AUDIO_CHANNELS, Request
 
 GIB = 2**30
 TEXT_ROWS = 256  # prompts are tokenized only after the weights load; text rows are a small share anyway

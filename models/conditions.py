@@ -20,11 +20,10 @@ import dataclasses
 import json
 from typing import Any
 
-from h3gen.clip import FPS
+from h3gen.inputs.request import FPS
 from h3gen.errors import ClipError
-from h3gen.stages.encode import TEXT_TAG, Qwen3VLEncoder
+from h3gen.models.dit.tags import TEXT_TAG, VIDEO_TAG
 
-VIDEO_TAG = 0  # the modality tag of a vision block's rows: they are tagged as video
 # What the ref2va layout reads of a reference; the media itself is dropped once encoded.
 ReferenceKind = collections.namedtuple("ReferenceKind", "kind has_audio")
 
@@ -196,49 +195,3 @@ def read_media(path, what: str, reader):
         return reader(str(path))
     except Exception as e:  # PIL, PyAV and diffusers each raise their own kinds; all mean "cannot read this file"
         raise ClipError(f"cannot read {what} {path}: {e}", "check that the file is complete and readable") from None
-
-
-class Qwen3VLConditionedEncoder(Qwen3VLEncoder):
-    """The qwen3vl encode stage, which also encodes what fl2va and ref2va clips condition on.
-
-    A t2va clip runs the text encoder exactly as before. A conditioned clip's prompt is presented with its media
-    (so it never reads or fills the prompt-only embedding cache), and its keyframes or references are encoded by the
-    VAEs into `clip.conditions`; "conditions" in the clip's seconds is the time spent on the media and the VAEs.
-    """
-
-    description = ("Qwen3-VL text encoder (transformers), truncated after the layer H3 reads; fl2va keyframes and "
-                   "ref2va references through diffusers' blocks and the VAE encoders")
-
-    def load(self, repo):
-        super().load(repo)
-        self.media = MediaConditioner(self.runtime, repo)
-
-    def run(self, clip):
-        if clip.request.task == "t2va":
-            return super().run(clip)
-        import torch
-        from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
-
-        request, measure = clip.request, self.runtime.timer.measure
-        prompt_tokens = len(self.tokenizer(request.prompt, add_special_tokens=False)["input_ids"])
-        if prompt_tokens > self.config.max_tokens:
-            raise ClipError(f"prompt is {prompt_tokens} tokens, over the encoder limit of {self.config.max_tokens}",
-                            "shorten the prompt")
-        if getattr(self, "text_encoder", None) is None:
-            self.load_encoder()
-        with measure(clip, "conditions", report=False):
-            media = self.media.prepare(request)
-        token_ids, clip.text_token_tags, vision = self.media.presentation(self.tokenizer, self.processor,
-                                                                          request.prompt, media)
-        with torch.inference_mode():
-            clip.prompt_embeds = get_qwen3vl_prompt_embeds(
-                self.text_encoder, self.processor, token_ids, vision, text_encoder_layer=self.config.layer,
-                device=self.runtime.device, dtype=self.runtime.dtype)
-            with measure(clip, "conditions", report=False):
-                clip.conditions = self.media.encode(media)
-        return clip
-
-    def unload(self):
-        super().unload()
-        if getattr(self, "media", None) is not None:
-            self.media.unload()

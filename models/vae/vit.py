@@ -23,7 +23,7 @@ from h3gen.kernels.attention import attention
 from h3gen.kernels.qk_norm_rope import qk_norm_rope
 from h3gen.kernels.residual_rmsnorm import residual_rmsnorm
 from h3gen.kernels.swiglu import swiglu, swiglu_reference
-from h3gen.stages.quant_linear import swiglu_linear
+from h3gen.models.quant_linear import swiglu_linear
 
 
 class BlockWeights(NamedTuple):

@@ -10,11 +10,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from h3gen import memory, outputs
-from h3gen.arriving import ArrivingMedia
-from h3gen.clip import Clip, Request
+from h3gen.run import memory, outputs
+from h3gen.run.arriving import ArrivingMedia
+from h3gen.inputs.request import Request
+from h3gen.stages.clip import Clip
 from h3gen.errors import ClipError, H3genError, ModelError
-from h3gen.timing import StageTimer
+from h3gen.run.timing import StageTimer
 
 PIPELINE = ("encode", "sampler", "vae", "mux")  # quant is applied at load time by the stages that load weights
 
@@ -138,7 +139,7 @@ class Renderer:
                 failed.add(clip.request.index)
                 self.reporter.clip_started(clip)
                 yield self.finish(clip, clip_error(clip, e))
-        cached = sum(bool(clip.notes.get("encode_cached")) for clip in clips)
+        cached = sum(clip.encode_cached for clip in clips)
         self.reporter.say(f"h3gen: encoded {len(clips) - len(failed)} prompt(s) in "
                           f"{time.perf_counter() - began:.2f}s ({cached} from the embedding cache)")
         encode.unload()
@@ -167,7 +168,7 @@ class Renderer:
                     clip.arriving = None
             clip = self.stages["vae"](clip)
             clip.drop_tensors(keep_media=True)  # the device's share goes now; the mux needs only frames and audio
-            clip.notes["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+            clip.peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
             if job is None and hasattr(mux, "submit"):
                 job = mux.submit(clip)
             if job is not None:
@@ -206,11 +207,10 @@ class Renderer:
         clip.drop_tensors()
         top_level = sum(clip.seconds.get(kind, 0.0) for kind in PIPELINE)
         result = ClipResult(clip.request, clip.path, not error, dict(clip.seconds), top_level,
-                            error, clip.notes.get("peak_gib", 0.0), clip.notes.get("forwards", 0),
+                            error, clip.peak_gib, clip.forwards,
                             skipped=status in ("skipped", "busy"),
                             note="another h3gen run is rendering it" if status == "busy" else "",
-                            attention=clip.notes.get("attention", ""))
-        clip.notes.clear()
+                            attention=clip.attention)
         outputs.record(self.out_dir, result, self.preset.name, status or ("ok" if result.ok else "failed"))
         self.reporter.clip_done(result)
         return result
@@ -263,7 +263,7 @@ MP4_BYTES_PER_PIXEL, AUDIO_BYTES = 0.5, 2**20
 
 def already_done(request: Request, out_dir: Path, preset: str, save_latents: bool) -> ClipResult | None:
     """A skipped result when the clip's file is there and validates for this request, so a rerun resumes."""
-    from h3gen.validate import validate_clip
+    from h3gen.run.validate import validate_clip
 
     path = out_dir / clip_name(request, preset)
     if not path.is_file() or save_latents and not latents_path(path).is_file():

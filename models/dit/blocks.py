@@ -12,10 +12,10 @@ from h3gen.kernels.norm_statistic import torch_rstd
 from h3gen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference, split_qkv
 from h3gen.kernels.rmsnorm_modulate import rmsnorm_modulate, rmsnorm_modulate_reference
 from h3gen.kernels.swiglu import swiglu, swiglu_reference
-from h3gen.stages.quant_linear import swiglu_linear
+from h3gen.models.dit.tags import MODALITIES
+from h3gen.models.quant_linear import swiglu_linear
 
 # Each packed row picks its AdaLN row by (timestep, modality): 0 video, 1 text, 2 audio.
-MODALITIES = 3
 
 REFERENCE_OPS = SimpleNamespace(rmsnorm_modulate=rmsnorm_modulate_reference, gated_residual=gated_residual_reference,
                                 qk_norm_rope=qk_norm_rope_reference, swiglu=swiglu_reference)

@@ -1,11 +1,10 @@
-"""What flows between stages: one request from the prompts file and what the stages make of it."""
+"""One request from the prompts file, and the shapes H3 gives it: frames, latent frames, audio latents."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
 
 FPS = 24
 SAMPLE_RATE = 32000
@@ -75,26 +74,3 @@ class Request:
     @property
     def audio_latent_shape(self) -> tuple[int, ...]:
         return (AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, audio_latents(self.frames))
-
-
-@dataclasses.dataclass
-class Clip:
-    request: Request
-    path: Path
-    preset: str = ""
-    prompt_embeds: Any = None
-    text_token_tags: Any = None
-    conditions: Any = None  # fl2va / ref2va: the prepared media and their latents (h3gen.stages.conditions)
-    video_latents: Any = None
-    audio_latents: Any = None
-    frames: Any = None  # uint8 (T, H, W, 3) on the host
-    audio: Any = None  # float32 (2, N) on the host
-    arriving: Any = None  # frames and audio as the decode hands them to a mux started with it (h3gen.arriving)
-    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
-    notes: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def drop_tensors(self, keep_media: bool = False) -> None:
-        """Let go of what the stages made, so the next clip starts from the same memory."""
-        self.prompt_embeds = self.text_token_tags = self.video_latents = self.audio_latents = None
-        if not keep_media:
-            self.frames = self.audio = self.arriving = None

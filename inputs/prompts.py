@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from h3gen.clip import MAX_SECONDS, MIN_SECONDS, Request, frames_for_duration
+from h3gen.inputs.request import MAX_SECONDS, MIN_SECONDS, Request, frames_for_duration
 from h3gen.errors import UsageError
 
 FIELDS = {"prompt": str, "id": str, "seed": int, "duration": (int, float), "width": int, "height": int,
@@ -77,7 +77,7 @@ def _request(fields: dict, index: int, line: int, base_seed: int, defaults: dict
     width, height = int(fields.get("width", defaults["width"])), int(fields.get("height", defaults["height"]))
     conditions, keyframe_size = _conditions(fields, base, where)
     if keyframe_size is not None and "width" not in fields and "height" not in fields:
-        from h3gen.media import keyframe_canvas
+        from h3gen.inputs.media import keyframe_canvas
 
         width, height = keyframe_canvas(keyframe_size, width, height)
     check_size(width, height, where)
@@ -98,7 +98,7 @@ def _conditions(fields: dict, base: Path, where: str) -> tuple[dict, tuple[int, 
     keyframes = [field for field in KEYFRAMES if field in fields]
     if not keyframes and "references" not in fields:
         return {}, None
-    from h3gen import media
+    from h3gen.inputs import media
 
     if keyframes and "references" in fields:
         raise UsageError(f"{where}: a line conditions on keyframes (fl2va) or on references (ref2va), not both",

@@ -121,13 +121,13 @@ class AdapterDeltas:
 
 
 def fuse_adapters(model: torch.nn.Module, adapters, scales: list[float]) -> int:
-    """Fuse every adapter (a `h3gen.contract.AdapterFile`) at its scale; returns how many tensors were changed."""
+    """Fuse every adapter (a `h3gen.config.contract.AdapterFile`) at its scale; returns how many tensors were changed."""
     return AdapterDeltas(adapters, scales).fuse_into(model)
 
 
 def group_keys(keys, path) -> dict[str, dict[str, str]]:
     """module name -> {lora_A, lora_B, alpha, diff, diff_b: key in the file}."""
-    from h3gen.contract import KEY_KINDS, classify_key
+    from h3gen.config.contract import KEY_KINDS, classify_key
 
     groups: dict[str, dict[str, str]] = {}
     for key in keys:

@@ -13,9 +13,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from h3gen.clip import AUDIO_CHANNELS, Clip, Request
-from h3gen.render import PIPELINE, Runtime, pick_device
-from h3gen.timing import StageTimer
+from h3gen.inputs.request import AUDIO_CHANNELS, Request
+from h3gen.stages.clip import Clip
+from h3gen.run.render import PIPELINE, Runtime, pick_device
+from h3gen.run.timing import StageTimer
 
 SAMPLES_PER_AUDIO_LATENT = 800
 RECORD_STAGES = ("encode", "dit", "vae_video", "vae_audio", "transfer", "mux", "e2e")
@@ -111,15 +112,15 @@ class StageBench:
         cuda = self.runtime.device.startswith("cuda")
         try:
             for _ in range(self.plan.warmup):
-                stage(dataclasses.replace(self.clip, seconds={}, notes=dict(self.clip.notes)))
+                stage(dataclasses.replace(self.clip, seconds={}))
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             timed = []
             for _ in range(self.plan.repeat):
-                clip = stage(dataclasses.replace(self.clip, seconds={}, notes=dict(self.clip.notes)))
+                clip = stage(dataclasses.replace(self.clip, seconds={}))
                 timed.append(clip.seconds)
             self.clip = clip
-            self.forwards_run = clip.notes.get("forwards", self.forwards_run)
+            self.forwards_run = clip.forwards or self.forwards_run
             self.peaks[kind] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         finally:
             stage.unload()
@@ -185,7 +186,7 @@ def records_for(name, baseline, request, runs, forwards_run, full_forwards, peak
 
 
 def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say=print) -> list[dict]:
-    from h3gen.preset import resolve
+    from h3gen.config.preset import resolve
 
     common = dict(gpus=1, layout="single", random_weights=random_weights, notes="")
     names = [(plan.baseline, True)] if plan.baseline else []
@@ -214,7 +215,7 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
                                         peak_gib=None, rtf=None, notes=f"failed: {type(e).__name__}: {e}"[:500]))
                     continue
                 records += records_for(preset.name, baseline, request, runs, bench.forwards_run, full_forwards,
-                                       bench.peaks, common, bench.clip.notes.get("attention", "-"))
+                                       bench.peaks, common, bench.clip.attention or "-")
     add_ratios(records)
     return records
 

@@ -61,7 +61,7 @@ class ModelRepo:
 
     def text_encoder_identity(self) -> str:
         """What the embedding cache keys on: a fingerprint of the text encoder's and the tokenizer's files."""
-        from h3gen.embedding_cache import encoder_fingerprint
+        from h3gen.run.embedding_cache import encoder_fingerprint
 
         return encoder_fingerprint([self.path("text_encoder"), self.path("tokenizer")])
 

@@ -11,7 +11,7 @@ import importlib.util
 import math
 from pathlib import Path
 
-from h3gen.clip import FPS, SAMPLE_RATE, Reference
+from h3gen.inputs.request import FPS, SAMPLE_RATE, Reference
 from h3gen.errors import UsageError
 
 MIN_ASPECT, MAX_ASPECT = 1 / 4, 4

@@ -1,0 +1,1 @@
+"""Configuration: presets, adapter contracts, stage configs built from preset values."""

@@ -1,0 +1,61 @@
+"""What flows between stages: a clip, the typed fields each stage reads and writes, and the order they run in.
+
+`FLOW` is the pipeline written once, as data: the one-process renderer, the group renderer and the bench take a clip
+through it, and a plugin author reads in it what a stage of each kind is handed and must hand on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from h3gen.inputs.request import Request
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    kind: str
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    on_device: bool  # runs on the clip's device (and on every rank of a group); the mux runs on the host
+
+
+FLOW = (
+    Step("encode", reads=("request",), writes=("prompt_embeds", "text_token_tags", "conditions", "encode_cached"),
+         on_device=True),
+    Step("sampler", reads=("request", "prompt_embeds", "text_token_tags", "conditions"),
+         writes=("video_latents", "audio_latents", "forwards", "attention"), on_device=True),
+    Step("vae", reads=("video_latents", "audio_latents"), writes=("frames", "audio", "sample_rate", "arriving"),
+         on_device=True),
+    Step("mux", reads=("frames", "audio", "sample_rate", "arriving", "path"), writes=(), on_device=False),
+)
+PIPELINE = tuple(step.kind for step in FLOW)  # quant is applied at load time by the stages that load weights
+DEVICE_STAGES = tuple(step.kind for step in FLOW if step.on_device)
+
+
+@dataclasses.dataclass
+class Clip:
+    request: Request
+    path: Path
+    preset: str = ""
+    prompt_embeds: Any = None  # (1, tokens, width) text states; on the host between the encode and the sampler
+    text_token_tags: Any = None
+    conditions: Any = None  # fl2va / ref2va: the prepared media and their latents (h3gen.models.conditions)
+    encode_cached: bool = False  # the embeddings came from the embedding cache
+    video_latents: Any = None  # (1, 24, latent frames, H/16, W/16) on the device
+    audio_latents: Any = None  # (2, 32, audio latents) on the device
+    forwards: int = 0  # DiT forwards the sampler ran
+    attention: str = ""  # the attention backend the DiT ran on
+    frames: Any = None  # uint8 (T, H, W, 3) on the host
+    audio: Any = None  # float32 (2, N) on the host
+    sample_rate: int = 0  # the audio's samples per second
+    arriving: Any = None  # frames and audio as the decode hands them to a mux started with it (h3gen.run.arriving)
+    peak_gib: float = 0.0  # the device's peak memory while the clip rendered (0 on the CPU)
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def drop_tensors(self, keep_media: bool = False) -> None:
+        """Let go of what the stages made, so the next clip starts from the same memory."""
+        self.prompt_embeds = self.text_token_tags = self.video_latents = self.audio_latents = None
+        if not keep_media:
+            self.frames = self.audio = self.arriving = None
