@@ -22,7 +22,7 @@ from pathlib import Path
 
 from h3gen.bench.sweep import (BenchPlan, adapter_overrides, bench_frames, cache_overrides, forward_overrides,
                          preset_forwards)
-from h3gen.cli.ui import SilentReporter
+from h3gen.run.report import SilentReporter
 from h3gen.inputs.request import Request
 
 

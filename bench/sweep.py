@@ -14,8 +14,8 @@ import tempfile
 from pathlib import Path
 
 from h3gen.inputs.request import AUDIO_CHANNELS, Request
-from h3gen.stages.clip import Clip
-from h3gen.run.render import PIPELINE, Runtime, pick_device
+from h3gen.stages.clip import PIPELINE, Clip
+from h3gen.run.render import Runtime, pick_device
 from h3gen.run.timing import StageTimer
 
 SAMPLES_PER_AUDIO_LATENT = 800

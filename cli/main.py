@@ -75,12 +75,13 @@ def render(
     """Render one MP4 per prompt."""
     from h3gen.cli.run import run_render
     from h3gen.inputs.prompts import parse_shard
+    from h3gen.run.settings import Parallel, RunSettings
 
-    parallel = {"gpus": gpus, "cpu_workers": cpu_workers, "ulysses": ulysses, "nnodes": nnodes,
-                "node_rank": node_rank, "rdzv_endpoint": rdzv_endpoint, "rdzv_id": rdzv_id}
     try:
-        code = run_render(prompts, output, preset, model, seed, overrides or [], json_out, save_latents, force,
-                          strict_plugins, parse_shard(shard) if shard is not None else None, parallel)
+        settings = RunSettings(prompts, output, preset, model, seed, tuple(overrides or ()), json_out, save_latents,
+                               force, strict_plugins, parse_shard(shard) if shard is not None else None,
+                               Parallel(gpus, cpu_workers, ulysses, nnodes, node_rank, rdzv_endpoint, rdzv_id))
+        code = run_render(settings)
     except H3genError as e:
         fail(e)
     raise typer.Exit(code)

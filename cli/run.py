@@ -1,243 +1,67 @@
-"""`h3gen render`: resolve everything that can be checked before a weight loads, then run."""
+"""`h3gen render`: resolve the preset, pick one process or workers, run, and turn the outcome into an exit status."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import signal
-import tempfile
-from pathlib import Path
 
 from h3gen.cli.ui import reporter_for
 from h3gen.errors import UsageError
+from h3gen.run.loop import Interrupted, stop_on_signals
+from h3gen.run.settings import RunSettings
+
+WORKER_ENTRY = "h3gen.cli.worker"  # what torchrun starts: a worker that draws with this command's reporters
 
 
-class Interrupted(BaseException):
-    """SIGINT or SIGTERM: the clip in flight is discarded and the run ends with 128 + the signal number.
-
-    A BaseException, so the per-clip `except Exception` in the render loop lets it through.
-    """
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signal_name, self.exit_code = signal.Signals(signum).name, 128 + signum
-        self.results = []  # clips finished before the signal
-
-
-@contextlib.contextmanager
-def stop_on_signals():
-    """Turn SIGINT and SIGTERM into `Interrupted` in the main thread; a second one ends the process at once."""
-
-    def stop(signum, frame):
-        signal.signal(signum, signal.SIG_DFL)
-        raise Interrupted(signum)
-
-    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-def check_writable(directory: Path) -> None:
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".h3gen-probe-"):
-            pass
-    except OSError as e:
-        raise UsageError(f"output directory {directory} is not writable ({e.strerror or e})",
-                         "pass -o with a directory you can write to") from None
-
-
-def check_plugins(found, strict: bool, reporter) -> None:
-    for name, why in found.failed:
-        if strict:
-            raise UsageError(f"plugin '{name}' {why}",
-                             "fix or uninstall it, leave it out with H3GEN_LOAD_PLUGINS, or drop --strict-plugins")
-        reporter.say(f"h3gen: plugin '{name}' {why} (skipped)")
-
-
-def check_unique_outputs(requests, preset_name: str, prompts: Path) -> None:
-    """Two lines that would write one file: the second would silently replace the first."""
-    from h3gen.run.render import clip_name
-
-    first_line = {}
-    for request in requests:
-        name = clip_name(request, preset_name)
-        if name in first_line:
-            raise UsageError(f"{prompts}:{request.line}: writes {name}, as line {first_line[name]} does",
-                             "give the clips different ids or seeds")
-        first_line[name] = request.line
-
-
-def skip_finished(requests, output: Path, preset_name: str, save_latents: bool, reporter) -> list:
-    """Results for the clips a previous run already wrote (file there and valid): a rerun resumes."""
-    from h3gen.run.render import already_done
-
-    from h3gen.run.outputs import record
-
-    finished = [already_done(request, output, preset_name, save_latents) for request in requests]
-    for result in filter(None, finished):
-        record(output, result, preset_name, "skipped")
-        reporter.clip_done(result)
-    return [result for result in finished if result]
-
-
-def run_render(prompts, output, preset_name, model, seed, overrides, json_out, save_latents,
-               force=False, strict_plugins=False, shard=None, parallel=None) -> int:
-    """`shard`: (i, n) or None; `parallel`: the worker flags (gpus, cpu_workers, ulysses, nnodes, ...)."""
+def run_render(settings: RunSettings) -> int:
     with stop_on_signals():
         try:
-            return _run_render(prompts, output, preset_name, model, seed, overrides, json_out, save_latents, force,
-                               strict_plugins, shard, parallel or {})
+            return _run_render(settings)
         except Interrupted as stop:
             reporter_for(0, False, "").say(f"h3gen: stopped by {stop.signal_name}; run the same command again to resume")
             return stop.exit_code
 
 
-@dataclasses.dataclass
-class Batch:
-    """A checked run: everything resolved before a weight loads."""
-
-    preset: object
-    found: object
-    requests: list  # this run's share of the prompts file (all of it without --shard)
-    repo: object
-    reporter: object
-
-
-def prepare(prompts, output, preset, found, model, seed, json_out, strict_plugins, shard=None,
-            quiet=False) -> Batch:
-    """Check the prompts file, output directory, plugins, model and adapter contracts; `quiet` checks without a
-    word (the launcher, whose rank 0 says it all again)."""
-    from h3gen.cli.ui import SilentReporter
-    from h3gen.config.contract import check_adapters
-    from h3gen.inputs.prompts import read_prompts, shard_requests
-
-    every = read_prompts(prompts, seed, preset.request)
-    check_unique_outputs(every, preset.name, prompts)  # across shards too: two shards must not write one file
-    requests = shard_requests(every, shard)
-    check_writable(output)
-    # Clips are numbered by their place in the whole file, so [i/n] means the same in every shard.
-    reporter = SilentReporter() if quiet else reporter_for(len(every), json_out, preset.name)
-    check_plugins(found, strict_plugins, reporter)
-    repo = model_repo(model, reporter)
-    check_adapters(preset, requests, repo.root)  # an adapter's step/shift/task contract, before any weight loads
-    return Batch(preset, found, requests, repo, reporter)
-
-
-def _run_render(prompts, output, preset_name, model, seed, overrides, json_out, save_latents, force,
-                strict_plugins, shard, parallel) -> int:
-    from h3gen.plugins.manager import registry
+def _run_render(settings: RunSettings) -> int:
     from h3gen.config.preset import resolve
+    from h3gen.plugins.manager import registry
+    from h3gen.run.loop import prepare, render_batch
 
     found = registry()
-    preset = resolve(preset_name, found, overrides)
-    workers = worker_count(parallel, preset)
-    if workers:
+    preset = resolve(settings.preset, found, list(settings.overrides))
+    settings = with_preset_workers(settings, preset)
+    if settings.parallel.workers:
         from h3gen.parallel.launch import launch_workers
 
-        batch = prepare(prompts, output, preset, found, model, seed, json_out, strict_plugins, shard, quiet=True)
-        return launch_workers(batch, parallel, preset_name, overrides, prompts, output, model, seed, json_out,
-                              save_latents, force, strict_plugins, shard)
-    if parallel.get("ulysses"):
+        return launch_workers(prepare(settings, preset, found), settings, WORKER_ENTRY)
+    check_one_process(settings)
+    return render_batch(settings, preset, found, reporter_for)
+
+
+def check_one_process(settings: RunSettings) -> None:
+    parallel = settings.parallel
+    if parallel.ulysses:
         raise UsageError("--ulysses splits a clip across workers, and this run has one process",
                          "add --gpus N or --cpu-workers N")
-    machines = [flag for flag, key in (("--nnodes", "nnodes"), ("--node-rank", "node_rank"),
-                                       ("--rdzv-endpoint", "rdzv_endpoint"), ("--rdzv-id", "rdzv_id"))
-                if parallel.get(key) is not None]
+    machines = [flag for flag, value in (("--nnodes", parallel.nnodes), ("--node-rank", parallel.node_rank),
+                                         ("--rdzv-endpoint", parallel.rdzv_endpoint), ("--rdzv-id", parallel.rdzv_id))
+                if value is not None]
     if machines:
         raise UsageError(f"{machines[0]} joins machines of a run of workers, and this run has one process",
                          "add --gpus N or --cpu-workers N")
-    batch = prepare(prompts, output, preset, found, model, seed, json_out, strict_plugins, shard)
-    reporter, requests = batch.reporter, batch.requests
-    results = [] if force else skip_finished(requests, output, preset.name, save_latents, reporter)
-    finished = {result.request.index for result in results}
-    pending = [request for request in requests if request.index not in finished]
-    stopped = None
-    if pending:  # weights load only when there is something to render
-        reporter.say(f"h3gen: {len(pending)} clip(s) to render, preset {preset.name}, model {batch.repo.root}")
-        try:
-            results += render_pending(pending, output, save_latents, preset, found, batch.repo, reporter, force)
-        except Interrupted as stop:
-            results += stop.results
-            stopped = stop
-    return report_end(reporter, results, len(requests), stopped)
 
 
-def report_end(reporter, results, total: int, stopped=None) -> int:
-    """The summary, and the exit status: 0 all written, 1 some failed, 128 + signal when stopped."""
-    reporter.summary(sorted(results, key=lambda r: r.request.index), total)
-    if stopped:
-        reporter.say(f"h3gen: stopped by {stopped.signal_name}: the clip in flight was discarded; run the same "
-                     "command again to render the rest (clips already written are kept and skipped)")
-        return stopped.exit_code
-    return 0 if all(r.ok for r in results) else 1
-
-
-def worker_count(parallel: dict, preset) -> int:
-    """Workers asked for by flags, else by the preset's [parallel]; 0 keeps the run in this process."""
-    gpus, cpu_workers = parallel.get("gpus"), parallel.get("cpu_workers")
-    if gpus is not None and cpu_workers is not None:
+def with_preset_workers(settings: RunSettings, preset) -> RunSettings:
+    """Workers asked for by flags, else by the preset's [parallel]; none keeps the run in this process."""
+    parallel = settings.parallel
+    if parallel.gpus is not None and parallel.cpu_workers is not None:
         raise UsageError("--gpus and --cpu-workers both given", "--gpus N for GPU workers, --cpu-workers N for CPU ones")
-    if gpus is None and cpu_workers is None:  # the preset's, when the command line says nothing
-        parallel["gpus"], parallel["cpu_workers"] = preset.parallel["gpus"] or None, preset.parallel["cpu_workers"] or None
-        gpus, cpu_workers = parallel["gpus"], parallel["cpu_workers"]
-    if not parallel.get("ulysses") and preset.parallel["ulysses"] and (gpus or cpu_workers):
-        parallel["ulysses"] = preset.parallel["ulysses"]  # the preset's for when workers run; one process ignores it
-    for flag, value in (("--gpus", gpus), ("--cpu-workers", cpu_workers)):
+    if parallel.gpus is None and parallel.cpu_workers is None:  # the preset's, when the command line says nothing
+        parallel = dataclasses.replace(parallel, gpus=preset.parallel["gpus"] or None,
+                                       cpu_workers=preset.parallel["cpu_workers"] or None)
+    if not parallel.ulysses and preset.parallel["ulysses"] and parallel.workers:
+        # the preset's for when workers run; one process ignores it
+        parallel = dataclasses.replace(parallel, ulysses=preset.parallel["ulysses"])
+    for flag, value in (("--gpus", parallel.gpus), ("--cpu-workers", parallel.cpu_workers)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} {value}: at least one worker", f"pass {flag} 1 or more")
-    return gpus or cpu_workers or 0
-
-
-def model_repo(model, reporter):
-    from h3gen.models.repo import ModelRepo
-
-    if model is None:
-        from h3gen.models.tiny import TINY_NOTICE, ensure_tiny_model
-
-        model = ensure_tiny_model()
-        reporter.say(f"note: {TINY_NOTICE}")
-    return ModelRepo(model)
-
-
-def render_pending(requests, output, save_latents, preset, found, repo, reporter, force=False, group=None,
-                   leader=0) -> list:
-    """Load the stages once and render every request; on a signal, `Interrupted.results` holds the finished ones.
-
-    With `group` (a process group of two or more ranks rendering each clip together; `leader` is its first rank)
-    this rank renders its share of every clip, and only the leader gets results."""
-    from h3gen.run.quiet import quiet_libraries
-    from h3gen.run.render import Renderer
-
-    quiet_libraries()
-    if group is None:
-        renderer = Renderer(preset, found, repo, reporter)
-    else:
-        from h3gen.parallel.group_render import GroupRenderer
-
-        renderer = GroupRenderer(preset, found, repo, reporter, group, leader)
-    attention = getattr(renderer.stages["sampler"], "attention_backend", None)
-    reporter.say(f"h3gen: loaded on {renderer.runtime.device} ({preset.runtime['dtype']})"
-                 + (f", attention {attention}" if attention else ""))
-    if renderer.runtime.device.startswith("cuda"):
-        from h3gen.run.memory import cuda_fit_warning
-
-        warning = cuda_fit_warning(requests, repo.path("transformer") / "config.json", renderer.runtime.dtype.itemsize)
-        if warning:
-            reporter.say(f"h3gen: {warning}")
-    results, interrupted = [], False
-    reporter.start()
-    try:
-        for result in renderer.render(requests, output, save_latents, force):
-            if result is not None:  # None: a clip another rank of the group reports
-                results.append(result)
-    except Interrupted as stop:
-        stop.results, interrupted = results, True
-        raise
-    finally:
-        results += filter(None, renderer.close(discard=interrupted))  # the same list `Interrupted.results` holds
-        reporter.stop()
-    return results
+    return dataclasses.replace(settings, parallel=parallel)

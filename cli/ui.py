@@ -1,4 +1,5 @@
-"""What the user sees on stderr while a run works: a live rich display on a terminal, plain lines otherwise.
+"""What the user sees on stderr while a run works: a live rich display on a terminal, plain lines otherwise. Both
+implement the run loop's reporter protocol (h3gen.run.report).
 
 stdout is kept for results (`--json`), so every display here writes to stderr and never redirects stdout.
 """
@@ -144,31 +145,3 @@ class LiveReporter(PlainReporter):
 def reporter_for(total: int, json_out: bool, preset: str):
     live = sys.stderr.isatty()
     return (LiveReporter if live else PlainReporter)(total, json_out, preset)
-
-
-class SilentReporter:
-    """Says nothing: the launcher's own checks (its rank 0 says it all), and ranks of a group other than the first."""
-
-    def say(self, text: str) -> None:
-        pass
-
-    def start(self):
-        return self
-
-    def stop(self):
-        pass
-
-    def clip_started(self, clip):
-        pass
-
-    def stage_done(self, clip, kind, seconds):
-        pass
-
-    def step(self, clip, step, steps):
-        pass
-
-    def clip_done(self, result):
-        pass
-
-    def summary(self, results, total: int | None = None):
-        pass

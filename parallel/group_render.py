@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from h3gen.errors import ClipError, H3genError
 from h3gen.run.render import Renderer, check_disk, clip_error
+from h3gen.stages.clip import CLIP_DEVICE_STAGES, DEVICE_STAGES
 
-PARALLEL_STAGES = ("encode", "sampler", "vae")
 GO, PASS = 0, 1  # the first rank's word on a clip: render it, or leave it (busy, skipped, failed)
 
 
@@ -22,7 +22,7 @@ class GroupRenderer(Renderer):
         super().__init__(preset, registry, repo, reporter)
         self.group, self.leader = group, leader
         self.leads = dist.get_rank() == leader
-        for kind in PARALLEL_STAGES:
+        for kind in DEVICE_STAGES:
             self.stages[kind].parallelize(group)
 
     def admit(self, clip, force):
@@ -49,11 +49,18 @@ class GroupRenderer(Renderer):
         if self.leads:
             return super().render_one(clip, claim)
         try:
-            for kind in ("sampler", "vae"):
+            for kind in CLIP_DEVICE_STAGES:
                 clip = self.stages[kind](clip)
         except Exception as e:  # the first rank meets the same error and reports the clip; this rank only lent a share
             self.check_fatal(clip, e)
         clip.drop_tensors()
+
+    def finish(self, clip, error: str = "", status: str = "", claim=None):
+        """The first rank alone writes the manifest line and reports the clip; the others only let go of it."""
+        if self.leads:
+            return super().finish(clip, error, status, claim)
+        clip.drop_tensors()
+        return None
 
     def check_fatal(self, clip, error: Exception) -> None:
         """An input error meets every rank alike, and the group moves on to the next clip together. Anything else
@@ -69,9 +76,3 @@ class GroupRenderer(Renderer):
 
 class GroupError(H3genError):
     exit_code = 1
-
-    def finish(self, clip, error: str = "", status: str = "", claim=None):
-        if self.leads:
-            return super().finish(clip, error, status, claim)
-        clip.drop_tensors()
-        return None

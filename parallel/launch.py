@@ -18,6 +18,7 @@ from pathlib import Path
 
 from h3gen.errors import H3genError, UsageError
 from h3gen.parallel.layout import check_ulysses
+from h3gen.run.settings import Parallel, RunSettings
 
 
 class WorkerFailed(H3genError):
@@ -31,15 +32,14 @@ def dit_heads(repo) -> int:
     return int(config["num_attention_heads"])
 
 
-def sampler_splits(preset) -> bool:
-    """Whether the default layout may split a clip: the built-in sampler runs Ulysses on its own DiT only
-    (sampler.dit = "h3gen"), and refuses it on diffusers' transformer. An explicit --ulysses is passed on as
-    asked, and the sampler's refusal reported."""
-    return getattr(preset.stages["sampler"][1], "dit", "h3gen") == "h3gen"
+def split_refusal(batch) -> str:
+    """Why this preset's sampler cannot split a clip across a group ('' when it can), as the stage declares it."""
+    name, config = batch.preset.stages["sampler"]
+    return batch.found.stage("sampler", name).refuses_split(config)
 
 
-def check_workers(parallel: dict, preset, heads: int) -> None:
-    gpus = parallel.get("gpus")
+def check_workers(parallel: Parallel, preset, heads: int, refusal: str) -> None:
+    gpus = parallel.gpus
     if gpus:
         import torch
 
@@ -52,30 +52,32 @@ def check_workers(parallel: dict, preset, heads: int) -> None:
         if preset.runtime["device"] == "cpu":
             raise UsageError(f"--gpus {gpus}: preset {preset.name} runs on the CPU ([runtime] device = \"cpu\")",
                              "use --cpu-workers, or --set runtime.device=auto")
-    per_node = gpus or parallel["cpu_workers"]
-    if parallel.get("ulysses"):
-        check_ulysses(parallel["ulysses"], per_node, heads, "--gpus" if gpus else "--cpu-workers")
-    nnodes, node_rank = parallel.get("nnodes") or 1, parallel.get("node_rank")
+    per_node = parallel.workers
+    if parallel.ulysses:
+        check_ulysses(parallel.ulysses, per_node, heads, "--gpus" if gpus else "--cpu-workers")
+        if parallel.ulysses > 1 and refusal:
+            raise UsageError(f"--ulysses {parallel.ulysses}: {refusal}", "drop --ulysses to render whole clips per worker")
+    nnodes, node_rank = parallel.nnodes or 1, parallel.node_rank
     if nnodes < 1:
         raise UsageError(f"--nnodes {nnodes}: at least one machine", "pass --nnodes 1 or more")
-    if nnodes > 1 and not parallel.get("rdzv_endpoint"):
+    if nnodes > 1 and not parallel.rdzv_endpoint:
         raise UsageError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT",
                          "the address of a machine of the job every node can reach")
     if node_rank is not None and not 0 <= node_rank < nnodes:
         raise UsageError(f"--node-rank {node_rank} is not one of 0..{nnodes - 1}", "number the machines from 0")
 
 
-def launch_config(parallel: dict, per_node: int):
+def launch_config(parallel: Parallel, per_node: int):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
-    nnodes, endpoint = parallel.get("nnodes") or 1, parallel.get("rdzv_endpoint")
+    nnodes, endpoint = parallel.nnodes or 1, parallel.rdzv_endpoint
     if nnodes == 1 and not endpoint:  # torchrun --standalone: a store of its own on a free local port
         backend, endpoint, configs, run_id = "c10d", "localhost:0", {}, uuid.uuid4().hex
-    elif parallel.get("node_rank") is not None:  # torchrun --node-rank: node 0 hosts the store at the endpoint
-        backend, configs, run_id = "static", {"rank": parallel["node_rank"]}, parallel.get("rdzv_id") or "h3gen"
+    elif parallel.node_rank is not None:  # torchrun --node-rank: node 0 hosts the store at the endpoint
+        backend, configs, run_id = "static", {"rank": parallel.node_rank}, parallel.rdzv_id or "h3gen"
     else:  # torchrun --rdzv-backend c10d: the nodes meet at the endpoint and get their ranks in arrival order
-        backend, configs, run_id = "c10d", {}, parallel.get("rdzv_id") or "h3gen"
+        backend, configs, run_id = "c10d", {}, parallel.rdzv_id or "h3gen"
     # max_restarts 0: a restarted worker would render clips its group already wrote; a rerun resumes instead.
     return LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=per_node, run_id=run_id,
                         role="h3gen", rdzv_endpoint=endpoint, rdzv_backend=backend, rdzv_configs=configs,
@@ -83,24 +85,20 @@ def launch_config(parallel: dict, per_node: int):
                         logs_specs=DefaultLogsSpecs())
 
 
-def launch_workers(batch, parallel, preset_name, overrides, prompts, output, model, seed, json_out, save_latents,
-                   force, strict_plugins, shard) -> int:
-    heads = dit_heads(batch.repo)
-    check_workers(parallel, batch.preset, heads)
-    per_node = parallel.get("gpus") or parallel["cpu_workers"]
+def launch_workers(batch, settings: RunSettings, entry: str) -> int:
+    """Start the workers of a checked run: `python -m ENTRY JOB` each (a module that calls h3gen.parallel.worker's
+    `main` with the reporters to draw with)."""
+    parallel, heads, refusal = settings.parallel, dit_heads(batch.repo), split_refusal(batch)
+    check_workers(parallel, batch.preset, heads, refusal)
+    per_node = parallel.workers
     # On the CPU a clip depends on the intra-op thread count (MKL and ATen split their sums by thread): give each
     # worker its share of the cores, and say so in the README, rather than torchrun's silent one thread each.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_node)))
     with tempfile.TemporaryDirectory(prefix="h3gen-run-") as scratch:
         status_file = Path(scratch) / "status"
-        job = {"prompts": str(Path(prompts).resolve()), "output": str(Path(output).resolve()),
-               "preset": preset_name, "overrides": list(overrides),
-               "model": str(Path(model).resolve()) if model else None, "seed": seed, "json": json_out,
-               "save_latents": save_latents, "force": force, "strict_plugins": strict_plugins,
-               "shard": list(shard) if shard else None, "ulysses": parallel.get("ulysses") or 0,
-               "device": "gpu" if parallel.get("gpus") else "cpu", "status_file": str(status_file),
-               "split_heads": heads if sampler_splits(batch.preset) else 1}
-        stopped = run(launch_config(parallel, per_node), job)
+        job = {"settings": settings.to_json(), "device": "gpu" if parallel.gpus else "cpu",
+               "status_file": str(status_file), "heads": heads, "split_refusal": refusal}
+        stopped = run(launch_config(parallel, per_node), job, entry)
         if stopped:
             return stopped
         if status_file.is_file():
@@ -110,7 +108,7 @@ def launch_workers(batch, parallel, preset_name, overrides, prompts, output, mod
     return 0
 
 
-def run(config, job: dict) -> int:
+def run(config, job: dict, entry: str) -> int:
     """Start the workers and wait for them; 128 + the signal number when this process was stopped by one."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -118,7 +116,7 @@ def run(config, job: dict) -> int:
 
     quiet_agent()
     try:
-        elastic_launch(config, sys.executable)("-m", "h3gen.parallel.worker", json.dumps(job))
+        elastic_launch(config, sys.executable)("-m", entry, json.dumps(job))
         return 0
     except ChildFailedError as failed:
         raise root_cause(failed, job["device"]) from None

@@ -7,13 +7,16 @@ from pathlib import Path
 
 from h3gen.parallel import events
 from h3gen.parallel.layout import Layout, choose_layout
+from h3gen.run.report import SilentReporter
+from h3gen.run.settings import RunSettings
 
 
 class Worker:
-    def __init__(self, job: dict, device: str):
+    def __init__(self, job: dict, device: str, make_reporter):
         import torch.distributed as dist
 
-        self.job, self.device = job, device
+        self.job, self.device, self.make_reporter = job, device, make_reporter
+        self.settings = RunSettings.from_json(job["settings"])
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.per_node = int(os.environ["LOCAL_WORLD_SIZE"])
         self.store = events.connect()
@@ -30,7 +33,7 @@ class Worker:
         share = pending[index::layout.groups]
         if self.rank == 0:
             return self.report(layout, pending, plan["finished"], share, group)
-        reporter = events.RemoteReporter(self.store, index) if self.rank == leader else silent()
+        reporter = events.RemoteReporter(self.store, index) if self.rank == leader else SilentReporter()
         try:
             self.render(share, reporter, group, leader)
         finally:
@@ -40,26 +43,26 @@ class Worker:
 
     def make_plan(self) -> dict:
         """Rank 0 checks the run as a one-process run would, with the same reporter, and publishes the plan."""
-        from h3gen.cli.run import prepare, skip_finished
+        from h3gen.run.loop import prepare, skip_finished
 
-        job = self.job
+        job, settings = self.job, self.settings
         try:
             preset, found = self.preset()
-            self.batch = prepare(Path(job["prompts"]), Path(job["output"]), preset, found, job["model"],
-                                 job["seed"], job["json"], job["strict_plugins"],
-                                 tuple(job["shard"]) if job["shard"] else None)
+            self.batch = prepare(settings, preset, found, self.make_reporter)
             self.batch.reporter = events.SharedReporter(self.batch.reporter)
             requests, reporter = self.batch.requests, self.batch.reporter
-            finished = [] if job["force"] else skip_finished(requests, Path(job["output"]), preset.name,
-                                                              job["save_latents"], reporter)
+            finished = [] if settings.force else skip_finished(requests, settings.output, preset.name,
+                                                                settings.save_latents, reporter)
             done = {result.request.index for result in finished}
             pending = [request for request in requests if request.index not in done]
-            layout = choose_layout(self.world, self.per_node, len(pending), job["split_heads"], job["ulysses"])
+            heads = job["heads"] if not job["split_refusal"] else 1
+            layout = choose_layout(self.world, self.per_node, len(pending), heads, settings.parallel.ulysses or 0)
         except BaseException:
             events.publish_plan(self.store, {"error": True})
             raise
         worker = "GPU" if job["device"] == "gpu" else "CPU worker"
-        reporter.say(f"h3gen: layout {layout.describe(worker)}")
+        why = f" (no Ulysses: {job['split_refusal']})" if job["split_refusal"] and layout.world > 1 else ""
+        reporter.say(f"h3gen: layout {layout.describe(worker)}{why}")
         if pending:
             reporter.say(f"h3gen: {len(pending)} clip(s) to render, preset {preset.name}, model "
                          f"{self.batch.repo.root}, {self.world} worker(s)")
@@ -71,13 +74,13 @@ class Worker:
         from h3gen.config.preset import resolve
 
         found = registry()
-        preset = resolve(self.job["preset"], found, self.job["overrides"])
+        preset = resolve(self.settings.preset, found, list(self.settings.overrides))
         preset.runtime["device"] = self.device  # this worker's own GPU (cuda:LOCAL_RANK), or the CPU
         return preset, found
 
     def render(self, share: list, reporter, group, leader: int) -> list:
-        from h3gen.cli.run import render_pending
         from h3gen.models.repo import ModelRepo
+        from h3gen.run.loop import render_pending
 
         if not share:
             return []  # a group with nothing to do loads nothing
@@ -88,10 +91,8 @@ class Worker:
             from h3gen.models.tiny import ensure_tiny_model
 
             preset, found = self.preset()
-            repo = ModelRepo(self.job["model"] or ensure_tiny_model())
-        job = self.job
-        results = render_pending(share, Path(job["output"]), job["save_latents"], preset, found, repo, reporter,
-                                 job["force"], group, leader)
+            repo = ModelRepo(self.settings.model or ensure_tiny_model())
+        results = render_pending(share, self.settings, preset, found, repo, reporter, group, leader)
         if group is not None:
             import torch.distributed as dist
 
@@ -103,7 +104,7 @@ class Worker:
     def report(self, layout: Layout, pending: list, finished: list, share: list, group) -> int:
         """Rank 0: render its own group's share while a thread replays the other groups' events; then the
         summary, and the run's exit status for the launcher."""
-        from h3gen.cli.run import Interrupted, report_end
+        from h3gen.run.loop import Interrupted, report_end
 
         reporter = self.batch.reporter
         pump = events.EventPump(reporter, pending, layout.groups - 1) if layout.groups > 1 else None
@@ -137,8 +138,3 @@ def make_groups(layout: Layout, index: int):
     groups = [dist.new_group(layout.ranks_of(g)) for g in range(layout.groups)]
     return groups[index]
 
-
-def silent():
-    from h3gen.cli.ui import SilentReporter
-
-    return SilentReporter()

@@ -1,4 +1,5 @@
-"""One torchrun worker: `python -m h3gen.parallel.worker JOB`, JOB being the launcher's JSON.
+"""One torchrun worker, `main(argv, make_reporter)`: argv[0] is the launcher's JSON job; `make_reporter` draws for
+rank 0, which reports the run (h3gen.cli.worker passes the command's own).
 
 Global rank 0 reads the prompts file, skips what is already written, picks the layout and publishes the plan; then
 every group renders its share of the pending clips (round-robin in file order) and rank 0 reports them all.
@@ -20,13 +21,13 @@ import time
 from h3gen.errors import H3genError
 
 
-def main(argv: list[str]) -> int:
-    from h3gen.cli.run import Interrupted, stop_on_signals
+def main(argv: list[str], make_reporter) -> int:
+    from h3gen.run.loop import Interrupted, stop_on_signals
 
     job = json.loads(argv[0])
     try:
         with stop_on_signals():
-            return serve(job)
+            return serve(job, make_reporter)
     except H3genError as error:
         record_error(error)
         return error.exit_code
@@ -50,7 +51,7 @@ def record_error(error: H3genError) -> None:
             "timestamp": str(int(time.time())), "h3gen_time": time.time(), "h3gen_exit_code": error.exit_code}}}, f)
 
 
-def serve(job: dict) -> int:
+def serve(job: dict, make_reporter) -> int:
     import torch
     import torch.distributed as dist
 
@@ -66,7 +67,7 @@ def serve(job: dict) -> int:
     try:
         from h3gen.parallel.serve import Worker
 
-        return Worker(job, device).run()
+        return Worker(job, device, make_reporter).run()
     except H3genError as error:
         # On record before the group goes: the other ranks fail on the lost connection only after this one's error.
         record_error(error)
@@ -77,8 +78,3 @@ def serve(job: dict) -> int:
         gc.collect()
         dist.destroy_process_group()
 
-
-if __name__ == "__main__":
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    sys.exit(record(main)(sys.argv[1:]))

@@ -13,11 +13,9 @@ from pathlib import Path
 from h3gen.run import memory, outputs
 from h3gen.run.arriving import ArrivingMedia
 from h3gen.inputs.request import Request
-from h3gen.stages.clip import Clip
+from h3gen.stages.clip import PIPELINE, Clip
 from h3gen.errors import ClipError, H3genError, ModelError
 from h3gen.run.timing import StageTimer
-
-PIPELINE = ("encode", "sampler", "vae", "mux")  # quant is applied at load time by the stages that load weights
 
 
 @dataclasses.dataclass
@@ -161,7 +159,7 @@ class Renderer:
             clip = self.stages["sampler"](clip)
             if self.save_latents:
                 write_latents(clip)
-            if getattr(self.stages["vae"], "hands_over_frames", False) and hasattr(mux, "submit"):
+            if self.stages["vae"].hands_over_frames and mux.background:
                 clip.arriving = ArrivingMedia()
                 job = mux.submit(clip)
                 if job is None:  # the mux runs in line, after the decode: it takes the finished frames
@@ -169,7 +167,7 @@ class Renderer:
             clip = self.stages["vae"](clip)
             clip.drop_tensors(keep_media=True)  # the device's share goes now; the mux needs only frames and audio
             clip.peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
-            if job is None and hasattr(mux, "submit"):
+            if job is None and mux.background:
                 job = mux.submit(clip)
             if job is not None:
                 self.muxing.append((clip, claim, job))
@@ -219,7 +217,7 @@ class Renderer:
         """Wait for background muxes, or with `discard` (a signal) stop them; the results of the clips that were
         written all the same. Either way each file is written whole or not at all."""
         mux = self.stages["mux"]
-        if discard and hasattr(mux, "discard_in_flight"):
+        if discard and mux.background:
             mux.discard_in_flight()
         for kind in PIPELINE:
             self.stages[kind].unload()

@@ -55,6 +55,16 @@ class Stage:
     Config: ClassVar[type] = NoConfig
     description: ClassVar[str] = ""
     on_host: ClassVar[bool] = False  # timed by the host clock: work that never touches the device
+    # What the stage can do, declared by its class and read by the run loop and the launcher, never probed. The
+    # defaults are the in-line, one-rank behaviour, so a stage that declares nothing works in every run.
+    splits_clip: ClassVar[bool] = False  # sampler: renders one clip across a group of ranks after `parallelize`
+    hands_over_frames: ClassVar[bool] = False  # vae: fills `clip.arriving` chunk by chunk for a mux started with it
+    background: ClassVar[bool] = False  # mux: `submit(clip)` muxes on a thread, `discard_in_flight()` stops it
+
+    @classmethod
+    def refuses_split(cls, config) -> str:
+        """Why this stage, with `config`, cannot render one clip across a group of ranks; '' when it can."""
+        return "" if cls.splits_clip else f"the {cls.kind} stage '{cls.name}' renders a clip on one rank"
 
     def __init__(self, config, runtime):
         self.config, self.runtime = config, runtime
@@ -62,12 +72,24 @@ class Stage:
     def load(self, repo) -> None:
         """Load weights from a `ModelRepo`; stages without weights keep this no-op."""
 
+    def load_note(self) -> str:
+        """What the stage chose as it loaded, for the run's "loaded" line (the sampler: its attention backend)."""
+        return ""
+
     def __call__(self, clip, report: bool = True):
         with self.runtime.timer.measure(clip, self.kind, report=report, host=self.on_host):
             return self.run(clip)
 
     def run(self, clip):
         raise NotImplementedError
+
+    def submit(self, clip):
+        """A background mux (`background = True`): start muxing `clip` and return a Future of it, or None to be
+        called in line after the decode."""
+        return None
+
+    def discard_in_flight(self) -> None:
+        """A background mux: stop the writes in flight now (a signal ends the run), leaving no partial file."""
 
     def parallelize(self, group) -> None:
         """Spread this stage over `group`, a torch.distributed process group of two or more ranks that render one

@@ -18,12 +18,13 @@ class Step:
     kind: str
     reads: tuple[str, ...]
     writes: tuple[str, ...]
-    on_device: bool  # runs on the clip's device (and on every rank of a group); the mux runs on the host
+    on_device: bool  # runs on the clip's device, on every rank of a group; the mux runs on the host, once
+    ahead: bool = False  # runs for every prompt of the batch before the first clip renders, then unloads
 
 
 FLOW = (
     Step("encode", reads=("request",), writes=("prompt_embeds", "text_token_tags", "conditions", "encode_cached"),
-         on_device=True),
+         on_device=True, ahead=True),
     Step("sampler", reads=("request", "prompt_embeds", "text_token_tags", "conditions"),
          writes=("video_latents", "audio_latents", "forwards", "attention"), on_device=True),
     Step("vae", reads=("video_latents", "audio_latents"), writes=("frames", "audio", "sample_rate", "arriving"),
@@ -31,7 +32,8 @@ FLOW = (
     Step("mux", reads=("frames", "audio", "sample_rate", "arriving", "path"), writes=(), on_device=False),
 )
 PIPELINE = tuple(step.kind for step in FLOW)  # quant is applied at load time by the stages that load weights
-DEVICE_STAGES = tuple(step.kind for step in FLOW if step.on_device)
+DEVICE_STAGES = tuple(step.kind for step in FLOW if step.on_device)  # spread over a group (`Stage.parallelize`)
+CLIP_DEVICE_STAGES = tuple(step.kind for step in FLOW if step.on_device and not step.ahead)  # clip by clip
 
 
 @dataclasses.dataclass

@@ -140,6 +140,7 @@ class PyAVMux(Stage):
     Config = PyAVMuxConfig
     description = "PyAV: H.264 (libx264) + AAC stereo into an MP4, written atomically"
     on_host = True
+    background = True  # with mux.workers > 0; `submit` returns None when it is 0
 
     def submit(self, clip):
         """Mux on a background thread; returns a Future of the clip, or None when muxing runs in line.

@@ -28,7 +28,7 @@ class EulerConfig:
     sigma_positions: list[float] = dataclasses.field(default_factory=list)  # explicit grid before the shift
     video_shift: float = 12.0
     audio_shift: float = 3.0
-    dit: str = "diffusers"  # "diffusers": the reference transformer; "h3gen": fused kernels and AdaLN tables
+    dit: str = "h3gen"  # "h3gen": h3gen's DiT (fused kernels, AdaLN tables); "diffusers": the reference transformer
     triton: bool = True  # h3gen DiT: Triton kernels for norm/modulate, QK-norm + RoPE, SwiGLU, gated residual
     adaln_table: bool = True  # h3gen DiT: modulation rows precomputed for the schedule, adaln_proj dropped
     compile: bool = False  # h3gen DiT: regional torch.compile of each block
@@ -69,8 +69,20 @@ def forward_timesteps(config: EulerConfig) -> list[list[float]]:
 class EulerSampler(Stage):
     kind, name = "sampler", "euler"
     Config = EulerConfig
-    description = "rectified-flow Euler over diffusers' MiniMaxH3Transformer3DModel (the reference DiT)"
+    description = ("rectified-flow Euler over h3gen's DiT (dit = \"h3gen\") or diffusers' "
+                   "MiniMaxH3Transformer3DModel (dit = \"diffusers\")")
+    splits_clip = True
     group = None  # the process group the DiT is sequence-parallel over, once `parallelize` has run
+
+    @classmethod
+    def refuses_split(cls, config) -> str:
+        if config.dit != "h3gen":
+            return (f"Ulysses sequence parallelism (one clip across devices) needs sampler.dit = \"h3gen\", not "
+                    f"\"{config.dit}\"")
+        return ""
+
+    def load_note(self) -> str:
+        return f"attention {self.attention_backend}"
 
     def __init__(self, config, runtime):
         super().__init__(config, runtime)
@@ -115,9 +127,9 @@ class EulerSampler(Stage):
     def parallelize(self, group) -> None:
         """Ulysses sequence parallelism: each rank runs the DiT blocks over a slice of the packed rows and gets the
         full velocities back, so noise, Euler steps and latents are the same on every rank."""
-        if self.config.dit != "h3gen":
-            raise UsageError(f"Ulysses sequence parallelism (one clip across devices) needs sampler.dit = \"h3gen\", "
-                             f"not \"{self.config.dit}\"", "set sampler.dit=\"h3gen\", or render on one device")
+        refusal = self.refuses_split(self.config)
+        if refusal:
+            raise UsageError(refusal, "set sampler.dit=\"h3gen\", or render on one device")
         from h3gen.parallel.ulysses import apply_ulysses
 
         apply_ulysses(self.dit, group)

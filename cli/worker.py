@@ -1,0 +1,12 @@
+"""`python -m h3gen.cli.worker JOB`: one torchrun worker (h3gen.parallel.worker), drawing with the command's own
+reporters, since global rank 0 reports the run as a one-process run would."""
+
+import sys
+
+from h3gen.cli.ui import reporter_for
+from h3gen.parallel.worker import main
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(main)(sys.argv[1:], reporter_for))

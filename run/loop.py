@@ -1,0 +1,198 @@
+"""The run loop: check everything that can be checked before a weight loads, skip what is written, render the
+rest, report the end. The command line (h3gen.cli) and the workers (h3gen.parallel) both drive a run through here,
+and talk to it only through a reporter (h3gen.run.report)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+import tempfile
+from pathlib import Path
+
+from h3gen.errors import UsageError
+from h3gen.run.report import SilentReporter
+from h3gen.run.settings import RunSettings
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM: the clip in flight is discarded and the run ends with 128 + the signal number.
+
+    A BaseException, so the per-clip `except Exception` in the render loop lets it through.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signal_name, self.exit_code = signal.Signals(signum).name, 128 + signum
+        self.results = []  # clips finished before the signal
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """Turn SIGINT and SIGTERM into `Interrupted` in the main thread; a second one ends the process at once."""
+
+    def stop(signum, frame):
+        signal.signal(signum, signal.SIG_DFL)
+        raise Interrupted(signum)
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@dataclasses.dataclass
+class Batch:
+    """A checked run: everything resolved before a weight loads."""
+
+    preset: object
+    found: object
+    requests: list  # this run's share of the prompts file (all of it without --shard)
+    repo: object
+    reporter: object
+
+
+def silent(total: int, json_out: bool, preset: str) -> SilentReporter:
+    """A reporter factory for checks that say nothing (the launcher's: its workers' rank 0 says it all again)."""
+    return SilentReporter()
+
+
+def prepare(settings: RunSettings, preset, found, make_reporter=silent) -> Batch:
+    """Check the prompts file, output directory, plugins, model and adapter contracts, then make the run's reporter:
+    `make_reporter(total clips in the file, json_out, preset name)`."""
+    from h3gen.config.contract import check_adapters
+    from h3gen.inputs.prompts import read_prompts, shard_requests
+
+    every = read_prompts(settings.prompts, settings.seed, preset.request)
+    check_unique_outputs(every, preset.name, settings.prompts)  # across shards too: two shards must not write one file
+    requests = shard_requests(every, settings.shard)
+    check_writable(settings.output)
+    # Clips are numbered by their place in the whole file, so [i/n] means the same in every shard.
+    reporter = make_reporter(len(every), settings.json_out, preset.name)
+    check_plugins(found, settings.strict_plugins, reporter)
+    repo = model_repo(settings.model, reporter)
+    check_adapters(preset, requests, repo.root)  # an adapter's step/shift/task contract, before any weight loads
+    return Batch(preset, found, requests, repo, reporter)
+
+
+def check_writable(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".h3gen-probe-"):
+            pass
+    except OSError as e:
+        raise UsageError(f"output directory {directory} is not writable ({e.strerror or e})",
+                         "pass -o with a directory you can write to") from None
+
+
+def check_plugins(found, strict: bool, reporter) -> None:
+    for name, why in found.failed:
+        if strict:
+            raise UsageError(f"plugin '{name}' {why}",
+                             "fix or uninstall it, leave it out with H3GEN_LOAD_PLUGINS, or drop --strict-plugins")
+        reporter.say(f"h3gen: plugin '{name}' {why} (skipped)")
+
+
+def check_unique_outputs(requests, preset_name: str, prompts: Path) -> None:
+    """Two lines that would write one file: the second would silently replace the first."""
+    from h3gen.run.render import clip_name
+
+    first_line = {}
+    for request in requests:
+        name = clip_name(request, preset_name)
+        if name in first_line:
+            raise UsageError(f"{prompts}:{request.line}: writes {name}, as line {first_line[name]} does",
+                             "give the clips different ids or seeds")
+        first_line[name] = request.line
+
+
+def model_repo(model, reporter):
+    from h3gen.models.repo import ModelRepo
+
+    if model is None:
+        from h3gen.models.tiny import TINY_NOTICE, ensure_tiny_model
+
+        model = ensure_tiny_model()
+        reporter.say(f"note: {TINY_NOTICE}")
+    return ModelRepo(model)
+
+
+def skip_finished(requests, output: Path, preset_name: str, save_latents: bool, reporter) -> list:
+    """Results for the clips a previous run already wrote (file there and valid): a rerun resumes."""
+    from h3gen.run.outputs import record
+    from h3gen.run.render import already_done
+
+    finished = [already_done(request, output, preset_name, save_latents) for request in requests]
+    for result in filter(None, finished):
+        record(output, result, preset_name, "skipped")
+        reporter.clip_done(result)
+    return [result for result in finished if result]
+
+
+def render_batch(settings: RunSettings, preset, found, make_reporter) -> int:
+    """A one-process run: check, skip what is written, render the rest, report; the exit status."""
+    batch = prepare(settings, preset, found, make_reporter)
+    reporter, requests = batch.reporter, batch.requests
+    results = [] if settings.force else skip_finished(requests, settings.output, preset.name, settings.save_latents,
+                                                      reporter)
+    finished = {result.request.index for result in results}
+    pending = [request for request in requests if request.index not in finished]
+    stopped = None
+    if pending:  # weights load only when there is something to render
+        reporter.say(f"h3gen: {len(pending)} clip(s) to render, preset {preset.name}, model {batch.repo.root}")
+        try:
+            results += render_pending(pending, settings, preset, found, batch.repo, reporter)
+        except Interrupted as stop:
+            results += stop.results
+            stopped = stop
+    return report_end(reporter, results, len(requests), stopped)
+
+
+def report_end(reporter, results, total: int, stopped=None) -> int:
+    """The summary, and the exit status: 0 all written, 1 some failed, 128 + signal when stopped."""
+    reporter.summary(sorted(results, key=lambda r: r.request.index), total)
+    if stopped:
+        reporter.say(f"h3gen: stopped by {stopped.signal_name}: the clip in flight was discarded; run the same "
+                     "command again to render the rest (clips already written are kept and skipped)")
+        return stopped.exit_code
+    return 0 if all(r.ok for r in results) else 1
+
+
+def render_pending(requests, settings: RunSettings, preset, found, repo, reporter, group=None, leader=0) -> list:
+    """Load the stages once and render every request; on a signal, `Interrupted.results` holds the finished ones.
+
+    With `group` (a process group of two or more ranks rendering each clip together; `leader` is its first rank)
+    this rank renders its share of every clip, and only the leader gets results."""
+    from h3gen.run.quiet import quiet_libraries
+    from h3gen.run.render import Renderer
+
+    quiet_libraries()
+    if group is None:
+        renderer = Renderer(preset, found, repo, reporter)
+    else:
+        from h3gen.parallel.group_render import GroupRenderer
+
+        renderer = GroupRenderer(preset, found, repo, reporter, group, leader)
+    notes = "".join(f", {note}" for note in (stage.load_note() for stage in renderer.stages.values()) if note)
+    reporter.say(f"h3gen: loaded on {renderer.runtime.device} ({preset.runtime['dtype']}){notes}")
+    if renderer.runtime.device.startswith("cuda"):
+        from h3gen.run.memory import cuda_fit_warning
+
+        warning = cuda_fit_warning(requests, repo.path("transformer") / "config.json", renderer.runtime.dtype.itemsize)
+        if warning:
+            reporter.say(f"h3gen: {warning}")
+    results, interrupted = [], False
+    reporter.start()
+    try:
+        for result in renderer.render(requests, settings.output, settings.save_latents, settings.force):
+            if result is not None:  # None: a clip another rank of the group reports
+                results.append(result)
+    except Interrupted as stop:
+        stop.results, interrupted = results, True
+        raise
+    finally:
+        results += filter(None, renderer.close(discard=interrupted))  # the same list `Interrupted.results` holds
+        reporter.stop()
+    return results

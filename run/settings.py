@@ -1,0 +1,53 @@
+"""A run's settings, as the command line gave them: one frozen value the loop, the launcher and its workers share."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """Workers asked for: GPU or CPU ones, ranks per clip, and the machines of a multi-node run."""
+
+    gpus: int | None = None
+    cpu_workers: int | None = None
+    ulysses: int | None = None
+    nnodes: int | None = None
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+
+    @property
+    def workers(self) -> int:
+        """Workers per machine; 0 keeps the run in this process."""
+        return self.gpus or self.cpu_workers or 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    prompts: Path
+    output: Path
+    preset: str = "tiny"  # a name or a TOML file
+    model: Path | None = None  # None: the embedded tiny model
+    seed: int = 0
+    overrides: tuple[str, ...] = ()  # --set section.key=value, in order
+    json_out: bool = False
+    save_latents: bool = False
+    force: bool = False
+    strict_plugins: bool = False
+    shard: tuple[int, int] | None = None  # (i, n): the prompts at places i modulo n
+    parallel: Parallel = Parallel()
+
+    def to_json(self) -> dict:
+        """What the launcher hands its workers: paths made absolute, since a worker may start elsewhere."""
+        return {**dataclasses.asdict(self), "prompts": str(Path(self.prompts).resolve()),
+                "output": str(Path(self.output).resolve()),
+                "model": str(Path(self.model).resolve()) if self.model else None}
+
+    @classmethod
+    def from_json(cls, data: dict) -> RunSettings:
+        return cls(**{**data, "prompts": Path(data["prompts"]), "output": Path(data["output"]),
+                      "model": Path(data["model"]) if data["model"] else None,
+                      "overrides": tuple(data["overrides"]), "shard": tuple(data["shard"]) if data["shard"] else None,
+                      "parallel": Parallel(**data["parallel"])})
