@@ -15,6 +15,17 @@ os.environ.setdefault("MKL_CBWR", "AUTO")  # as the h3gen command sets it, befor
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` need a GPU: skipped where torch sees none (CI), run by name with `pytest -m cuda`."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     from h3gen.models.tiny import ensure_tiny_model

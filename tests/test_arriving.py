@@ -123,7 +123,7 @@ def test_a_decode_failing_mid_clip_costs_that_clip_and_no_file(tiny_model, tmp_p
     assert not [p for p in out.iterdir() if p.name.startswith(".") and p.suffix == ".mp4"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_frames_copied_from_the_device_arrive_as_the_reference_makes_them():
     """On CUDA each chunk lands after its copy on the side stream: a reader on another thread waits for it."""
     from h3gen.kernels.frames import frames_reference

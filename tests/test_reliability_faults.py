@@ -205,7 +205,7 @@ def test_a_failed_clip_gives_its_memory_back_before_the_next(tiny_model, tmp_pat
     assert [r.ok for r in results] == [False, True]
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_memory_returns_to_its_starting_level_between_clips(tiny_model, tmp_path):
     import torch
 

@@ -1,0 +1,50 @@
+"""A group of ranks renders each clip together, and its first rank alone reports: one manifest line per clip and
+event and one `--json` record per clip, also for the clips the group passes or fails."""
+
+import json
+
+from conftest import h3gen
+
+ENV = {"OMP_NUM_THREADS": "1"}
+PROMPTS = ('{"id": "ok", "prompt": "a red fox in the snow"}\n'
+           '{"id": "long", "prompt": "' + "waves " * 40 + '"}\n'
+           '{"id": "held", "prompt": "a lighthouse at night"}\n')
+
+
+def test_a_group_reports_each_clip_once_from_its_first_rank(prompts_file, tmp_path, tiny_model):
+    from h3gen.run.outputs import ClipClaim
+
+    out = tmp_path / "out"
+    out.mkdir()
+    claim = ClipClaim(out / "held.mp4")  # another run is rendering it: the group's first rank passes it
+    assert claim.acquire()
+    try:
+        result = h3gen("render", prompts_file(PROMPTS), "-o", out, "--json", "--cpu-workers", 2, "--ulysses", 2,
+                       "--set", "sampler.dit=h3gen", "--set", "encode.max_tokens=20", env=ENV)
+    finally:
+        claim.release()
+    assert result.returncode == 1, result.stderr[-3000:]  # the long prompt failed
+    assert "layout 1 group(s) x 2 CPU workers: Ulysses 2" in result.stderr
+    lines = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert sorted((line["id"], line["status"]) for line in lines) == [("held", "busy"), ("long", "failed"),
+                                                                      ("ok", "ok")]
+    assert len({line["pid"] for line in lines}) == 1  # written by one rank
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert sorted((r["id"], r["ok"], r["skipped"]) for r in records) == [("held", True, True), ("long", False, False),
+                                                                         ("ok", True, False)]
+    assert sorted(p.name for p in out.glob("*.mp4")) == ["ok.mp4"]
+
+
+def test_workers_with_a_sampler_that_cannot_split_render_whole_clips_and_say_why(prompts_file, tmp_path):
+    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--cpu-workers", 4,
+                   "--preset", "diffusers", "--set", "request.width=32", "--set", "request.height=32",
+                   "--set", "sampler.steps=3", env=ENV, check_code=0)
+    assert ("h3gen: layout 4 group(s) x 1 CPU worker: data parallel, 4 clip(s) at a time (no Ulysses: the sampler "
+            "stage 'diffusers' renders a clip on one rank)") in result.stderr
+    assert len(list((tmp_path / "out").glob("*.mp4"))) == 1
+
+
+def test_ulysses_with_a_sampler_that_cannot_split_is_refused_before_any_worker(prompts_file, tmp_path):
+    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--cpu-workers", 2, "--ulysses", 2,
+                   "--set", "sampler.dit=diffusers", env=ENV, check_code=2)
+    assert 'needs sampler.dit = "h3gen"' in result.stderr and "layout" not in result.stderr
