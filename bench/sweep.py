@@ -72,7 +72,7 @@ def preset_forwards(preset) -> int:
     from h3gen.stages.sampler import forwards
 
     config = preset.stages["sampler"][1]
-    return forwards(config) if hasattr(config, "sigma_positions") else config.steps - 1
+    return forwards(config)
 
 
 class StageBench:

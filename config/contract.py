@@ -152,10 +152,12 @@ def _same(a, b) -> bool:
 
 def sampler_asks(sampler) -> dict:
     """What a sampler config will run, in contract terms (a knob the sampler does not have is left out)."""
+    from h3gen.stages.sampler import forwards
+
     positions = list(getattr(sampler, "sigma_positions", None) or [])
     asks = {}
     if positions or getattr(sampler, "steps", None) is not None:
-        asks["forwards"] = (len(positions) if positions else sampler.steps) - 1
+        asks["forwards"] = forwards(sampler)
     if positions:
         asks["sigma_positions"] = positions
     for key in ("video_shift", "audio_shift"):

@@ -14,13 +14,10 @@ import torch.distributed as dist
 
 from h3gen.errors import UsageError
 from h3gen.kernels.attention import attention
+from h3gen.parallel.layout import ulysses_degrees
 
 # torch renamed all_gather_into_tensor to all_gather_single; the device image's torch may only know the old name.
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def allowed_group_sizes(heads: int) -> list[int]:
-    return [k for k in range(1, heads + 1) if heads % k == 0]
 
 
 def row_counts(rows: int, ranks: int) -> list[int]:
@@ -92,7 +89,7 @@ def apply_ulysses(transformer, group):
     ranks = dist.get_world_size(group)
     heads = transformer.config.num_attention_heads
     if heads % ranks:
-        allowed = ", ".join(map(str, allowed_group_sizes(heads)))
+        allowed = ", ".join(map(str, ulysses_degrees(heads, heads)))
         raise UsageError(f"Ulysses over {ranks} ranks cannot split the DiT's {heads} attention heads evenly",
                          f"run on a number of devices that divides {heads}: {allowed}")
     if getattr(transformer, "ulysses_slices", None) is not None:

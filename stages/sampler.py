@@ -52,8 +52,9 @@ def sigma_schedule(config: EulerConfig, shift: float):
     return scheduler
 
 
-def forwards(config: EulerConfig) -> int:
-    return len(sigma_schedule(config, config.video_shift).timesteps)
+def forwards(config) -> int:
+    """DiT forwards a sampler config runs (this stage's or diffusers'): one per sigma grid point but the terminal 0."""
+    return (len(getattr(config, "sigma_positions", None) or ()) or config.steps) - 1
 
 
 def forward_timesteps(config: EulerConfig) -> list[list[float]]:
