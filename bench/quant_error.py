@@ -84,7 +84,7 @@ def quant_stage(mode, knobs, device, dtype):
     from types import SimpleNamespace
 
     from h3gen.config.preset import parse_override
-    from h3gen.stages.base import build_config
+    from h3gen.config.stage_config import build_config
     from h3gen.stages.quant import FP8Rowwise, Int8WeightOnly, NoQuant
 
     stages = {stage.name: stage for stage in (NoQuant, FP8Rowwise, Int8WeightOnly)}

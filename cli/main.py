@@ -6,6 +6,8 @@ Nothing heavy is imported at module level, so `h3gen --help` and shell completio
 from __future__ import annotations
 
 import os
+import sys
+import traceback
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -14,15 +16,28 @@ import typer
 from h3gen import __version__
 from h3gen.errors import H3genError
 
-app = typer.Typer(add_completion=True, no_args_is_help=True, rich_markup_mode=None,
+app = typer.Typer(add_completion=True, no_args_is_help=True, rich_markup_mode=None, pretty_exceptions_enable=False,
                   help="Render MiniMax-H3 clips (video with a stereo soundtrack) from a prompts file.")
 presets_app = typer.Typer(no_args_is_help=True, help="List and inspect presets.")
 app.add_typer(presets_app, name="presets")
 
 
 def fail(error: H3genError) -> None:
+    from h3gen.run.render import debugging
+
+    if debugging() and error.__cause__ is not None:
+        traceback.print_exception(error.__cause__, file=sys.stderr)
     typer.echo(f"h3gen: error: {error}", err=True)
     raise typer.Exit(error.exit_code)
+
+
+def show_tracebacks(wanted: bool) -> None:
+    """--traceback: failures print where they came from besides their one line, in this process and its workers."""
+    if wanted:
+        os.environ["H3GEN_DEBUG"] = "1"
+
+
+TRACEBACK_HELP = "Print a failure's traceback besides its one line (also H3GEN_DEBUG=1)."
 
 
 def version_callback(value: bool):
@@ -71,8 +86,10 @@ def render(
                                                          help="Where the machines of a multi-node run meet.")] = None,
     rdzv_id: Annotated[Optional[str], typer.Option("--rdzv-id", help="Job id shared by the machines of one "
                                                                      "multi-node run.")] = None,
+    tracebacks: Annotated[bool, typer.Option("--traceback", help=TRACEBACK_HELP)] = False,
 ):
     """Render one MP4 per prompt."""
+    show_tracebacks(tracebacks)
     from h3gen.cli.run import run_render
     from h3gen.inputs.prompts import parse_shard
     from h3gen.run.settings import Parallel, RunSettings
@@ -110,12 +127,14 @@ def bench(
                                                                   "fresh embedding cache, cold then warm.")] = False,
     baseline_clips: Annotated[Optional[int], typer.Option("--baseline-clips", min=1, help="With --batch: clips the "
                                                           "baseline renders (default: the batch's N).")] = None,
+    tracebacks: Annotated[bool, typer.Option("--traceback", help=TRACEBACK_HELP)] = False,
 ):
     """Time presets against the diffusers baseline, stage by stage; write JSON, a markdown table and a chart.
     With --batch N: N clips through the renderer per preset (the baseline clip by clip), the time each clip adds
     beyond its DiT, and clips per hour."""
     from h3gen.cli.bench import run_bench_command
 
+    show_tracebacks(tracebacks)
     try:
         run_bench_command(presets or ["h3-base"], baseline, durations, size, repeat, warmup, random_weights, model,
                           stages, forwards, text_tokens, output, batch, warm_cache, baseline_clips)
@@ -148,26 +167,34 @@ def presets_list():
     from h3gen.plugins.manager import registry
     from h3gen.config.preset import load_toml
 
-    for name, path in sorted(registry().presets.items()):
+    found = registry()
+    for name, path in sorted(found.presets.items()):
         typer.echo(f"{name:12s} {load_toml(path).get('description', '')}")
+    report_failed_plugins(found)
 
 
 @presets_app.command("show")
 def presets_show(
     name: Annotated[str, typer.Argument(help="Preset name or TOML file.")],
     overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a value: section.key=value.")] = None,
+    as_toml: Annotated[bool, typer.Option("--toml", help="Print the resolved preset as TOML that resolves back to "
+                                                        "the same values: a start for a preset of your own.")] = False,
 ):
     """Print a preset's resolved configuration and where each value came from."""
+    from h3gen.config.preset import describe, resolve, toml_value
+    from h3gen.config.preset import as_toml as preset_toml
     from h3gen.plugins.manager import registry
-    from h3gen.config.preset import describe, resolve
 
     try:
         resolved = resolve(name, registry(), overrides or [])
     except H3genError as e:
         fail(e)
+    if as_toml:
+        typer.echo(preset_toml(resolved), nl=False)
+        return
     typer.echo(f"# {resolved.name}: {resolved.description}")
     for key, value, source in describe(resolved):
-        typer.echo(f"{key:26s} = {value!r:40s} # {source}")
+        typer.echo(f"{key:26s} = {toml_value(value):40s} # {source}")
 
 
 @app.command()
@@ -178,6 +205,10 @@ def plugins():
     found = registry()
     for (kind, name), entry in sorted(found.stages.items()):
         typer.echo(f"{kind:8s} {name:16s} {entry.origin:20s} {entry.stage.__module__}.{entry.stage.__qualname__}")
+    report_failed_plugins(found)
+
+
+def report_failed_plugins(found) -> None:
     for name, why in found.failed:
         typer.echo(f"h3gen: plugin '{name}' {why} (skipped)", err=True)
 
@@ -195,7 +226,17 @@ def main():
     # MKL's matrix products otherwise round differently with the memory layout a process happens to have (an
     # encoder that ran before the DiT changes it): conditional numerical reproducibility keeps one seed one clip.
     os.environ.setdefault("MKL_CBWR", "AUTO")
-    app(prog_name="h3gen")
+    try:
+        app(prog_name="h3gen")
+    except Exception as e:  # not bad input but a bug (h3gen's or a plugin's): one line, the details on request
+        from h3gen.errors import one_line
+        from h3gen.run.render import debugging
+
+        if debugging():
+            raise
+        print(f"h3gen: error: {type(e).__name__}: {one_line(str(e))} (a bug; rerun with --traceback for where, and "
+              "report it)", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

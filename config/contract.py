@@ -122,7 +122,7 @@ def read_contract(adapter: AdapterFile) -> dict:
     if unknown:
         raise UsageError(f"adapter contract {adapter.contract}: unknown key '{sorted(unknown)[0]}'",
                          f"allowed keys: {', '.join(CONTRACT_KEYS)}")
-    from h3gen.stages.base import build_config
+    from h3gen.config.stage_config import build_config
 
     checked = build_config(AdapterConfig, dict(contract), f"adapter contract {adapter.contract}")  # types, tasks
     return {key: getattr(checked, key) for key in contract}

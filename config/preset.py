@@ -2,6 +2,10 @@
 
 Topology stays in code; a preset only picks implementations and values. Every resolved value remembers where it
 came from (preset file, stage default, --set) so `h3gen presets show` can explain a configuration.
+
+A preset can build on another (`extends = "h3-base"`, a name or a file): it then says only what changes. Where it,
+or `--set`, names another stage for a kind, the keys set for the stage it replaces are dropped; a wrapping stage
+(h3gen.stages.base.Wrapper) takes them as the stage it wraps instead.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from typing import Any
 
 from h3gen.config.contract import AdapterConfig
 from h3gen.errors import UsageError
-from h3gen.stages.base import STAGE_KINDS, build_config
+from h3gen.config.stage_config import build_config
+from h3gen.stages.base import STAGE_KINDS
 
 KNOWN_VERSIONS = (1,)
 REQUEST_DEFAULTS = {"width": 1344, "height": 768, "duration": 5.0}
@@ -47,15 +52,66 @@ def load_toml(path: Path) -> dict:
         raise UsageError(f"cannot read preset {path}: {e}", "pass a readable UTF-8 TOML file") from None
 
 
-def find_preset(name_or_file: str, registry) -> tuple[str, dict]:
+def find_preset(name_or_file: str, registry, folder: Path | None = None) -> tuple[str, Path]:
+    """The preset's name and file: a registered name, or a file (relative to `folder`, the extending preset's)."""
     path = Path(name_or_file)
     if name_or_file in registry.presets:
-        return name_or_file, load_toml(registry.presets[name_or_file])
+        return name_or_file, Path(registry.presets[name_or_file])
+    if folder is not None and not path.is_absolute():
+        path = folder / path
     if path.suffix == ".toml" or path.exists():
         if not path.is_file():
             raise UsageError(f"preset file {path} does not exist", "pass a preset name or an existing .toml file")
-        return path.stem, load_toml(path)
+        return path.stem, path
     raise UsageError(f"unknown preset '{name_or_file}'", f"available: {', '.join(sorted(registry.presets))}")
+
+
+def load_preset(name_or_file: str, registry, folder: Path | None = None, chain: tuple = ()) -> tuple[str, dict]:
+    """The preset's tables, with the presets it extends merged under them."""
+    name, path = find_preset(name_or_file, registry, folder)
+    if path.resolve() in chain:
+        raise UsageError(f"preset {name} extends itself ({' -> '.join(p.stem for p in chain + (path,))})",
+                         "remove the cycle of extends")
+    data = load_toml(path)
+    base = data.pop("extends", None)
+    if base is None:
+        return name, data
+    if not isinstance(base, str):
+        raise UsageError(f"preset {name}: extends must be a preset name or file, got {base!r:.40}",
+                         'e.g. extends = "h3-base"')
+    _, base_data = load_preset(base, registry, path.parent, chain + (path.resolve(),))
+    return name, merge(base_data, data, registry, f"preset {name}")
+
+
+def merge(base: dict, child: dict, registry, where: str) -> dict:
+    merged = dict(base)
+    for key, value in child.items():
+        if key in STAGE_KINDS and isinstance(value, dict) and isinstance(base.get(key), dict):
+            merged[key] = replace_stage(base[key], value, key, registry)
+        elif key in SECTIONS and isinstance(value, dict) and isinstance(base.get(key), dict):
+            merged[key] = {**base[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def replace_stage(old: dict, new: dict, kind: str, registry) -> dict:
+    """A stage section over another: the same stage takes the new keys over the old; another stage drops them,
+    unless it wraps its kind, when the old section becomes the stage it wraps."""
+    name = new.get("use")
+    if name is None or name == old.get("use"):
+        return {**old, **new}
+    section = dict(new)
+    if "wraps" not in section and is_wrapper(registry, kind, name):
+        section["wraps"] = old
+    return section
+
+
+def is_wrapper(registry, kind: str, name) -> bool:
+    from h3gen.stages.base import Wrapper
+
+    found = registry.stages.get((kind, name)) if isinstance(name, str) else None
+    return found is not None and issubclass(found.stage, Wrapper)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -72,14 +128,21 @@ def parse_override(text: str) -> tuple[str, str, Any]:
 
 
 def resolve(name_or_file: str, registry, overrides: list[str] = ()) -> Preset:
-    name, data = find_preset(name_or_file, registry)
+    name, data = load_preset(name_or_file, registry)
     where = f"preset {name}"
     sources = {}
     for section, field, value in map(parse_override, overrides):
         if section not in STAGE_KINDS + SECTIONS:
             raise UsageError(f"--set {section}.{field}: unknown section {section!r}",
                              f"sections: {', '.join(STAGE_KINDS + SECTIONS)}")
-        _table(data.setdefault(section, {}), section, where)[field] = value
+        table = _table(data.setdefault(section, {}), section, where)
+        if field == "use" and section in STAGE_KINDS:
+            data[section] = replace_stage(table, {"use": value}, section, registry)
+        else:
+            *parents, last = field.split(".")  # wraps.tile_batch: a key of the wrapped stage
+            for parent in parents:
+                table = _table(table.setdefault(parent, {}), f"{section}.{parent}", where)
+            table[last] = value
         sources[f"{section}.{field}"] = "--set"
     version = data.get("version")
     if version not in KNOWN_VERSIONS:
@@ -139,17 +202,30 @@ def _section(data: dict, section: str, defaults: dict, where: str, sources: dict
     return values
 
 
-def _stage(kind: str, data: dict, registry, where: str, sources: dict):
-    section = dict(_table(data.get(kind, {}), kind, where))
+def _stage(kind: str, data: dict, registry, where: str, sources: dict, key: str = ""):
+    """(name, config) of the stage `data[kind]` names; `key` is the section's place ("vae", "vae.wraps")."""
+    key = key or kind
+    section = dict(_table(data.get(kind, {}), key, where))
     name = section.pop("use", None)
     if not isinstance(name, str):
-        raise UsageError(f"{where}: [{kind}] needs use = \"<registered name>\"",
+        raise UsageError(f"{where}: [{key}] needs use = \"<registered name>\"",
                          f"registered {kind} stages: {', '.join(sorted(n for k, n in registry.stages if k == kind))}")
     stage = registry.stage(kind, name)
-    config = build_config(stage.Config, section, f"{where} [{kind}]")
-    sources.setdefault(f"{kind}.use", where)
+    wraps = section.pop("wraps", None) if is_wrapper(registry, kind, name) else None
+    config = build_config(stage.Config, section, f"{where} [{key}]")
+    if wraps is not None or is_wrapper(registry, kind, name):
+        from h3gen.stages.base import Wrapped
+
+        if wraps is None:
+            raise UsageError(f"{where}: {kind} stage '{name}' wraps another {kind} stage, and none is named",
+                             f"add [{key}.wraps] with use = \"...\", or set it over a preset that has a {kind} stage")
+        inner = _stage(kind, {kind: wraps}, registry, where, sources, f"{key}.wraps")
+        config.wraps = Wrapped(inner[0], registry.stage(kind, inner[0]), inner[1])
+    sources.setdefault(f"{key}.use", where)
     for field in dataclasses.fields(config):
-        sources.setdefault(f"{kind}.{field.name}", where if field.name in section else f"default of {kind} '{name}'")
+        if field.name != "wraps" or wraps is None:
+            sources.setdefault(f"{key}.{field.name}",
+                               where if field.name in section else f"default of {kind} '{name}'")
     return name, config
 
 
@@ -176,9 +252,39 @@ def describe(preset: Preset) -> list[tuple[str, Any, str]]:
     rows += [(f"runtime.{k}", v, preset.sources[f"runtime.{k}"]) for k, v in preset.runtime.items()]
     rows += [(f"parallel.{k}", v, preset.sources[f"parallel.{k}"]) for k, v in preset.parallel.items()]
     for kind, (name, config) in preset.stages.items():
-        rows.append((f"{kind}.use", name, preset.sources[f"{kind}.use"]))
-        rows += [(f"{kind}.{f.name}", getattr(config, f.name), preset.sources[f"{kind}.{f.name}"])
-                 for f in dataclasses.fields(config)]
+        rows += _stage_rows(kind, name, config, preset.sources)
     rows += [(f"adapter.{f.name}", getattr(preset.adapter, f.name), preset.sources[f"adapter.{f.name}"])
              for f in dataclasses.fields(preset.adapter)]
     return rows
+
+
+def _stage_rows(key: str, name: str, config, sources: dict) -> list[tuple[str, Any, str]]:
+    rows = [(f"{key}.use", name, sources[f"{key}.use"])]
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if field.name == "wraps" and value.stage is not None:
+            rows += _stage_rows(f"{key}.wraps", value.name, value.config, sources)
+        else:
+            rows.append((f"{key}.{field.name}", value, sources[f"{key}.{field.name}"]))
+    return rows
+
+
+def toml_value(value) -> str:
+    """`value` as TOML writes it (true, "text", [1, 2]): what `presets show` prints, so a line can be copied."""
+    import tomli_w
+
+    return tomli_w.dumps({"v": value})[4:].strip()
+
+
+def as_toml(preset: Preset) -> str:
+    """The resolved preset as TOML that resolves back to the same values: a start for a new preset."""
+    import tomli_w
+
+    tables: dict[str, Any] = {"version": preset.version, "description": preset.description}
+    for key, value, _ in describe(preset)[1:]:
+        *parents, last = key.split(".")
+        table = tables
+        for parent in parents:
+            table = table.setdefault(parent, {})
+        table[last] = value
+    return tomli_w.dumps(tables)

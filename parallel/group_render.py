@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from h3gen.errors import ClipError, H3genError
 from h3gen.run.render import Renderer, check_disk, clip_error
+from h3gen.stages.base import StageFailed
 from h3gen.stages.clip import CLIP_DEVICE_STAGES, DEVICE_STAGES
 
 GO, PASS = 0, 1  # the first rank's word on a clip: render it, or leave it (busy, skipped, failed)
@@ -68,7 +69,7 @@ class GroupRenderer(Renderer):
         collective for it: the run ends here, torchrun stops the other ranks and names this one's error."""
         import torch.distributed as dist
 
-        if isinstance(error, H3genError):
+        if isinstance(error, H3genError) and not isinstance(error, StageFailed):
             return
         raise GroupError(f"rank {dist.get_rank()} failed on {clip.path.name}: {clip_error(clip, error)}",
                          "its group cannot go on without it; run the same command again to render the rest")

@@ -16,7 +16,7 @@ import pluggy
 from h3gen.errors import UsageError
 from h3gen.plugins import builtin, hookspecs
 
-BUILTIN = "h3gen (built-in)"
+from h3gen.stages.base import BUILTIN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,14 +31,18 @@ class Registry:
     def __init__(self):
         self.stages: dict[tuple[str, str], Registered] = {}
         self.presets: dict[str, Path] = {}
+        self.preset_origins: dict[str, str] = {}
         self.failed: list[tuple[str, str]] = []  # (plugin, what went wrong)
+        self.left_out: list[str] = []  # installed plugins H3GEN_LOAD_PLUGINS leaves out
 
     def stage(self, kind: str, name: str) -> type:
         found = self.stages.get((kind, name))
         if found is None:
             allowed = ", ".join(sorted(n for k, n in self.stages if k == kind)) or "none"
             broken = "".join(f"; plugin '{p}' {why}" for p, why in self.failed)
-            raise UsageError(f"unknown {kind} stage {name!r}", f"registered {kind} stages: {allowed}{broken}")
+            left_out = (f"; H3GEN_LOAD_PLUGINS={os.environ.get('H3GEN_LOAD_PLUGINS', '')} leaves out the installed "
+                        f"plugin(s) {', '.join(map(repr, self.left_out))}, which may register it" if self.left_out else "")
+            raise UsageError(f"unknown {kind} stage {name!r}", f"registered {kind} stages: {allowed}{broken}{left_out}")
         return found.stage
 
 
@@ -48,21 +52,22 @@ def wanted_plugins() -> set[str] | None:
     return None if allowed is None else {n.strip() for n in allowed.split(",") if n.strip()}
 
 
-def _plugin_manager() -> tuple[pluggy.PluginManager, list[tuple[str, str]]]:
+def _plugin_manager() -> tuple[pluggy.PluginManager, list[tuple[str, str]], list[str]]:
     pm = pluggy.PluginManager("h3gen")
     pm.add_hookspecs(hookspecs)
     pm.register(builtin, name=BUILTIN)
-    names, failed = wanted_plugins(), []
+    names, failed, left_out = wanted_plugins(), [], []
     from importlib.metadata import entry_points
 
     for ep in entry_points(group="h3gen"):
         if names is not None and ep.name not in names:
+            left_out.append(ep.name)
             continue
         try:
             pm.register(ep.load(), name=ep.name)
         except (Exception, SystemExit) as e:  # a broken plugin is reported and skipped, never fatal to the run
             failed.append((ep.name, f"failed to load: {_reason(e)}"))
-    return pm, failed
+    return pm, failed, left_out
 
 
 def _reason(error: BaseException) -> str:
@@ -70,46 +75,63 @@ def _reason(error: BaseException) -> str:
 
 
 def _checked(stage, origin: str):
+    from h3gen.config.stage_config import config_problem
     from h3gen.stages.base import STAGE_KINDS, Stage
 
     if not (isinstance(stage, type) and issubclass(stage, Stage)):
         raise TypeError(f"register() takes a Stage subclass, not {stage!r}")
     if getattr(stage, "kind", None) not in STAGE_KINDS or not isinstance(getattr(stage, "name", None), str):
         raise TypeError(f"{stage.__qualname__} needs a kind (one of {', '.join(STAGE_KINDS)}) and a name")
+    problem = config_problem(stage.Config)
+    if problem:
+        raise TypeError(f"{stage.kind} stage '{stage.name}': {problem}")
     return Registered(stage.kind, stage.name, stage, origin)
 
 
-def collect(pm: pluggy.PluginManager, failed=()) -> Registry:
+def _offers(pm: pluggy.PluginManager) -> dict[str, dict]:
+    """Per plugin, in registration order (built-ins first), the hook functions it implements."""
+    offers: dict[str, dict] = {}
+    for hook in ("h3gen_register_stages", "h3gen_register_presets"):
+        for impl in getattr(pm.hook, hook).get_hookimpls():
+            origin = pm.get_name(impl.plugin) or getattr(impl.plugin, "__name__", "?")
+            offers.setdefault(origin, {})[hook] = impl.function
+    order = [name for name, _ in pm.list_name_plugin()]
+    return dict(sorted(offers.items(), key=lambda item: order.index(item[0]) if item[0] in order else len(order)))
+
+
+def collect(pm: pluggy.PluginManager, failed=(), left_out=()) -> Registry:
+    """Every plugin's stages and presets, or none of them: half a plugin is harder to reason about than none."""
     registry = Registry()
     registry.failed.extend(failed)
-    for impl in pm.hook.h3gen_register_stages.get_hookimpls():  # in registration order: built-ins first
-        origin = pm.get_name(impl.plugin) or getattr(impl.plugin, "__name__", "?")
-        offered = []
+    registry.left_out.extend(left_out)
+    for origin, hooks in _offers(pm).items():
+        stages, presets = [], []
         try:
-            impl.function(register=lambda stage: offered.append(_checked(stage, origin)))
-            for entry in offered:
+            if "h3gen_register_stages" in hooks:
+                hooks["h3gen_register_stages"](register=lambda stage: stages.append(_checked(stage, origin)))
+            if "h3gen_register_presets" in hooks:
+                hooks["h3gen_register_presets"](register=lambda path: presets.append(Path(str(path))))
+            for entry in stages:
                 taken = registry.stages.get((entry.kind, entry.name))
                 if taken is not None:
                     raise ValueError(f"{entry.kind} stage '{entry.name}' is already registered by {taken.origin}")
-        except Exception as e:  # skip the whole plugin: half a plugin is harder to reason about than none
-            registry.failed.append((origin, f"failed during registration: {_reason(e)}"))
-            continue
-        registry.stages.update({(entry.kind, entry.name): entry for entry in offered})
-    for impl in pm.hook.h3gen_register_presets.get_hookimpls():
-        origin = pm.get_name(impl.plugin) or getattr(impl.plugin, "__name__", "?")
-        offered = []
-        try:
-            impl.function(register=lambda path: offered.append(Path(str(path))))
+            for path in presets:
+                if path.stem in registry.presets:
+                    raise ValueError(f"preset '{path.stem}' is already registered by "
+                                     f"{registry.preset_origins[path.stem]}")
         except Exception as e:
             registry.failed.append((origin, f"failed during registration: {_reason(e)}"))
             continue
-        for path in offered:
-            registry.presets.setdefault(path.stem, path)
+        for entry in stages:
+            entry.stage.origin = origin
+            registry.stages[(entry.kind, entry.name)] = entry
+        for path in presets:
+            registry.presets[path.stem], registry.preset_origins[path.stem] = path, origin
     return registry
 
 
 @cache
-def plugin_manager() -> tuple[pluggy.PluginManager, list[tuple[str, str]]]:
+def plugin_manager() -> tuple[pluggy.PluginManager, list[tuple[str, str]], list[str]]:
     return _plugin_manager()
 
 

@@ -5,7 +5,8 @@ frames have `landed` after each chunk (with a call that waits for its copy to ho
 are in place already), then `finish`es with the audio, or `fail`s. The mux (on a background thread) reads the
 frames' shape, iterates the frames, each once it has landed, and then takes the audio. It sees the frames and audio
 a finished decode would give it, in the same order, so the MP4 is byte-identical; only the last chunk's frames are
-left to encode when the decode ends.
+left to encode when the decode ends. A stage that changes frames (h3gen.stages.vae.FrameFilter) adds a `filter`
+before the decode starts: each chunk passes through it on the mux's thread, once landed, before the mux reads it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ class ArrivingMedia:
         self._audio = None
         self._error = None
         self._sample_rate = None
+        self._filters = []
+
+    def filter(self, change) -> None:
+        """`change(frames)` rewrites each chunk of uint8 (n, H, W, 3) frames in place once it has landed."""
+        self._filters.append(change)
 
     # The decode's side.
     def open(self, frames, sample_rate: int) -> None:
@@ -90,9 +96,11 @@ class ArrivingMedia:
                 with self._changed:
                     if not self._landed:
                         raise DecodeFailed(f"the decode ended after {available} of {len(frames)} frames")
-                    available, copied = self._landed.popleft()
+                    start, (available, copied) = available, self._landed.popleft()
                 if copied is not None:
                     copied()
+                for change in self._filters:
+                    change(frames[start:available])
             self._wait(lambda: True)  # a failed decode stops the mux at its next frame
             yield frames[index]
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import os
 import shutil
+import sys
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from h3gen.run.arriving import ArrivingMedia
 from h3gen.inputs.request import Request
 from h3gen.stages.clip import PIPELINE, Clip
 from h3gen.errors import ClipError, H3genError, ModelError
+from h3gen.stages.base import StageFailed
 from h3gen.run.timing import StageTimer
 
 
@@ -77,11 +81,11 @@ class Renderer:
         device = pick_device(preset.runtime["device"])
         dtype = getattr(torch, preset.runtime["dtype"])
         self.runtime = Runtime(device, dtype, StageTimer(device, reporter.stage_done), on_step=reporter.step)
-        self.stages = {kind: registry.stage(kind, name)(config, self.runtime)
+        self.stages = {kind: build(registry.stage(kind, name), config, self.runtime)
                        for kind, (name, config) in preset.stages.items()}
         self.runtime.quant = self.stages["quant"]
         for kind in ("quant",) + PIPELINE:
-            self.stages[kind].load(repo)
+            load(self.stages[kind], repo)
         self.muxing, self.done = [], []  # (clip, claim, future) in render order; finished results not yet yielded
         self.claim_on_device = None
 
@@ -140,7 +144,7 @@ class Renderer:
         cached = sum(clip.encode_cached for clip in clips)
         self.reporter.say(f"h3gen: encoded {len(clips) - len(failed)} prompt(s) in "
                           f"{time.perf_counter() - began:.2f}s ({cached} from the embedding cache)")
-        encode.unload()
+        self.unload(encode)
         memory.release(self.runtime.device)
         return failed
 
@@ -220,7 +224,7 @@ class Renderer:
         if discard and mux.background:
             mux.discard_in_flight()
         for kind in PIPELINE:
-            self.stages[kind].unload()
+            self.unload(self.stages[kind])
         written = [self.finish(clip, claim=claim) for clip, claim, job in self.muxing
                    if job.done() and not job.cancelled() and job.exception() is None]
         for claim in [claim for _, claim, _ in self.muxing] + [self.claim_on_device]:
@@ -228,6 +232,39 @@ class Renderer:
                 claim.release()
         self.muxing.clear()
         return written
+
+
+    def unload(self, stage) -> None:
+        """A stage that fails to let go of its memory costs nothing written: it is reported, and the run goes on."""
+        try:
+            stage.unload()
+        except Exception as e:
+            if debugging():
+                traceback.print_exception(e, file=sys.stderr)
+            self.reporter.say(f"h3gen: warning: {stage.failed(f'failed to unload: {type(e).__name__}: {e}')}")
+
+
+def build(stage_class, config, runtime):
+    """A stage of the preset; one that fails to construct with anything but an h3gen error ends the run, named."""
+    try:
+        return stage_class(config, runtime)
+    except H3genError:
+        raise
+    except Exception as e:
+        raise StageFailed(f"{stage_class.kind} stage '{stage_class.name}' ({stage_class.source()}) failed to start: "
+                          f"{type(e).__name__}: {e}", "rerun with --traceback for where; fix the stage, or pick "
+                          "another in the preset") from e
+
+
+def load(stage, repo) -> None:
+    """A stage's weights; a stage failing with anything but an h3gen error ends the run, named."""
+    try:
+        stage.load(repo)
+    except H3genError:
+        raise
+    except Exception as e:
+        raise stage.failed(f"failed to load: {type(e).__name__}: {e}",
+                           "rerun with --traceback for where; fix the stage, or pick another in the preset") from e
 
 
 def abandon(clip: Clip, job, error: BaseException) -> None:
@@ -243,15 +280,24 @@ def abandon(clip: Clip, job, error: BaseException) -> None:
 
 
 def clip_error(clip: Clip, error: Exception) -> str:
+    """The one line a failed clip gets: what a stage said it was (out of memory, a write) before which stage."""
     import torch
 
+    cause = error.__cause__ if isinstance(error, StageFailed) and error.__cause__ is not None else error
+    if debugging():
+        traceback.print_exception(error, file=sys.stderr)
+    if isinstance(cause, torch.OutOfMemoryError) or "out of memory" in str(cause).lower():
+        return OOM_HINT
+    if isinstance(cause, OSError):
+        return write_error(clip.path, cause)
     if isinstance(error, H3genError):
         return str(error)
-    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
-        return OOM_HINT
-    if isinstance(error, OSError):
-        return write_error(clip.path, error)
-    return f"{type(error).__name__} in a stage: {error}"
+    return f"{type(error).__name__}: {error}"
+
+
+def debugging() -> bool:
+    """--traceback (or H3GEN_DEBUG=1): print where a failure came from, besides its one line."""
+    return os.environ.get("H3GEN_DEBUG", "") not in ("", "0")
 
 
 OOM_HINT = "out of GPU memory (try an FP8 preset, fewer frames or a smaller size)"

@@ -1,18 +1,19 @@
 """What every stage shares: a small validated config, loading from a repository, timing around `run`.
 
-`Stage.__call__` is never overridden: it times `run` for the live display, so every implementation, built-in or
-from a plugin, is measured the same way.
+`Stage.__call__` is never overridden: it times `run` for the live display and holds every implementation, built-in
+or from a plugin, to the contract (docs/plugins.md): `run` returns the clip, and an error that is not an h3gen error
+fails the clip with the stage, its kind and its plugin named.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import typing
 from typing import Any, ClassVar
 
-from h3gen.errors import UsageError
+from h3gen.errors import H3genError
 
 STAGE_KINDS = ("encode", "sampler", "vae", "quant", "mux")
+BUILTIN = "h3gen (built-in)"
 
 
 @dataclasses.dataclass
@@ -20,31 +21,20 @@ class NoConfig:
     pass
 
 
-def build_config(config_cls: type, values: dict[str, Any], where: str):
-    """Make a config dataclass from preset values: unknown keys and wrong types are errors listing what is allowed."""
-    fields = {f.name: f for f in dataclasses.fields(config_cls)}
-    hints = typing.get_type_hints(config_cls)
-    for key, value in values.items():
-        if key not in fields:
-            allowed = ", ".join(sorted(fields)) or "none"
-            raise UsageError(f"unknown key '{key}' in {where}", f"allowed keys: {allowed}")
-        values[key] = _coerce(value, hints[key], f"{where}.{key}")
-    return config_cls(**values)
+@dataclasses.dataclass
+class Wrapped:
+    """The registered stage a `Wrapper` runs inside it, as the preset resolved it: the stage the section named
+    before the wrapper took its place (or the section's `[kind.wraps]` table)."""
+
+    name: str = ""
+    stage: type | None = None
+    config: Any = None
 
 
-def _coerce(value, hint, where: str):
-    origin = typing.get_origin(hint) or hint
-    if origin is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise UsageError(f"{where} must be a list, got {value!r}", "write it as [a, b, ...]")
-        (item,) = set(typing.get_args(hint)[:1]) or {object}
-        return origin(_coerce(v, item, where) for v in value)
-    if origin is object or isinstance(value, origin) and not (origin is int and isinstance(value, bool)):
-        return value
-    raise UsageError(f"{where} must be {getattr(origin, '__name__', origin)}, got {value!r}",
-                     "fix the value in the preset or --set")
+class StageFailed(H3genError):
+    """A stage raised something other than an h3gen error, or broke its contract: named with its kind and plugin."""
+
+    exit_code = 1
 
 
 class Stage:
@@ -54,6 +44,7 @@ class Stage:
     name: ClassVar[str]
     Config: ClassVar[type] = NoConfig
     description: ClassVar[str] = ""
+    origin: ClassVar[str] = BUILTIN  # the plugin that registered the stage (set by the registry)
     on_host: ClassVar[bool] = False  # timed by the host clock: work that never touches the device
     # What the stage can do, declared by its class and read by the run loop and the launcher, never probed. The
     # defaults are the in-line, one-rank behaviour, so a stage that declares nothing works in every run.
@@ -77,8 +68,27 @@ class Stage:
         return ""
 
     def __call__(self, clip, report: bool = True):
-        with self.runtime.timer.measure(clip, self.kind, report=report, host=self.on_host):
-            return self.run(clip)
+        from h3gen.stages.clip import Clip
+
+        try:
+            with self.runtime.timer.measure(clip, self.kind, report=report, host=self.on_host):
+                result = self.run(clip)
+        except H3genError:
+            raise
+        except Exception as e:  # a faulty stage costs its clip; the message says which stage it was
+            raise self.failed(f"raised {type(e).__name__}: {e}") from e
+        if not isinstance(result, Clip):
+            raise self.failed(f"returned {type(result).__name__} from run(), not the clip",
+                              "run(clip) must return the clip it was given (or a copy), with its fields set")
+        return result
+
+    def failed(self, what: str, fix: str = "") -> StageFailed:
+        """An error naming this stage, its kind and its plugin."""
+        return StageFailed(f"{self.kind} stage '{self.name}' ({self.source()}) {what}", fix)
+
+    @classmethod
+    def source(cls) -> str:
+        return "built into h3gen" if cls.origin == BUILTIN else f"from plugin '{cls.origin}'"
 
     def run(self, clip):
         raise NotImplementedError
@@ -99,3 +109,48 @@ class Stage:
 
     def unload(self) -> None:
         """Drop weights so the memory can serve another stage."""
+
+
+class Wrapper(Stage):
+    """A stage that runs another registered stage of its kind inside it (composition, not subclassing): its Config
+    has a `wraps: Wrapped` field, which the preset fills with the stage the section named before (`--set
+    vae.use=grayscale` on h3-base wraps h3-base's `fast` decode, with its knobs), or with a `[vae.wraps]` table.
+
+    The inner stage is loaded, parallelized and unloaded with the wrapper, and its capabilities are the wrapper's;
+    a subclass overrides `run`, calling `self.inner.run(clip)` where the wrapped stage's work belongs."""
+
+    def __init__(self, config, runtime):
+        super().__init__(config, runtime)
+        wrapped = config.wraps
+        if wrapped.stage is None:
+            raise StageFailed(f"{self.kind} stage '{self.name}' wraps no stage",
+                              f"name the stage it wraps: [{self.kind}.wraps] use = \"...\"")
+        self.inner = wrapped.stage(wrapped.config, runtime)
+        self.splits_clip, self.hands_over_frames = self.inner.splits_clip, self.inner.hands_over_frames
+        self.background = self.inner.background
+
+    @classmethod
+    def refuses_split(cls, config) -> str:
+        wrapped = config.wraps
+        return wrapped.stage.refuses_split(wrapped.config) if wrapped.stage is not None else super().refuses_split(config)
+
+    def load(self, repo) -> None:
+        self.inner.load(repo)
+
+    def load_note(self) -> str:
+        return self.inner.load_note()
+
+    def parallelize(self, group) -> None:
+        self.inner.parallelize(group)
+
+    def run(self, clip):
+        return self.inner.run(clip)
+
+    def submit(self, clip):
+        return self.inner.submit(clip)
+
+    def discard_in_flight(self) -> None:
+        self.inner.discard_in_flight()
+
+    def unload(self) -> None:
+        self.inner.unload()

@@ -22,7 +22,7 @@ import dataclasses
 
 from h3gen.errors import UsageError
 from h3gen.models.vae.host_frames import PIXEL_MEAN, PIXEL_STD, HostFrames
-from h3gen.stages.base import Stage
+from h3gen.stages.base import Stage, Wrapper
 
 
 def denormalized(latents, config):
@@ -259,3 +259,22 @@ class FastVAE(ReferenceVAE):
         tokens = plan.chunk_latents * (plan.tile_height // ratio) * (plan.tile_width // ratio)
         (channels, frames, height, width), _ = self.tile_shape(plan)
         return tokens * decoder.proj_in.out_features * 80 + channels * frames * height * width * 2 * 4
+
+
+class FrameFilter(Wrapper):
+    """A `vae` that wraps another and changes its frames: subclasses implement `change(frames)`, which rewrites uint8
+    (n, H, W, 3) host frames in place. It sees every frame once, whichever path they take: the finished frames of a
+    decode, or the chunks a decode hands a background mux as they land (h3gen.run.arriving)."""
+
+    kind = "vae"
+
+    def change(self, frames) -> None:
+        raise NotImplementedError
+
+    def run(self, clip):
+        if clip.arriving is not None:
+            clip.arriving.filter(self.change)
+        clip = self.inner.run(clip)
+        if clip.frames is not None:
+            self.change(clip.frames)
+        return clip

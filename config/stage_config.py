@@ -1,0 +1,66 @@
+"""A stage's config: a dataclass whose fields all have defaults and plain types, built from preset values.
+
+The rules (checked when a plugin registers a stage, so a bad `Config` is the plugin's failure, not a traceback in a
+run): a dataclass; every field has a default (a preset names only what it changes); each field's type is one of
+bool, int, float, str or a list of one of them, or `Wrapped` (a wrapping stage's inner stage, see
+h3gen.stages.base.Wrapper). Unknown keys and wrong types in a preset are errors that list what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+from h3gen.errors import UsageError
+
+PLAIN_TYPES = (bool, int, float, str)
+
+
+def config_problem(config_cls) -> str:
+    """Why `config_cls` breaks the rules above; '' when it keeps them."""
+    from h3gen.stages.base import Wrapped
+
+    if not dataclasses.is_dataclass(config_cls) or not isinstance(config_cls, type):
+        return f"its Config {config_cls!r} is not a dataclass"
+    try:
+        hints = typing.get_type_hints(config_cls)
+    except Exception as e:  # a name in an annotation that does not resolve
+        return f"its Config {config_cls.__qualname__} has an annotation that does not resolve ({e})"
+    for field in dataclasses.fields(config_cls):
+        if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            return f"its Config field '{field.name}' has no default"
+        hint = hints[field.name]
+        item = typing.get_args(hint)[0] if typing.get_origin(hint) is list and typing.get_args(hint) else None
+        if hint not in PLAIN_TYPES + (Wrapped,) and item not in PLAIN_TYPES:
+            return (f"its Config field '{field.name}' is {hint!r}: use bool, int, float, str or a list of one of "
+                    "them")
+    return ""
+
+
+def build_config(config_cls: type, values: dict[str, Any], where: str):
+    """Make a config dataclass from preset values: unknown keys and wrong types are errors listing what is allowed."""
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    hints = typing.get_type_hints(config_cls)
+    for key, value in values.items():
+        if key not in fields:
+            allowed = ", ".join(sorted(fields))
+            raise UsageError(f"unknown key '{key}' in {where}",
+                             f"allowed keys: {allowed}" if allowed else "this stage takes no keys")
+        values[key] = _coerce(value, hints[key], f"{where}.{key}")
+    return config_cls(**values)
+
+
+def _coerce(value, hint, where: str):
+    origin = typing.get_origin(hint) or hint
+    if origin is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise UsageError(f"{where} must be a list, got {value!r}", "write it as [a, b, ...]")
+        (item,) = set(typing.get_args(hint)[:1]) or {object}
+        return origin(_coerce(v, item, where) for v in value)
+    if origin is object or isinstance(value, origin) and not (origin is int and isinstance(value, bool)):
+        return value
+    raise UsageError(f"{where} must be {getattr(origin, '__name__', origin)}, got {value!r}",
+                     "fix the value in the preset or --set")

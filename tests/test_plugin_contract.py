@@ -1,0 +1,169 @@
+"""The stage contract holds a plugin to what docs/plugins.md says: a stage that breaks it costs what the document
+says, named with its kind and plugin, in one line (the traceback only with --traceback); a bad Config or a name
+clash is refused at registration."""
+
+import pytest
+
+from conftest import h3gen
+from test_reliability_faults import install
+
+FAULTY = '''
+import dataclasses, os
+from h3gen.plugins.hookspecs import hookimpl
+from h3gen.stages.base import Wrapped
+from h3gen.stages.vae import FrameFilter
+
+
+@dataclasses.dataclass
+class FaultyConfig:
+    fault: str = ""  # init, load, None (returned), raise, unload
+    wraps: Wrapped = dataclasses.field(default_factory=Wrapped)
+
+
+class Faulty(FrameFilter):
+    kind, name = "vae", "faulty"
+    Config = FaultyConfig
+
+    def __init__(self, config, runtime):
+        if config.fault == "init":
+            raise KeyError("no such knob")
+        super().__init__(config, runtime)
+
+    def load(self, repo):
+        if self.config.fault == "load":
+            raise RuntimeError("no weights here")
+        super().load(repo)
+
+    def change(self, frames):
+        pass
+
+    def run(self, clip):
+        if clip.request.id == "bad" and self.config.fault == "None":
+            return None
+        if clip.request.id == "bad" and self.config.fault == "raise":
+            raise ValueError("boom in run")
+        return super().run(clip)
+
+    def unload(self):
+        super().unload()
+        if self.config.fault == "unload":
+            raise RuntimeError("cannot let go")
+
+
+@hookimpl
+def h3gen_register_stages(register):
+    register(Faulty)
+'''
+
+PROMPTS = '{"id": "bad", "prompt": "a fox"}\n{"id": "good", "prompt": "waves"}\n'
+
+
+@pytest.fixture
+def faulty(tmp_path):
+    return install(tmp_path / "site", "faulty", FAULTY)
+
+
+def render(env, prompts_file, tmp_path, fault, *args):
+    return h3gen("render", prompts_file(PROMPTS), "-o", tmp_path / "out", "--set", "vae.use=faulty",
+                 "--set", f"vae.fault={fault}", *args, env=env)
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("None", "vae stage 'faulty' (from plugin 'faulty') returned NoneType from run(), not the clip (run(clip) must "
+             "return the clip it was given"),
+    ("raise", "vae stage 'faulty' (from plugin 'faulty') raised ValueError: boom in run"),
+])
+def test_a_stage_that_breaks_its_run_costs_its_clip_named(faulty, prompts_file, tmp_path, fault, message):
+    result = render(faulty, prompts_file, tmp_path, fault)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert f"failed bad.mp4 (line 1): {message}" in result.stderr
+    assert "Traceback" not in result.stderr and "1 of 2 clips written" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.mp4")) == ["good.mp4"]
+
+
+@pytest.mark.parametrize("fault, what", [("init", "failed to start: KeyError: 'no such knob'"),
+                                         ("load", "failed to load: RuntimeError: no weights here")])
+def test_a_stage_that_fails_to_start_or_load_ends_the_run_in_one_line(faulty, prompts_file, tmp_path, fault, what):
+    result = render(faulty, prompts_file, tmp_path, fault)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == (
+        f"h3gen: error: vae stage 'faulty' (from plugin 'faulty') {what} (rerun with --traceback for where; fix the "
+        "stage, or pick another in the preset)")
+    assert "Traceback" not in result.stderr and not list((tmp_path / "out").glob("*.mp4"))
+    traced = render(faulty, prompts_file, tmp_path, fault, "--traceback")
+    assert "Traceback (most recent call last)" in traced.stderr and "faulty.py" in traced.stderr
+
+
+def test_a_stage_that_fails_to_unload_is_reported_and_the_clips_stay(faulty, prompts_file, tmp_path):
+    result = render(faulty, prompts_file, tmp_path, "unload")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("h3gen: warning: vae stage 'faulty' (from plugin 'faulty') failed to unload: RuntimeError: cannot let go"
+            in result.stderr)
+    assert len(list((tmp_path / "out").glob("*.mp4"))) == 2
+
+
+BAD_CONFIGS = '''
+import dataclasses
+from h3gen.plugins.hookspecs import hookimpl
+from h3gen.stages.mux import PyAVMux
+
+
+class NotADataclass:
+    crf: int = 18
+
+
+@dataclasses.dataclass
+class NoDefault:
+    crf: int
+
+
+@dataclasses.dataclass
+class OddType:
+    crf: dict = dataclasses.field(default_factory=dict)
+
+
+def mux(name, config):
+    return type(name, (PyAVMux,), {{"name": name, "Config": config}})
+
+
+@hookimpl
+def h3gen_register_stages(register):
+    register(mux({stage!r}, {config}))
+'''
+
+CLASHING_PRESET = '''
+from h3gen.plugins.hookspecs import hookimpl
+
+
+@hookimpl
+def h3gen_register_presets(register):
+    register({path!r})
+'''
+
+
+@pytest.mark.parametrize("config, why", [
+    ("NotADataclass", "its Config <class 'h3gen_bad.NotADataclass'> is not a dataclass"),
+    ("NoDefault", "its Config field 'crf' has no default"),
+    ("OddType", "its Config field 'crf' is <class 'dict'>: use bool, int, float, str or a list of one of them"),
+])
+def test_a_config_that_breaks_the_rules_is_refused_at_registration(tmp_path, config, why):
+    env = install(tmp_path / "site", "bad", BAD_CONFIGS.format(stage="bad-mux", config=config))
+    result = h3gen("plugins", env=env, check_code=0)
+    assert f"h3gen: plugin 'bad' failed during registration: mux stage 'bad-mux': {why} (skipped)" in result.stderr
+    assert "bad-mux" not in result.stdout
+
+
+def test_a_preset_named_like_a_builtin_is_refused_as_a_stage_clash_is(tmp_path):
+    preset = tmp_path / "tiny.toml"
+    preset.write_text('version = 1\ndescription = "an impostor"\nextends = "h3-base"\n')
+    env = install(tmp_path / "site", "clash", CLASHING_PRESET.format(path=str(preset)))
+    result = h3gen("presets", "list", env=env, check_code=0)
+    assert ("h3gen: plugin 'clash' failed during registration: preset 'tiny' is already registered by h3gen "
+            "(built-in) (skipped)") in result.stderr
+
+
+def test_a_stage_left_out_by_load_plugins_is_named_as_such(faulty, prompts_file, tmp_path):
+    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--set", "vae.use=faulty",
+                   env={**faulty, "H3GEN_LOAD_PLUGINS": "nope"}, check_code=2)
+    assert ("unknown vae stage 'faulty' (registered vae stages: diffusers, fast, reference; "
+            "H3GEN_LOAD_PLUGINS=nope leaves out the installed plugin(s) 'faulty', which may register it)") in result.stderr
