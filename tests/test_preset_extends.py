@@ -1,0 +1,94 @@
+"""Presets that build on another (`extends`), wrapping stages filled with the stage a preset would have used, and
+`presets show --toml`, which prints what resolves back to the same values."""
+
+import textwrap
+
+import pytest
+
+from conftest import h3gen
+
+
+def resolved(preset, overrides=()):
+    from h3gen.config.preset import describe, resolve
+    from h3gen.plugins.manager import registry
+
+    return {key: value for key, value, _ in describe(resolve(str(preset), registry(), list(overrides)))}
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_a_preset_that_extends_another_says_only_what_changes(tmp_path):
+    child = write(tmp_path, "short.toml", """\
+        extends = "h3-base"
+        description = "h3-base at 8 forwards"
+        [sampler]
+        steps = 9
+        [request]
+        duration = 10.0
+        """)
+    base, values = resolved("h3-base"), resolved(child)
+    assert values["sampler.steps"] == 9 and values["request.duration"] == 10.0
+    assert {k: v for k, v in values.items() if k not in ("sampler.steps", "request.duration")} == \
+           {k: v for k, v in base.items() if k not in ("sampler.steps", "request.duration")}
+    grandchild = write(tmp_path, "shorter.toml", 'extends = "short.toml"\n[sampler]\nsteps = 5\n')
+    assert resolved(grandchild)["sampler.steps"] == 5 and resolved(grandchild)["request.duration"] == 10.0
+
+
+def test_naming_another_stage_drops_the_keys_of_the_one_it_replaces(tmp_path):
+    child = write(tmp_path, "ref.toml", 'extends = "h3-base-fp8"\n[quant]\nuse = "none"\n')
+    values = resolved(child)
+    assert values["quant.use"] == "none" and not [k for k in values if k.startswith("quant.") and k != "quant.use"]
+    assert resolved("h3-base-fp8", ["quant.use=none"]) == values
+
+
+@pytest.mark.parametrize("text, message", [
+    ('extends = "no-such-preset"\n', "unknown preset 'no-such-preset'"),
+    ('extends = "loop.toml"\n', "preset loop extends itself (loop -> loop)"),
+    ("extends = 3\n", "extends must be a preset name or file, got 3"),
+])
+def test_unknown_bases_and_cycles_are_refused_in_one_line(tmp_path, prompts_file, text, message):
+    preset = write(tmp_path, "loop.toml", text)
+    result = h3gen("presets", "show", preset, check_code=2)
+    assert result.stderr.count("\n") == 1 and message in result.stderr
+
+
+def test_a_wrapping_stage_wraps_the_stage_the_preset_would_have_used(tmp_path):
+    from h3gen.config.preset import resolve
+    from h3gen.plugins.manager import Registered, registry
+    from h3gen.stages.base import Wrapped
+    from h3gen.stages.vae import FrameFilter
+    import dataclasses
+
+    @dataclasses.dataclass
+    class TintConfig:
+        wraps: Wrapped = dataclasses.field(default_factory=Wrapped)
+
+    class Tint(FrameFilter):
+        name, Config = "tint", TintConfig
+
+    found = registry()
+    found.stages[("vae", "tint")] = Registered("vae", "tint", Tint, "test")
+    preset = resolve("h3-base", found, ["vae.use=tint", "vae.wraps.tile_batch=3"])
+    name, config = preset.stages["vae"]
+    assert name == "tint" and config.wraps.name == "fast" and config.wraps.config.tile_batch == 3
+    assert Tint.refuses_split(config) == "the vae stage 'fast' renders a clip on one rank"
+    explicit = write(tmp_path, "tinted.toml", 'extends = "tiny"\n[vae]\nuse = "tint"\n[vae.wraps]\nuse = "fast"\n')
+    assert resolve(str(explicit), found).stages["vae"][1].wraps.name == "fast"
+
+
+def test_presets_show_toml_resolves_back_to_every_builtin_preset(tmp_path):
+    from h3gen.config.preset import as_toml, resolve
+    from h3gen.plugins.manager import registry
+
+    found = registry()
+    for name in found.presets:
+        copy = tmp_path / f"{name}.toml"
+        copy.write_text(as_toml(resolve(name, found)))
+        assert resolved(copy) == resolved(name), name
+    printed = h3gen("presets", "show", "fasth3-fp8", "--toml", check_code=0).stdout
+    (tmp_path / "printed.toml").write_text(printed)
+    assert resolved(tmp_path / "printed.toml") == resolved("fasth3-fp8")
