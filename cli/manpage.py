@@ -12,6 +12,18 @@ from h3gen import __version__
 from h3gen.cli.main import app
 
 
+PLUGINS = """A plugin is a package with an entry point in the h3gen group whose module implements the hooks
+h3gen_register_stages(register) and h3gen_register_presets(register) (hookimpl from h3gen.plugins.hookspecs). A stage
+subclasses h3gen.stages.base.Stage with kind, name, a Config dataclass (every field with a default; bool, int, float,
+str or a list of them) and run(clip), which returns the clip. h3gen builds it as Stage(config, runtime), calls
+load(repo) once, parallelize(group) on the ranks of a group, run(clip) per clip and unload() at the end. A stage
+declares what it can do with class attributes: splits_clip (a sampler), hands_over_frames (a vae), background (a
+mux). A failing run() costs its clip, a failing constructor or load() the run, each in one line naming the stage, its
+kind and its plugin. h3gen.stages.base.Wrapper wraps the stage a preset would have used (--set vae.use=NAME over a
+preset), h3gen.stages.vae.FrameFilter changes its frames. A preset may extend another (extends = "h3-base").
+docs/plugins.md has the whole contract and examples/plugin a working plugin."""
+
+
 def roff(text: str) -> str:
     text = text.replace("\\", "\\\\").replace("-", "\\-")
     return "\n".join(("\\&" + line) if line.startswith((".", "'")) else line for line in text.splitlines())
@@ -44,9 +56,11 @@ def page() -> str:
     lines += [".SH ENVIRONMENT", ".TP", ".B H3GEN_MODEL", roff("Model directory used when --model is not given."),
               ".TP", ".B H3GEN_LOAD_PLUGINS", roff("Comma-separated plugin names to load (default: all)."),
               ".TP", ".B H3GEN_STRICT_PLUGINS", roff("Set to 1 to stop when a plugin fails (as --strict-plugins)."),
+              ".TP", ".B H3GEN_DEBUG", roff("Set to 1 to print a failure's traceback besides its line (as --traceback)."),
+              ".SH PLUGINS", roff(PLUGINS),
               ".SH EXIT STATUS", roff("0 when every clip was written or already there, 1 when some clips failed, "
                                       "2 on usage errors, 130 or 143 when stopped by SIGINT or SIGTERM."),
-              ".SH SEE ALSO", roff("README.md of the h3gen repository.")]
+              ".SH SEE ALSO", roff("README.md and docs/plugins.md of the h3gen repository.")]
     return "\n".join(lines) + "\n"
 
 
