@@ -25,7 +25,8 @@ def main(out: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     for name, args in RUNS.items():
         folder = out / name
-        subprocess.run([sys.executable, "-m", "h3gen.cli.main", "render", str(PROMPTS), "-o", str(folder), "--force", *args], check=True, env=env, stderr=subprocess.DEVNULL)
+        subprocess.run([sys.executable, "-m", "h3gen.cli.main", "render", str(PROMPTS), "-o", str(folder), "--force",
+                        *args], check=True, env=env, stderr=subprocess.DEVNULL)
         for path in sorted(folder.glob("*.mp4")):
             print(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  {name}/{path.name}")
 

@@ -56,7 +56,8 @@ def page() -> str:
     lines += [".SH ENVIRONMENT", ".TP", ".B H3GEN_MODEL", roff("Model directory used when --model is not given."),
               ".TP", ".B H3GEN_LOAD_PLUGINS", roff("Comma-separated plugin names to load (default: all)."),
               ".TP", ".B H3GEN_STRICT_PLUGINS", roff("Set to 1 to stop when a plugin fails (as --strict-plugins)."),
-              ".TP", ".B H3GEN_DEBUG", roff("Set to 1 to print a failure's traceback besides its line (as --traceback)."),
+              ".TP", ".B H3GEN_DEBUG",
+              roff("Set to 1 to print a failure's traceback besides its line (as --traceback)."),
               ".SH PLUGINS", roff(PLUGINS),
               ".SH EXIT STATUS", roff("0 when every clip was written or already there, 1 when some clips failed, "
                                       "2 on usage errors, 130 or 143 when stopped by SIGINT or SIGTERM."),

@@ -13,13 +13,13 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
+from h3gen.errors import ClipError, H3genError, ModelError
+from h3gen.inputs.request import Request
 from h3gen.run import memory, outputs
 from h3gen.run.arriving import ArrivingMedia
-from h3gen.inputs.request import Request
-from h3gen.stages.clip import PIPELINE, Clip
-from h3gen.errors import ClipError, H3genError, ModelError
-from h3gen.stages.base import StageFailed
 from h3gen.run.timing import StageTimer
+from h3gen.stages.base import StageFailed
+from h3gen.stages.clip import PIPELINE, Clip
 
 
 @dataclasses.dataclass
@@ -232,7 +232,6 @@ class Renderer:
                 claim.release()
         self.muxing.clear()
         return written
-
 
     def unload(self, stage) -> None:
         """A stage that fails to let go of its memory costs nothing written: it is reported, and the run goes on."""

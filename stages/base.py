@@ -117,7 +117,8 @@ class Wrapper(Stage):
     vae.use=grayscale` on h3-base wraps h3-base's `fast` decode, with its knobs), or with a `[vae.wraps]` table.
 
     The inner stage is loaded, parallelized and unloaded with the wrapper, and its capabilities are the wrapper's;
-    a subclass overrides `run`, calling `self.inner.run(clip)` where the wrapped stage's work belongs."""
+    a subclass overrides `run`, calling `self.inner.run(clip)` where the wrapped stage's work belongs. A background
+    mux's `submit` goes to the inner stage's: a mux wrapper that changes the writing overrides `submit` too."""
 
     def __init__(self, config, runtime):
         super().__init__(config, runtime)
