@@ -26,7 +26,7 @@ def result_record(result, preset: str) -> dict:
             "seconds": {k: round(v, 4) for k, v in result.seconds.items()},
             "end_to_end_s": round(result.end_to_end, 4), "rtf": round(result.rtf, 4),
             "media_s": round(result.request.duration, 4), "frames": result.request.frames,
-            "forwards": result.forwards, "peak_gib": round(result.peak_gib, 3), "skipped": result.skipped,
+            "forwards": result.forwards, "forwards_reused": result.forwards_reused, "peak_gib": round(result.peak_gib, 3), "skipped": result.skipped,
             "attention": result.attention or None}
 
 
@@ -62,8 +62,9 @@ class PlainReporter:
             self.say(f"[{result.request.index + 1}/{self.total}] skipped {result.path}: "
                      + (result.note or "already there and valid (--force renders it again)"))
         elif result.ok:
+            reused = f", {result.forwards_reused} of {result.forwards} forwards reused" if result.forwards_reused else ""
             self.say(f"[{result.request.index + 1}/{self.total}] wrote {result.path} in {result.end_to_end:.2f}s "
-                     f"(RTF {result.rtf:.2f})")
+                     f"(RTF {result.rtf:.2f}{reused})")
         else:
             self.say(f"[{result.request.index + 1}/{self.total}] FAILED {result.path.name}: {result.error}")
         if self.json_out:

@@ -34,6 +34,7 @@ class AdapterConfig:
     video_shift: float = 0.0
     audio_shift: float = 0.0
     tasks: list[str] = dataclasses.field(default_factory=list)
+    cache: bool = False  # the adapter allows a step cache (h3gen.stages.cache) to reuse some of its forwards
 
     def __post_init__(self):
         unknown = [t for t in self.tasks if t not in TASKS]
@@ -175,6 +176,22 @@ def describe(contract: dict, asked: bool = False) -> str:
              "audio_shift": lambda v: f"audio shift {v:g}",
              "tasks": lambda v: f"task {', '.join(v)}" if asked else f"{' or '.join(v)} only"}
     return ", ".join(words[key](contract[key]) for key in CONTRACT_KEYS if key in contract)
+
+
+def check_cache(preset, registry) -> None:
+    """A step cache needs a sampler that takes one, and an adapter's consent: a few-step student was distilled to
+    give its result in exactly its forwards, and reusing one of them is outside what it was trained for."""
+    cache_name, cache_config = preset.stages["cache"]
+    if not registry.stage("cache", cache_name).reuses:
+        return
+    sampler_name, sampler_config = preset.stages["sampler"]
+    refusal = registry.stage("sampler", sampler_name).refuses_cache(sampler_config)
+    if refusal:
+        raise UsageError(f"preset {preset.name}: cache '{cache_name}': {refusal}", "set cache.use=none")
+    if preset.adapter.paths and not preset.adapter.cache:
+        raise UsageError(f"preset {preset.name}: cache '{cache_name}' with adapters {', '.join(preset.adapter.paths)}, "
+                         "whose contract does not allow a step cache",
+                         "set cache.use=none, or adapter.cache=true if the adapter was trained to take one")
 
 
 def check_adapters(preset, requests, model_root) -> list[AdapterFile]:

@@ -202,10 +202,16 @@ def _section(data: dict, section: str, defaults: dict, where: str, sources: dict
     return values
 
 
+# Kinds a preset may leave out, and the stage they then use.
+OPTIONAL_STAGES = {"cache": "none"}
+
+
 def _stage(kind: str, data: dict, registry, where: str, sources: dict, key: str = ""):
     """(name, config) of the stage `data[kind]` names; `key` is the section's place ("vae", "vae.wraps")."""
     key = key or kind
     section = dict(_table(data.get(kind, {}), key, where))
+    if "use" not in section and kind in OPTIONAL_STAGES and key == kind:
+        section["use"] = OPTIONAL_STAGES[kind]
     name = section.pop("use", None)
     if not isinstance(name, str):
         raise UsageError(f"{where}: [{key}] needs use = \"<registered name>\"",

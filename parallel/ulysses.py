@@ -99,10 +99,10 @@ def apply_ulysses(transformer, group):
         block.attn.attend = UlyssesAttention(slices)
     blocks_on_all_rows = transformer.run_blocks
 
-    def run_blocks(packed, temb, adaln_index, from_table, cos, sin):
+    def run_blocks(packed, temb, adaln_index, from_table, cos, sin, step_cache=None, token_tags=None):
         rows = slices.split(packed.shape[1])
         local = blocks_on_all_rows(packed[:, rows].contiguous(), temb, adaln_index[rows], from_table, cos[rows],
-                                   sin[rows])
+                                   sin[rows], step_cache, token_tags[rows] if token_tags is not None else None)
         return gather_rows(local, slices.counts, group)
 
     transformer.run_blocks = run_blocks

@@ -7,16 +7,16 @@ from h3gen.plugins.hookspecs import hookimpl
 
 @hookimpl
 def h3gen_register_stages(register):
+    from h3gen.stages.cache import NoCache, ResidualCache, ScheduleCache
     from h3gen.stages.diffusers_baseline import DiffusersDecode, DiffusersEncode, DiffusersSampler
     from h3gen.stages.encode import Qwen3VLEncoder
     from h3gen.stages.mux import PyAVMux
     from h3gen.stages.quant import FP8Rowwise, Int8WeightOnly, NoQuant
     from h3gen.stages.sampler import EulerSampler
-    from h3gen.stages.vae import FastVAE
-    from h3gen.stages.vae import ReferenceVAE
+    from h3gen.stages.vae import FastVAE, ReferenceVAE
 
-    for stage in (Qwen3VLEncoder, EulerSampler, ReferenceVAE, FastVAE, NoQuant, FP8Rowwise,
-                  Int8WeightOnly, PyAVMux, DiffusersEncode, DiffusersSampler, DiffusersDecode):
+    for stage in (Qwen3VLEncoder, EulerSampler, ReferenceVAE, FastVAE, NoQuant, FP8Rowwise, Int8WeightOnly, PyAVMux,
+                  NoCache, ResidualCache, ScheduleCache, DiffusersEncode, DiffusersSampler, DiffusersDecode):
         register(stage)
 
 

@@ -62,7 +62,7 @@ def silent(total: int, json_out: bool, preset: str) -> SilentReporter:
 def prepare(settings: RunSettings, preset, found, make_reporter=silent) -> Batch:
     """Check the prompts file, output directory, plugins, model and adapter contracts, then make the run's reporter:
     `make_reporter(total clips in the file, json_out, preset name)`."""
-    from h3gen.config.contract import check_adapters
+    from h3gen.config.contract import check_adapters, check_cache
     from h3gen.inputs.prompts import read_prompts, shard_requests
 
     every = read_prompts(settings.prompts, settings.seed, preset.request)
@@ -74,6 +74,7 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent) -> Batch
     check_plugins(found, settings.strict_plugins, reporter)
     repo = model_repo(settings.model, reporter)
     check_adapters(preset, requests, repo.root)  # an adapter's step/shift/task contract, before any weight loads
+    check_cache(preset, found)
     return Batch(preset, found, requests, repo, reporter)
 
 

@@ -45,7 +45,8 @@ def record(out_dir: Path, result, preset: str, status: str) -> None:
     request = result.request
     line = json.dumps({"time": round(time.time(), 3), "pid": os.getpid(), "file": result.path.name,
                        "id": request.id, "line": request.line, "seed": request.seed, "preset": preset,
-                       "status": status, "error": result.error or None,
+                       "status": status, "error": result.error or None, "forwards": result.forwards,
+                       "forwards_reused": result.forwards_reused,
                        "seconds": {k: round(v, 4) for k, v in result.seconds.items()}}) + "\n"
     fd = os.open(out_dir / MANIFEST, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:

@@ -28,6 +28,7 @@ class Runtime:
     dtype: object
     timer: StageTimer
     quant: object = None
+    cache: object = None  # the preset's step cache policy (h3gen.stages.cache), for the sampler
     on_step: object = lambda clip, step, steps: None
 
     def quantize(self, role: str, module):
@@ -45,6 +46,7 @@ class ClipResult:
     error: str = ""
     peak_gib: float = 0.0
     forwards: int = 0
+    forwards_reused: int = 0
     skipped: bool = False  # the output was already there and valid, or another run is writing it
     note: str = ""  # why a clip was skipped when not because it was already there
     attention: str = ""  # the attention backend the DiT ran on
@@ -83,7 +85,7 @@ class Renderer:
         self.runtime = Runtime(device, dtype, StageTimer(device, reporter.stage_done), on_step=reporter.step)
         self.stages = {kind: build(registry.stage(kind, name), config, self.runtime)
                        for kind, (name, config) in preset.stages.items()}
-        self.runtime.quant = self.stages["quant"]
+        self.runtime.quant, self.runtime.cache = self.stages["quant"], self.stages["cache"]
         for kind in ("quant",) + PIPELINE:
             load(self.stages[kind], repo)
         self.muxing, self.done = [], []  # (clip, claim, future) in render order; finished results not yet yielded
@@ -209,7 +211,7 @@ class Renderer:
         clip.drop_tensors()
         top_level = sum(clip.seconds.get(kind, 0.0) for kind in PIPELINE)
         result = ClipResult(clip.request, clip.path, not error, dict(clip.seconds), top_level,
-                            error, clip.peak_gib, clip.forwards,
+                            error, clip.peak_gib, clip.forwards, clip.forwards_reused,
                             skipped=status in ("skipped", "busy"),
                             note="another h3gen run is rendering it" if status == "busy" else "",
                             attention=clip.attention)

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from h3gen.errors import H3genError
 
-STAGE_KINDS = ("encode", "sampler", "vae", "quant", "mux")
+STAGE_KINDS = ("encode", "sampler", "vae", "quant", "mux", "cache")
 BUILTIN = "h3gen (built-in)"
 
 
@@ -56,6 +56,11 @@ class Stage:
     def refuses_split(cls, config) -> str:
         """Why this stage, with `config`, cannot render one clip across a group of ranks; '' when it can."""
         return "" if cls.splits_clip else f"the {cls.kind} stage '{cls.name}' renders a clip on one rank"
+
+    @classmethod
+    def refuses_cache(cls, config) -> str:
+        """A sampler: why it cannot take the preset's step cache (h3gen.stages.cache) with `config`; '' when it can."""
+        return f"the {cls.kind} stage '{cls.name}' takes no step cache"
 
     def __init__(self, config, runtime):
         self.config, self.runtime = config, runtime

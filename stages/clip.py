@@ -26,7 +26,7 @@ FLOW = (
     Step("encode", reads=("request",), writes=("prompt_embeds", "text_token_tags", "conditions", "encode_cached"),
          on_device=True, ahead=True),
     Step("sampler", reads=("request", "prompt_embeds", "text_token_tags", "conditions"),
-         writes=("video_latents", "audio_latents", "forwards", "attention"), on_device=True),
+         writes=("video_latents", "audio_latents", "forwards", "forwards_reused", "attention"), on_device=True),
     Step("vae", reads=("video_latents", "audio_latents"), writes=("frames", "audio", "sample_rate", "arriving"),
          on_device=True),
     Step("mux", reads=("frames", "audio", "sample_rate", "arriving", "path"), writes=(), on_device=False),
@@ -48,6 +48,7 @@ class Clip:
     video_latents: Any = None  # (1, 24, latent frames, H/16, W/16) on the device
     audio_latents: Any = None  # (2, 32, audio latents) on the device
     forwards: int = 0  # DiT forwards the sampler ran
+    forwards_reused: int = 0  # of those, the ones whose middle blocks a step cache skipped
     attention: str = ""  # the attention backend the DiT ran on
     frames: Any = None  # uint8 (T, H, W, 3) on the host
     audio: Any = None  # float32 (2, N) on the host

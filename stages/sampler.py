@@ -82,6 +82,10 @@ class EulerSampler(Stage):
                     f"\"{config.dit}\"")
         return ""
 
+    @classmethod
+    def refuses_cache(cls, config) -> str:
+        return "" if config.dit == "h3gen" else f'the step cache needs sampler.dit = "h3gen", not "{config.dit}"'
+
     def load_note(self) -> str:
         return f"attention {self.attention_backend}"
 
@@ -259,6 +263,8 @@ class EulerSampler(Stage):
         steps = len(video_schedule.timesteps)
         held_video, held_audio = layout["condition_video_rows"], layout["condition_audio_rows"]
         prompt_embeds = clip.prompt_embeds.to(self.runtime.device)  # encoded for every prompt first, kept on the host
+        step_cache = self.runtime.cache.session(steps, self.group) if self.runtime.cache is not None else None
+        reuse = {"step_cache": step_cache} if step_cache is not None else {}
         # Both DiTs return the (video, audio) velocities first: diffusers' as an output tuple, h3gen's as a pair.
         for i, (t, audio_t) in enumerate(zip(video_schedule.timesteps, audio_schedule.timesteps)):
             timestep, timestep_indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
@@ -270,7 +276,7 @@ class EulerSampler(Stage):
                 encoder_hidden_states=prompt_embeds, timestep=timestep.to(self.runtime.device),
                 timestep_indices=timestep_indices.to(self.runtime.device), token_tags=layout["token_tags"],
                 position_ids=layout["position_ids"], video_indices=layout["video_indices"],
-                audio_indices=layout["audio_indices"], text_indices=layout["text_indices"])[:2]
+                audio_indices=layout["audio_indices"], text_indices=layout["text_indices"], **reuse)[:2]
             # Only the generated rows step: the conditioning rows ahead of them stay as they were drawn.
             video_rows[held_video:] = video_schedule.step(video_velocity[0, held_video:].float(), t,
                                                           video_rows[held_video:], return_dict=False)[0]
@@ -278,6 +284,7 @@ class EulerSampler(Stage):
                                                           audio_rows[held_audio:], return_dict=False)[0]
             self.runtime.on_step(clip, i + 1, steps)
         clip.forwards, clip.attention = steps, self.attention_backend
+        clip.forwards_reused = step_cache.reused if step_cache is not None else 0
         return video_rows, audio_rows
 
     def unpack(self, layout, video_rows, audio_rows):

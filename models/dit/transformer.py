@@ -209,8 +209,9 @@ class FastH3Transformer(nn.Module):
 
     @torch.no_grad()
     def forward(self, hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices,
-                token_tags, position_ids, video_indices, audio_indices, text_indices):
-        """Same inputs as diffusers' `MiniMaxH3Transformer3DModel.forward`; returns (video_velocity, audio_velocity)."""
+                token_tags, position_ids, video_indices, audio_indices, text_indices, step_cache=None):
+        """Same inputs as diffusers' `MiniMaxH3Transformer3DModel.forward`; returns (video_velocity, audio_velocity).
+        `step_cache` (h3gen.stages.cache.StepCache) may skip the middle blocks of this forward."""
         if position_ids.ndim != 2 or position_ids.shape[-1] != 3:
             raise ValueError(f"position_ids must be (seq_len, 3), got {list(position_ids.shape)}")
         seq_len = position_ids.shape[0]
@@ -231,20 +232,38 @@ class FastH3Transformer(nn.Module):
 
         temb = self.time_embedder(timestep)
         adaln_index, from_table = self.adaln_index(timestep, timestep_indices, token_tags)
-        packed = self.run_blocks(packed, temb, adaln_index, from_table, cos, sin)
+        if step_cache is not None:
+            step_cache.next_forward()
+        packed = self.run_blocks(packed, temb, adaln_index, from_table, cos, sin, step_cache, token_tags)
 
         packed = self.norm_out(packed, temb, timestep_indices, self.ops)
         video_out = self.proj_out(packed.index_select(1, video_indices).to(self.proj_out.weight.dtype))
         audio_out = self.audio_proj_out(packed.index_select(1, audio_indices).to(self.audio_proj_out.weight.dtype))
         return video_out, audio_out
 
-    def run_blocks(self, packed, temb, adaln_index, from_table, cos, sin):
+    def run_blocks(self, packed, temb, adaln_index, from_table, cos, sin, step_cache=None, token_tags=None):
         """The transformer blocks over the packed rows. Everything but attention is row-wise (each row carries its
-        AdaLN index and rotary angles), so a sequence-parallel form can run this over a slice of the rows."""
-        for block in self.transformer_blocks:
-            modulation = block.adaln_table if from_table else block.adaln_rows(temb)
-            packed = block(packed, modulation, adaln_index, cos, sin)
-        return packed
+        AdaLN index, rotary angles and modality tag), so a sequence-parallel form can run this over a slice of the
+        rows. With `step_cache`, the middle blocks may give way to the residual they added last time."""
+        def run(blocks, packed):
+            for block in blocks:
+                modulation = block.adaln_table if from_table else block.adaln_rows(temb)
+                packed = block(packed, modulation, adaln_index, cos, sin)
+            return packed
+
+        blocks = self.transformer_blocks
+        if step_cache is None:
+            return run(blocks, packed)
+        first, last = step_cache.first_blocks, len(blocks) - step_cache.last_blocks
+        entry = packed.clone()  # the blocks may write their input in place
+        packed = run(blocks[:first], packed)
+        if step_cache.reuse(packed - entry, token_tags):
+            packed = packed + step_cache.middle
+        else:
+            middle_entry = packed.clone()
+            packed = run(blocks[first:last], packed)
+            step_cache.keep(packed - middle_entry)
+        return run(blocks[last:], packed)
 
     def attention_backend_name(self):
         # The blocks' dtype (proj_in is one of the checkpoint's fp32 modules).
