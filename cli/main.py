@@ -204,7 +204,8 @@ def plugins():
 
     found = registry()
     for (kind, name), entry in sorted(found.stages.items()):
-        typer.echo(f"{kind:8s} {name:16s} {entry.origin:20s} {entry.stage.__module__}.{entry.stage.__qualname__}")
+        typer.echo(f"{kind:8s} {name:16s} {entry.origin:20s} {entry.stage.__module__}.{entry.stage.__qualname__}"
+                   + (f"  {entry.stage.description}" if entry.stage.description else ""))
     report_failed_plugins(found)
 
 

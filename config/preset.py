@@ -63,11 +63,18 @@ def find_preset(name_or_file: str, registry, folder: Path | None = None) -> tupl
         if not path.is_file():
             raise UsageError(f"preset file {path} does not exist", "pass a preset name or an existing .toml file")
         return path.stem, path
-    raise UsageError(f"unknown preset '{name_or_file}'", f"available: {', '.join(sorted(registry.presets))}")
+    if not registry.presets:
+        raise UsageError(f"unknown preset '{name_or_file}': no presets are registered",
+                         "`h3gen plugins` says why the plugin that ships them failed")
+    left_out = (f"; H3GEN_LOAD_PLUGINS leaves out the installed plugin(s) {', '.join(map(repr, registry.left_out))}, "
+                "which may register it" if registry.left_out else "")
+    raise UsageError(f"unknown preset '{name_or_file}'", f"available: {', '.join(sorted(registry.presets))}{left_out}")
 
 
-def load_preset(name_or_file: str, registry, folder: Path | None = None, chain: tuple = ()) -> tuple[str, dict]:
-    """The preset's tables, with the presets it extends merged under them."""
+def load_preset(name_or_file: str, registry, folder: Path | None = None,
+                chain: tuple = ()) -> tuple[str, dict, dict]:
+    """The preset's tables, with the presets it extends merged under them, and where each key came from
+    ({"vae.wraps.use": "preset tiny"})."""
     name, path = find_preset(name_or_file, registry, folder)
     if path.resolve() in chain:
         raise UsageError(f"preset {name} extends itself ({' -> '.join(p.stem for p in chain + (path,))})",
@@ -75,35 +82,43 @@ def load_preset(name_or_file: str, registry, folder: Path | None = None, chain: 
     data = load_toml(path)
     base = data.pop("extends", None)
     if base is None:
-        return name, data
+        return name, data, dict.fromkeys(key_paths(data), f"preset {name}")
     if not isinstance(base, str):
         raise UsageError(f"preset {name}: extends must be a preset name or file, got {base!r:.40}",
                          'e.g. extends = "h3-base"')
-    _, base_data = load_preset(base, registry, path.parent, chain + (path.resolve(),))
-    return name, merge(base_data, data, registry, f"preset {name}")
-
-
-def merge(base: dict, child: dict, registry, where: str) -> dict:
-    merged = dict(base)
-    for key, value in child.items():
-        if key in STAGE_KINDS and isinstance(value, dict) and isinstance(base.get(key), dict):
-            merged[key] = replace_stage(base[key], value, key, registry)
-        elif key in SECTIONS and isinstance(value, dict) and isinstance(base.get(key), dict):
-            merged[key] = {**base[key], **value}
+    _, merged, origins = load_preset(base, registry, path.parent, chain + (path.resolve(),))
+    for key, value in data.items():
+        if key in STAGE_KINDS and isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = replace_stage(merged[key], value, key, registry, origins, f"preset {name}")
         else:
+            if key in SECTIONS and isinstance(value, dict) and isinstance(merged.get(key), dict):
+                value = {**merged[key], **value}
             merged[key] = value
-    return merged
+            origins.update(dict.fromkeys(key_paths({key: data[key]}), f"preset {name}"))
+    return name, merged, origins
 
 
-def replace_stage(old: dict, new: dict, kind: str, registry) -> dict:
+def key_paths(tables: dict, prefix: str = "") -> list[str]:
+    """"section.key" for every value in nested tables (a wrapped stage's keys as "vae.wraps.key")."""
+    paths = []
+    for key, value in tables.items():
+        paths += key_paths(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+    return paths
+
+
+def replace_stage(old: dict, new: dict, kind: str, registry, origins: dict, source: str) -> dict:
     """A stage section over another: the same stage takes the new keys over the old; another stage drops them,
-    unless it wraps its kind, when the old section becomes the stage it wraps."""
+    unless it wraps its kind, when the old section becomes the stage it wraps. `origins` follows the keys."""
     name = new.get("use")
     if name is None or name == old.get("use"):
-        return {**old, **new}
-    section = dict(new)
-    if "wraps" not in section and is_wrapper(registry, kind, name):
-        section["wraps"] = old
+        section = {**old, **new}
+    else:
+        section = dict(new)
+        moved = {path: origins.pop(path) for path in [p for p in origins if p.startswith(f"{kind}.")]}
+        if "wraps" not in section and is_wrapper(registry, kind, name):
+            section["wraps"] = old
+            origins.update({f"{kind}.wraps.{path[len(kind) + 1:]}": where for path, where in moved.items()})
+    origins.update(dict.fromkeys(key_paths({kind: new}), source))
     return section
 
 
@@ -128,22 +143,21 @@ def parse_override(text: str) -> tuple[str, str, Any]:
 
 
 def resolve(name_or_file: str, registry, overrides: list[str] = ()) -> Preset:
-    name, data = load_preset(name_or_file, registry)
+    name, data, sources = load_preset(name_or_file, registry)
     where = f"preset {name}"
-    sources = {}
     for section, field, value in map(parse_override, overrides):
         if section not in STAGE_KINDS + SECTIONS:
             raise UsageError(f"--set {section}.{field}: unknown section {section!r}",
                              f"sections: {', '.join(STAGE_KINDS + SECTIONS)}")
         table = _table(data.setdefault(section, {}), section, where)
         if field == "use" and section in STAGE_KINDS:
-            data[section] = replace_stage(table, {"use": value}, section, registry)
+            data[section] = replace_stage(table, {"use": value}, section, registry, sources, "--set")
         else:
             *parents, last = field.split(".")  # wraps.tile_batch: a key of the wrapped stage
             for parent in parents:
                 table = _table(table.setdefault(parent, {}), f"{section}.{parent}", where)
             table[last] = value
-        sources[f"{section}.{field}"] = "--set"
+            sources[f"{section}.{field}"] = "--set"
     version = data.get("version")
     if version not in KNOWN_VERSIONS:
         raise UsageError(f"{where} has version {version!r}, which this h3gen does not know",
@@ -218,6 +232,12 @@ def _stage(kind: str, data: dict, registry, where: str, sources: dict, key: str 
                          f"registered {kind} stages: {', '.join(sorted(n for k, n in registry.stages if k == kind))}")
     stage = registry.stage(kind, name)
     wraps = section.pop("wraps", None) if is_wrapper(registry, kind, name) else None
+    if isinstance(wraps, dict):
+        fields = {field.name for field in dataclasses.fields(stage.Config)}
+        for unknown in (k for k in section if k not in fields):
+            raise UsageError(f"unknown key '{unknown}' in {where} [{key}]: {kind} stage '{name}' wraps "
+                             f"'{wraps.get('use')}', which may take it",
+                             f"set the wrapped stage's keys under [{key}.wraps], or --set {key}.wraps.{unknown}=...")
     config = build_config(stage.Config, section, f"{where} [{key}]")
     if wraps is not None or is_wrapper(registry, kind, name):
         from h3gen.stages.base import Wrapped

@@ -59,7 +59,11 @@ def _plugin_manager() -> tuple[pluggy.PluginManager, list[tuple[str, str]], list
     names, failed, left_out = wanted_plugins(), [], []
     from importlib.metadata import entry_points
 
-    for ep in entry_points(group="h3gen"):
+    installed = entry_points(group="h3gen")
+    for name in sorted((names or set()) - {ep.name for ep in installed}):
+        failed.append((name, f"is named in H3GEN_LOAD_PLUGINS, and no such plugin is installed (installed: "
+                             f"{', '.join(sorted(ep.name for ep in installed)) or 'none'})"))
+    for ep in installed:
         if names is not None and ep.name not in names:
             left_out.append(ep.name)
             continue

@@ -88,7 +88,8 @@ class Renderer:
         self.runtime.quant, self.runtime.cache = self.stages["quant"], self.stages["cache"]
         for kind in ("quant",) + PIPELINE:
             load(self.stages[kind], repo)
-        self.muxing, self.done = [], []  # (clip, claim, future) in render order; finished results not yet yielded
+        # (clip, claim, future, the file's state before the mux) in render order; finished results not yet yielded
+        self.muxing, self.done = [], []
         self.claim_on_device = None
 
     def render(self, requests: list[Request], out_dir: Path, save_latents: bool = False,
@@ -160,6 +161,7 @@ class Renderer:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         error, mux, job = "", self.stages["mux"], None
+        before = file_state(clip.path)  # a mux that fails after writing the file takes it back
         try:
             check_disk(self.out_dir, clip.request)
             clip = self.stages["sampler"](clip)
@@ -176,9 +178,13 @@ class Renderer:
             if job is None and mux.background:
                 job = mux.submit(clip)
             if job is not None:
-                self.muxing.append((clip, claim, job))
+                self.muxing.append((clip, claim, job, before))
                 return
-            clip = mux(clip)
+            try:
+                clip = mux(clip)
+            except BaseException:
+                remove_if_written(clip.path, before)
+                raise
         except BaseException as e:  # a faulty stage costs its clip, not the batch
             if job is not None:
                 abandon(clip, job, e)
@@ -196,12 +202,13 @@ class Renderer:
         yield from self.done
         self.done.clear()
         while self.muxing and (wait or self.muxing[0][2].done()):
-            clip, claim, job = self.muxing.pop(0)
+            clip, claim, job, before = self.muxing.pop(0)
             error = ""
             try:
                 job.result()
                 self.reporter.stage_done(clip, "mux", clip.seconds.get("mux", 0.0))
             except Exception as e:
+                remove_if_written(clip.path, before)
                 error = clip_error(clip, e)
             yield self.finish(clip, error, claim=claim)
 
@@ -227,9 +234,9 @@ class Renderer:
             mux.discard_in_flight()
         for kind in PIPELINE:
             self.unload(self.stages[kind])
-        written = [self.finish(clip, claim=claim) for clip, claim, job in self.muxing
+        written = [self.finish(clip, claim=claim) for clip, claim, job, _ in self.muxing
                    if job.done() and not job.cancelled() and job.exception() is None]
-        for claim in [claim for _, claim, _ in self.muxing] + [self.claim_on_device]:
+        for claim in [claim for _, claim, _, _ in self.muxing] + [self.claim_on_device]:
             if claim is not None:
                 claim.release()
         self.muxing.clear()
@@ -266,6 +273,21 @@ def load(stage, repo) -> None:
     except Exception as e:
         raise stage.failed(f"failed to load: {type(e).__name__}: {e}",
                            "rerun with --traceback for where; fix the stage, or pick another in the preset") from e
+
+
+def file_state(path: Path):
+    """What tells a file written since apart from the one there before (None: no file)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
+def remove_if_written(path: Path, before) -> None:
+    """A failed mux leaves no file: one it wrote before failing (a wrapper failing after its inner mux) goes."""
+    if file_state(path) not in (None, before):
+        path.unlink(missing_ok=True)
 
 
 def abandon(clip: Clip, job, error: BaseException) -> None:

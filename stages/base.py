@@ -98,9 +98,10 @@ class Stage:
     def run(self, clip):
         raise NotImplementedError
 
-    def submit(self, clip):
-        """A background mux (`background = True`): start muxing `clip` and return a Future of it, or None to be
-        called in line after the decode."""
+    def submit(self, clip, stage=None):
+        """A background mux (`background = True`): start muxing `clip` on a thread by calling `stage(clip, False)`
+        (`stage` is a wrapper of this mux, or None for this one), and return a Future of the clip; or return None to
+        be called in line after the decode."""
         return None
 
     def discard_in_flight(self) -> None:
@@ -122,8 +123,8 @@ class Wrapper(Stage):
     vae.use=grayscale` on h3-base wraps h3-base's `fast` decode, with its knobs), or with a `[vae.wraps]` table.
 
     The inner stage is loaded, parallelized and unloaded with the wrapper, and its capabilities are the wrapper's;
-    a subclass overrides `run`, calling `self.inner.run(clip)` where the wrapped stage's work belongs. A background
-    mux's `submit` goes to the inner stage's: a mux wrapper that changes the writing overrides `submit` too."""
+    a subclass overrides `run`, calling `self.inner.run(clip)` where the wrapped stage's work belongs (a wrapped
+    background mux runs the wrapper's `run` on its threads)."""
 
     def __init__(self, config, runtime):
         super().__init__(config, runtime)
@@ -133,7 +134,7 @@ class Wrapper(Stage):
                               f"name the stage it wraps: [{self.kind}.wraps] use = \"...\"")
         self.inner = wrapped.stage(wrapped.config, runtime)
         self.splits_clip, self.hands_over_frames = self.inner.splits_clip, self.inner.hands_over_frames
-        self.background = self.inner.background
+        self.background, self.on_host = self.inner.background, self.inner.on_host
 
     @classmethod
     def refuses_split(cls, config) -> str:
@@ -152,8 +153,8 @@ class Wrapper(Stage):
     def run(self, clip):
         return self.inner.run(clip)
 
-    def submit(self, clip):
-        return self.inner.submit(clip)
+    def submit(self, clip, stage=None):
+        return self.inner.submit(clip, stage or self)  # on the inner mux's threads, through this wrapper's run
 
     def discard_in_flight(self) -> None:
         self.inner.discard_in_flight()

@@ -142,8 +142,9 @@ class PyAVMux(Stage):
     on_host = True
     background = True  # with mux.workers > 0; `submit` returns None when it is 0
 
-    def submit(self, clip):
-        """Mux on a background thread; returns a Future of the clip, or None when muxing runs in line.
+    def submit(self, clip, stage=None):
+        """Mux on a background thread, through `stage` (a wrapper of this mux) or this one; returns a Future of the
+        clip, or None when muxing runs in line.
 
         Threads rather than processes: libx264 and the AAC encoder run outside the GIL, and a thread reads the
         clip's frames where they are instead of copying most of a gigabyte to another process."""
@@ -153,7 +154,7 @@ class PyAVMux(Stage):
             from concurrent.futures import ThreadPoolExecutor
 
             self.pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="h3gen-mux")
-        return self.pool.submit(self, clip, False)
+        return self.pool.submit(stage or self, clip, False)
 
     def discard_in_flight(self) -> None:
         """Stop the background writes now (a signal ends the run): their partial files are removed."""

@@ -165,5 +165,50 @@ def test_a_preset_named_like_a_builtin_is_refused_as_a_stage_clash_is(tmp_path):
 def test_a_stage_left_out_by_load_plugins_is_named_as_such(faulty, prompts_file, tmp_path):
     result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--set", "vae.use=faulty",
                    env={**faulty, "H3GEN_LOAD_PLUGINS": "nope"}, check_code=2)
-    assert ("unknown vae stage 'faulty' (registered vae stages: diffusers, fast, reference; "
+    assert "unknown vae stage 'faulty' (registered vae stages: diffusers, fast, reference; " in result.stderr
+    assert ("plugin 'nope' is named in H3GEN_LOAD_PLUGINS, and no such plugin is installed (installed: faulty); "
             "H3GEN_LOAD_PLUGINS=nope leaves out the installed plugin(s) 'faulty', which may register it)") in result.stderr
+
+
+SIDECAR = '''
+import dataclasses, json
+from h3gen.plugins.hookspecs import hookimpl
+from h3gen.stages.base import Wrapped, Wrapper
+
+
+@dataclasses.dataclass
+class SidecarConfig:
+    fail: bool = False
+    wraps: Wrapped = dataclasses.field(default_factory=Wrapped)
+
+
+class Sidecar(Wrapper):
+    kind, name = "mux", "sidecar"
+    Config = SidecarConfig
+
+    def run(self, clip):
+        clip = self.inner.run(clip)
+        if self.config.fail:
+            return None  # after the inner mux wrote the MP4
+        clip.path.with_suffix(".json").write_text(json.dumps({"seed": clip.request.seed}))
+        return clip
+
+
+@hookimpl
+def h3gen_register_stages(register):
+    register(Sidecar)
+'''
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+def test_a_mux_wrapper_runs_on_the_background_mux_and_a_failure_leaves_no_file(tmp_path, prompts_file, workers):
+    env = install(tmp_path / "site", "sidecar", SIDECAR)
+    args = ["--set", "mux.use=sidecar", "--set", f"mux.wraps.workers={workers}"]
+    out = tmp_path / "out"
+    h3gen("render", prompts_file('{"id": "a", "prompt": "a fox"}\n'), "-o", out, *args, env=env, check_code=0)
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["a.json", "a.mp4", "manifest.jsonl"]
+    failed = tmp_path / "failed"
+    result = h3gen("render", prompts_file('{"id": "a", "prompt": "a fox"}\n'), "-o", failed, *args,
+                   "--set", "mux.fail=true", env=env, check_code=1)
+    assert "mux stage 'sidecar' (from plugin 'sidecar') returned NoneType" in result.stderr
+    assert not list(failed.glob("*.mp4"))  # the inner mux's file went with the failed clip

@@ -103,4 +103,4 @@ def test_preset_using_a_stage_of_a_broken_plugin_says_why(site, prompts_file, tm
                    env={**site, "H3GEN_LOAD_PLUGINS": "raises"})
     assert result.returncode == 2
     assert "unknown sampler stage 'half' (registered sampler stages: " in result.stderr
-    assert "euler; plugin 'raises' failed during registration: boom while registering)" in result.stderr
+    assert "euler; plugin 'raises' failed during registration: boom while registering" in result.stderr
