@@ -5,6 +5,7 @@ Nothing heavy is imported at module level, so `h3gen --help` and shell completio
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import traceback
@@ -159,6 +160,31 @@ def validate(
         else:
             typer.echo(f"{path}: ok")
     raise typer.Exit(1 if bad else 0)
+
+
+@app.command()
+def compare(
+    a: Annotated[Path, typer.Argument(help="An MP4, or a directory of them (say, rendered with a fast preset).")],
+    b: Annotated[Path, typer.Argument(help="The reference: an MP4, or a directory matched to A by file name.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per pair of clips on stdout.")] = False,
+):
+    """How far clip A is from clip B: video PSNR and SSIM (mean and worst frame), audio SNR and log-mel distance.
+    E.g. render one prompts file with h3-base into ref/ and with h3-base-fast into fast/, then `h3gen compare fast ref`."""
+    import json
+
+    from h3gen.cli.ui import compare_table
+    from h3gen.run.compare import compare as compare_clips
+    from h3gen.run.compare import pairs
+
+    try:
+        records = [compare_clips(x, y) for x, y in pairs(a, b)]
+    except H3genError as e:
+        fail(e)
+    compare_table(records)
+    if json_out:
+        for record in records:
+            typer.echo(json.dumps({k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+                                   for k, v in record.items()}))
 
 
 @presets_app.command("list")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -146,3 +147,20 @@ class LiveReporter(PlainReporter):
 def reporter_for(total: int, json_out: bool, preset: str):
     live = sys.stderr.isatty()
     return (LiveReporter if live else PlainReporter)(total, json_out, preset)
+
+
+COMPARE_COLUMNS = (("psnr_mean", "PSNR dB", "{:.2f}"), ("psnr_worst", "worst frame", "{:.2f}"),
+                   ("ssim_mean", "SSIM", "{:.4f}"), ("ssim_worst", "worst frame", "{:.4f}"),
+                   ("audio_snr_db", "audio SNR dB", "{:.2f}"), ("log_mel_distance_db", "log-mel dist dB", "{:.3f}"))
+
+
+def compare_table(records) -> None:
+    """`h3gen compare`'s table, on stderr."""
+    table = Table(title="h3gen compare (A against B)", title_justify="left")
+    table.add_column("clip")
+    for _, title, _ in COMPARE_COLUMNS:
+        table.add_column(title, justify="right")
+    for record in records:
+        cells = ["-" if record[key] is None else fmt.format(record[key]) for key, _, fmt in COMPARE_COLUMNS]
+        table.add_row(Path(record["a"]).name, *cells)
+    Console(stderr=True, highlight=False).print(table)

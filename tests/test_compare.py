@@ -1,0 +1,54 @@
+"""`h3gen compare`: a clip against itself is identical (PSNR inf, SSIM 1), two seeds give finite distances, and clips
+that cannot be compared are refused in one line."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import h3gen
+
+
+def clip(path, seed, frames=22, size=(32, 48), rate=32000):
+    from h3gen.stages.mux import write_mp4
+
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (frames, *size, 3), dtype=np.uint8)
+    audio = (rng.standard_normal((2, int(frames / 24 * rate))) * 0.1).astype(np.float32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_mp4(path, pixels, audio, sample_rate=rate)
+    return path
+
+
+def records(result):
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_a_clip_against_itself_and_against_another_seed(tmp_path):
+    a, b = clip(tmp_path / "a" / "x.mp4", 1), clip(tmp_path / "b" / "x.mp4", 2)
+    (same,) = records(h3gen("compare", a, a, "--json", check_code=0))
+    assert (same["psnr_mean"], same["psnr_worst"], same["ssim_mean"], same["ssim_worst"]) == ("inf", "inf", 1.0, 1.0)
+    assert same["audio_snr_db"] == "inf" and same["log_mel_distance_db"] == 0.0
+    result = h3gen("compare", tmp_path / "a", tmp_path / "b", "--json", check_code=0)  # matched by file name
+    (other,) = records(result)
+    assert 0 < other["psnr_mean"] < 20 and other["psnr_worst"] <= other["psnr_mean"]
+    assert other["ssim_worst"] <= other["ssim_mean"] < 0.5 and other["log_mel_distance_db"] > 0
+    assert "PSNR dB" in result.stderr and "x.mp4" in result.stderr
+
+
+@pytest.mark.parametrize("other, message", [
+    (dict(frames=39), "differ in frame counts (22 and 39)"),
+    (dict(size=(64, 48)), "differ in sizes ((32, 48) and (64, 48))"),
+    (dict(rate=16000), "differ in sample rates (32000 and 16000)"),
+])
+def test_clips_that_cannot_be_compared_are_refused(tmp_path, other, message):
+    a, b = clip(tmp_path / "a.mp4", 1), clip(tmp_path / "b.mp4", 1, **other)
+    result = h3gen("compare", a, b, check_code=2)
+    assert result.stderr.count("\n") == 1 and message in result.stderr
+
+
+def test_a_file_that_is_not_an_mp4_is_refused(tmp_path):
+    text = tmp_path / "notes.mp4"
+    text.write_text("not a video\n")
+    result = h3gen("compare", text, clip(tmp_path / "a.mp4", 1), check_code=2)
+    assert result.stderr.count("\n") == 1 and "cannot read" in result.stderr and "as an MP4" in result.stderr
