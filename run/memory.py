@@ -73,9 +73,15 @@ def cuda_fit_warning(requests: list[Request], transformer_config: Path, element_
 
 
 def release(device: str) -> None:
-    """Return what one clip allocated: drop unreachable tensors, then hand the allocator's cache back on CUDA."""
+    """Return what one clip allocated: drop unreachable tensors, then hand the allocator's cache back on CUDA. cuBLAS
+    keeps a workspace per stream and handle in torch's allocator (32 MiB each on Hopper) from the first matrix
+    product on: it goes too, and the next product allocates it again."""
     gc.collect()
     if str(device).startswith("cuda"):
         import torch
 
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            torch.cuda.synchronize()
+            clear_workspaces()
         torch.cuda.empty_cache()

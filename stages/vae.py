@@ -25,6 +25,20 @@ from h3gen.models.vae.host_frames import PIXEL_MEAN, PIXEL_STD, HostFrames
 from h3gen.stages.base import Stage, Wrapper
 
 
+def fold_weight_norms(model):
+    """Bake each weight-normed layer's weight in once (the audio VAE's convolutions): the same values its forward
+    would compute, computed at load rather than left behind by the first clip's forward."""
+    import torch
+    from torch.nn.utils import remove_weight_norm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    with torch.no_grad():
+        for module in model.modules():
+            for hook in [h for h in module._forward_pre_hooks.values() if isinstance(h, WeightNorm)]:
+                remove_weight_norm(module, hook.name)
+    return model
+
+
 def denormalized(latents, config):
     """Latents in the VAE's own scale: the sampler's are normalized per channel (dim 1) by the VAE's mean and std."""
     import torch
@@ -49,8 +63,8 @@ class ReferenceVAE(Stage):
         # The quant stage quantizes the decoder's blocks only when its roles name the VAE.
         self.vae = self.runtime.quantize("vae", vae)
         # The audio VAE is small and decodes in fp32, as the reference does.
-        self.audio_vae = repo.load("audio_vae", AutoencoderKLMiniMaxH3Audio, torch_dtype=torch.float32,
-                                   device_map=device).eval()
+        self.audio_vae = fold_weight_norms(repo.load("audio_vae", AutoencoderKLMiniMaxH3Audio,
+                                                     torch_dtype=torch.float32, device_map=device).eval())
         self.sample_rate = self.audio_vae.config.sampling_rate
 
     def run(self, clip):

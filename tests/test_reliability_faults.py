@@ -220,10 +220,11 @@ def test_cuda_memory_returns_to_its_starting_level_between_clips(tiny_model, tmp
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("one\ntwo\nthree\n")
     renderer = Renderer(preset, registry(), ModelRepo(tiny_model), PlainReporter(3))
-    loaded = torch.cuda.memory_allocated()
+    loaded, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     for result in renderer.render(read_prompts(prompts, 0, preset.request), tmp_path / "out"):
         assert result.ok and torch.cuda.memory_allocated() == loaded
-        assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < 2**20
+        # The cache goes back but for the 2 MiB segments a loaded weight shares with the clip's small tensors.
+        assert torch.cuda.memory_reserved() <= reserved + 2 * 2**20
 
 
 # -- peak memory estimate -------------------------------------------------------------------------------------------
