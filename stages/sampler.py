@@ -36,6 +36,7 @@ class EulerConfig:
     ffn_chunk_rows: int = 0  # h3gen DiT: feed-forward over chunks of this many rows (0: all), less peak memory
     exact_norms: bool = False  # h3gen DiT, Triton: norm statistics from torch, rounding as diffusers does (slower)
     qkv_planes: bool = False  # h3gen DiT: q, k, v projected into three contiguous planes (one GEMM each)
+    stream_blocks: int = 0  # h3gen DiT: the last N blocks' weights kept in host memory, streamed in as they run
 
 
 def sigma_schedule(config: EulerConfig, shift: float):
@@ -100,6 +101,8 @@ class EulerSampler(Stage):
             raise UsageError("the sigma grid needs at least 2 points", "set sampler.steps >= 2")
         if config.dit not in ("h3gen", "diffusers"):
             raise UsageError(f"unknown sampler.dit '{config.dit}'", "choose diffusers or h3gen")
+        if config.stream_blocks and config.dit != "h3gen":
+            raise UsageError('sampler.stream_blocks streams the blocks of h3gen\'s DiT', 'set sampler.dit = "h3gen"')
         if config.ffn_chunk_rows < 0:
             raise UsageError(f"sampler.ffn_chunk_rows is {config.ffn_chunk_rows}",
                              "set it to 0 (all rows at once) or a positive row count")
@@ -122,6 +125,8 @@ class EulerSampler(Stage):
             memory.release(self.runtime.device)
         dit = self.load_fast_dit(partition) if self.config.dit == "h3gen" else self.load_reference_dit(partition)
         self.dit = self.runtime.quantize("dit", dit.eval())
+        if self.config.stream_blocks:
+            self.dit.stream_blocks(self.config.stream_blocks)
         if self.group is not None:
             from h3gen.parallel.ulysses import apply_ulysses
 

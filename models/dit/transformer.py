@@ -51,6 +51,7 @@ class FastH3Transformer(nn.Module):
         self.audio_proj_out = nn.Linear(cfg.hidden_size, cfg.audio_in_channels)
         self.register_buffer("adaln_timesteps", None, persistent=False)
         self.adaln_groups = {}  # a group's values (one forward's `timestep`) -> its first row in the tables
+        self.streamer = None  # blocks whose weights stream from host memory (`stream_blocks`)
         self.compile_blocks = False
         self.configure(use_triton, adaln_table, compile_blocks, attention_backend, ffn_chunk_rows, exact_norms,
                        qkv_planes)
@@ -245,25 +246,41 @@ class FastH3Transformer(nn.Module):
         """The transformer blocks over the packed rows. Everything but attention is row-wise (each row carries its
         AdaLN index, rotary angles and modality tag), so a sequence-parallel form can run this over a slice of the
         rows. With `step_cache`, the middle blocks may give way to the residual they added last time."""
-        def run(blocks, packed):
-            for block in blocks:
+        blocks, streamer = self.transformer_blocks, self.streamer
+
+        def run(indices, packed):
+            for index in indices:
+                block = blocks[index]
+                if streamer is not None:
+                    streamer.before(index)
                 modulation = block.adaln_table if from_table else block.adaln_rows(temb)
                 packed = block(packed, modulation, adaln_index, cos, sin)
+                if streamer is not None:
+                    streamer.after(index)
             return packed
 
-        blocks = self.transformer_blocks
         if step_cache is None:
-            return run(blocks, packed)
+            return run(range(len(blocks)), packed)
         first, last = step_cache.first_blocks, len(blocks) - step_cache.last_blocks
         entry = packed.clone()  # the blocks may write their input in place
-        packed = run(blocks[:first], packed)
+        packed = run(range(first), packed)
         if step_cache.reuse(packed - entry, token_tags):
             packed = packed + step_cache.middle
         else:
             middle_entry = packed.clone()
-            packed = run(blocks[first:last], packed)
+            packed = run(range(first, last), packed)
             step_cache.keep(packed - middle_entry)
-        return run(blocks[last:], packed)
+        return run(range(last, len(blocks)), packed)
+
+    def stream_blocks(self, count: int) -> None:
+        """Keep the last `count` blocks' weights in host memory, each brought to the device only while it runs
+        (h3gen.models.dit.streaming); 0 keeps every block resident."""
+        from h3gen.models.dit.streaming import BlockStreamer
+
+        blocks = self.transformer_blocks
+        count = max(0, min(count, len(blocks)))
+        self.streamer = BlockStreamer(blocks, list(range(len(blocks) - count, len(blocks))),
+                                      self.proj_in.weight.device) if count else None
 
     def attention_backend_name(self):
         # The blocks' dtype (proj_in is one of the checkpoint's fp32 modules).

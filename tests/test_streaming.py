@@ -1,0 +1,42 @@
+"""DiT blocks streamed from host memory change where the weights live, never what is computed: a streamed forward,
+a streamed clip and a streamed cached clip are the resident ones bit for bit."""
+
+import torch
+
+from conftest import h3gen
+from test_step_cache import run, sampler_for, with_cache
+from test_ulysses import t2va_clip
+
+
+def streamed(sampler, count):
+    sampler.dit.stream_blocks(count)
+    return sampler
+
+
+def test_streamed_blocks_give_the_resident_latents_bit_for_bit(tiny_model, tmp_path):
+    clip = t2va_clip(tmp_path)
+    resident, _ = run(with_cache(sampler_for(tiny_model), "none"), clip)
+    for count in (1, 2):
+        latents, _ = run(streamed(with_cache(sampler_for(tiny_model), "none"), count), clip)
+        assert all(torch.equal(a, b) for a, b in zip(latents, resident)), count
+    cached, reused = run(with_cache(sampler_for(tiny_model, steps=4), "schedule", steps=[0, 2]), clip)
+    both, both_reused = run(streamed(with_cache(sampler_for(tiny_model, steps=4), "schedule", steps=[0, 2]), 2), clip)
+    assert reused == both_reused == 1 and all(torch.equal(a, b) for a, b in zip(both, cached))
+
+
+def test_a_streamed_block_holds_host_tensors_between_forwards(tiny_model):
+    sampler = streamed(with_cache(sampler_for(tiny_model), "none"), 1)
+    block = sampler.dit.transformer_blocks[-1]
+    assert sampler.dit.streamer.streams(1) and not sampler.dit.streamer.streams(0)
+    assert block.adaln_table is not None  # resident: indexed every forward
+    weights = [p for p in block.parameters()]
+    assert weights and all(p.device.type == "cpu" for p in weights)
+
+
+def test_a_clip_rendered_with_streamed_blocks_is_byte_identical(prompts_file, tmp_path):
+    prompts = prompts_file("a red fox\n")
+    for name, count in (("resident", 0), ("streamed", 2)):
+        h3gen("render", prompts, "-o", tmp_path / name, "--set", "sampler.dit=h3gen",
+              "--set", f"sampler.stream_blocks={count}", check_code=0)
+    (a,), (b,) = (list((tmp_path / name).glob("*.mp4")) for name in ("resident", "streamed"))
+    assert a.read_bytes() == b.read_bytes()
