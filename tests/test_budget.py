@@ -1,0 +1,32 @@
+"""The memory plan: from a budget, the architecture's sizes and the largest clip's activations, how many DiT blocks
+stream from host memory; the released model's sizes as shared/H3.md gives them."""
+
+import pytest
+
+from h3gen.errors import UsageError
+from h3gen.models.dit.checkpoint import H3DiTConfig
+from h3gen.run.budget import GIB, DiTSizes, plan_memory
+
+
+def test_a_full_size_block_is_the_385_m_parameters_shared_h3_md_counts():
+    sizes = DiTSizes.of(H3DiTConfig(), weight_bytes=2, table_rows=50)
+    assert abs(sizes.block_bytes / 2 / 1e6 - 385) < 2
+    fp8 = DiTSizes.of(H3DiTConfig(), weight_bytes=1, table_rows=50)
+    assert abs(fp8.block_bytes / 1e9 - 0.39) < 0.01
+
+
+def test_the_plan_streams_the_fewest_blocks_that_fit():
+    sizes = DiTSizes.of(H3DiTConfig(), weight_bytes=1, table_rows=50)
+    roomy = plan_memory(140 * GIB, sizes, 10 * GIB)
+    assert roomy.streamed == 0 and "every DiT block resident" in roomy.describe()
+    tight = plan_memory(24 * GIB, sizes, 10 * GIB)
+    assert 0 < tight.streamed < sizes.blocks and tight.peak_bytes <= 24 * GIB
+    assert plan_memory(24 * GIB, sizes, 10 * GIB - sizes.block_bytes).streamed == tight.streamed - 1
+    assert tight.host_bytes == tight.streamed * sizes.block_bytes
+    assert f"{sizes.blocks - tight.streamed} of {sizes.blocks} DiT blocks resident" in tight.describe()
+
+
+def test_a_budget_no_plan_meets_names_the_smallest_that_would():
+    sizes = DiTSizes.of(H3DiTConfig(), weight_bytes=1, table_rows=50)
+    with pytest.raises(UsageError, match=r"no plan fits the DiT in 4.0 GiB.*give --vram \d+ or more"):
+        plan_memory(4 * GIB, sizes, 10 * GIB)
