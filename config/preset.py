@@ -22,7 +22,8 @@ from h3gen.stages.base import STAGE_KINDS
 
 KNOWN_VERSIONS = (1,)
 REQUEST_DEFAULTS = {"width": 1344, "height": 768, "duration": 5.0}
-RUNTIME_DEFAULTS = {"device": "auto", "dtype": "bfloat16"}
+# vram_gib: the device memory budget (0: what is free when the run starts), met by h3gen.run.budget's plan.
+RUNTIME_DEFAULTS = {"device": "auto", "dtype": "bfloat16", "vram_gib": 0.0}
 # Several workers (0: one process, no torch.distributed); ulysses 0 lets the layout rule pick. Flags override.
 PARALLEL_DEFAULTS = {"gpus": 0, "cpu_workers": 0, "ulysses": 0}
 TOP_LEVEL = {"version", "description"}
@@ -185,6 +186,8 @@ def _table(value, section: str, where: str) -> dict:
 
 def _check_runtime(runtime: dict, where: str) -> None:
     device, dtype = runtime["device"], runtime["dtype"]
+    if runtime["vram_gib"] < 0:
+        raise UsageError(f"{where} [runtime] vram_gib is {runtime['vram_gib']}", "give GiB above 0, or 0 for what is free")
     if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
         raise UsageError(f"{where} [runtime] device {device!r} is not one h3gen runs on",
                          "use auto, cpu, cuda or cuda:N")

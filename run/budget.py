@@ -75,3 +75,58 @@ def plan_memory(budget_bytes: int, sizes: DiTSizes, activation_bytes: int) -> Me
     raise UsageError(f"no plan fits the DiT in {budget_bytes / GIB:.1f} GiB: with every block streamed the largest "
                      f"clip still needs about {smallest / GIB:.1f} GiB",
                      f"give --vram {smallest / GIB:.0f} or more, an FP8 preset, or a shorter or smaller clip")
+
+
+def plan_for(preset, requests, repo, device: str) -> MemoryPlan | None:
+    """The plan for a run of h3gen's DiT with `runtime.vram_gib` set; None when no budget is asked for or the sampler
+    cannot stream. Checked before any weight loads: a budget on a CPU run, above the device's memory, under any plan,
+    or more host memory than the machine has, each stop the run with one line."""
+    budget_gib = preset.runtime["vram_gib"]
+    if not budget_gib:
+        return None
+    if not device.startswith("cuda"):
+        raise UsageError(f"a device memory budget (--vram {budget_gib:g}) on a run on the CPU",
+                         "drop --vram (runtime.vram_gib), or run on a GPU")
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    budget = int(budget_gib * GIB)
+    if budget > total:
+        raise UsageError(f"--vram {budget_gib:g} is more than the GPU's {total / GIB:.1f} GiB",
+                         f"give at most {total / GIB:.0f}")
+    name, sampler = preset.stages["sampler"]
+    if name != "euler" or sampler.dit != "h3gen":
+        raise UsageError("a device memory budget streams the blocks of h3gen's DiT", 'set sampler.dit = "h3gen"')
+    return check_host(plan_memory(budget, dit_sizes(preset, repo), activations(preset, requests, repo)))
+
+
+def dit_sizes(preset, repo) -> DiTSizes:
+    import json
+
+    from h3gen.models.dit.checkpoint import H3DiTConfig
+    from h3gen.stages.sampler import forwards
+
+    config = H3DiTConfig.from_dict(json.loads((repo.path("transformer") / "config.json").read_text()))
+    quant_name, quant = preset.stages["quant"]
+    fp8 = quant_name == "fp8-rowwise" and "dit" in quant.roles
+    element = 4 if preset.runtime["dtype"] == "float32" else 2
+    return DiTSizes.of(config, 1 if fp8 else element, 2 * forwards(preset.stages["sampler"][1]) + 2, element)
+
+
+def activations(preset, requests, repo) -> int:
+    from h3gen.run.memory import DiTShape, peak_bytes
+
+    shape = DiTShape.from_config(repo.path("transformer") / "config.json")
+    element = 4 if preset.runtime["dtype"] == "float32" else 2
+    return max(peak_bytes(request, shape, 0, element) for request in requests)
+
+
+def check_host(plan: MemoryPlan) -> MemoryPlan:
+    """Streamed blocks live in pinned host memory: the machine must have it free."""
+    import os
+
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if plan.host_bytes > available:
+        raise UsageError(f"{plan.describe()}, and this machine has {available / GIB:.1f} GiB of host memory free",
+                         "free host memory, give a larger --vram, or an FP8 preset (half the bytes to hold)")
+    return plan

@@ -75,7 +75,19 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent) -> Batch
     repo = model_repo(settings.model, reporter)
     check_adapters(preset, requests, repo.root)  # an adapter's step/shift/task contract, before any weight loads
     check_cache(preset, found)
+    plan_memory_budget(preset, requests, repo, reporter)
     return Batch(preset, found, requests, repo, reporter)
+
+
+def plan_memory_budget(preset, requests, repo, reporter) -> None:
+    """A device memory budget (runtime.vram_gib) becomes a plan the sampler follows, said once."""
+    from h3gen.run.budget import plan_for
+    from h3gen.run.render import pick_device
+
+    plan = plan_for(preset, requests, repo, pick_device(preset.runtime["device"]))
+    if plan is not None:
+        preset.stages["sampler"][1].stream_blocks = plan.streamed
+        reporter.say(f"h3gen: {plan.describe()}")
 
 
 def check_writable(directory: Path) -> None:

@@ -83,6 +83,10 @@ class Renderer:
         device = pick_device(preset.runtime["device"])
         dtype = getattr(torch, preset.runtime["dtype"])
         self.runtime = Runtime(device, dtype, StageTimer(device, reporter.stage_done), on_step=reporter.step)
+        if preset.runtime["vram_gib"] and device.startswith("cuda"):
+            # The allocator itself holds the run to its budget, as a card of that size would.
+            total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, preset.runtime["vram_gib"] * 2**30 / total), device)
         self.stages = {kind: build(registry.stage(kind, name), config, self.runtime)
                        for kind, (name, config) in preset.stages.items()}
         self.runtime.quant, self.runtime.cache = self.stages["quant"], self.stages["cache"]

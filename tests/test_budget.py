@@ -30,3 +30,12 @@ def test_a_budget_no_plan_meets_names_the_smallest_that_would():
     sizes = DiTSizes.of(H3DiTConfig(), weight_bytes=1, table_rows=50)
     with pytest.raises(UsageError, match=r"no plan fits the DiT in 4.0 GiB.*give --vram \d+ or more"):
         plan_memory(4 * GIB, sizes, 10 * GIB)
+
+
+def test_a_budget_on_a_cpu_run_is_refused_before_any_weight_loads(prompts_file, tmp_path):
+    from conftest import h3gen
+
+    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--set", "runtime.vram_gib=8",
+                   check_code=2)
+    assert result.stderr.count("\n") == 1 and "a device memory budget (--vram 8) on a run on the CPU" in result.stderr
+    assert not (tmp_path / "out" / "manifest.jsonl").exists()
