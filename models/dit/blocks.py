@@ -6,10 +6,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from h3gen.kernels.attention import attention
+from h3gen.kernels.attention import attention, choose_backend
+from h3gen.kernels.attention_fa3_fp8 import attend_fp8
 from h3gen.kernels.gated_residual import gated_residual, gated_residual_reference
 from h3gen.kernels.norm_statistic import torch_rstd
-from h3gen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference, split_qkv
+from h3gen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_fp8, qk_norm_rope_reference, split_qkv
 from h3gen.kernels.rmsnorm_modulate import rmsnorm_modulate, rmsnorm_modulate_reference
 from h3gen.kernels.swiglu import swiglu, swiglu_reference
 from h3gen.models.dit.tags import MODALITIES
@@ -17,10 +18,11 @@ from h3gen.models.quant_linear import swiglu_linear
 
 # Each packed row picks its AdaLN row by (timestep, modality): 0 video, 1 text, 2 audio.
 
+# `qk_norm_rope_fp8`: the kernel that writes q, k, v in e4m3 for fa3-fp8 (None: attention quantizes bf16 inputs).
 REFERENCE_OPS = SimpleNamespace(rmsnorm_modulate=rmsnorm_modulate_reference, gated_residual=gated_residual_reference,
-                                qk_norm_rope=qk_norm_rope_reference, swiglu=swiglu_reference)
+                                qk_norm_rope=qk_norm_rope_reference, swiglu=swiglu_reference, qk_norm_rope_fp8=None)
 TRITON_OPS = SimpleNamespace(rmsnorm_modulate=rmsnorm_modulate, gated_residual=gated_residual,
-                             qk_norm_rope=qk_norm_rope, swiglu=swiglu)
+                             qk_norm_rope=qk_norm_rope, swiglu=swiglu, qk_norm_rope_fp8=qk_norm_rope_fp8)
 
 
 def rmsnorm_modulate_exact(x, weight, eps, *modulation):
@@ -36,7 +38,7 @@ def qk_norm_rope_exact(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, 
 # The Triton kernels with every norm's statistic computed by torch: the forward rounds exactly as diffusers' does, so
 # with the same attention kernel the two are bit-equal, for one more read of each normed tensor.
 EXACT_NORM_OPS = SimpleNamespace(rmsnorm_modulate=rmsnorm_modulate_exact, gated_residual=gated_residual,
-                                 qk_norm_rope=qk_norm_rope_exact, swiglu=swiglu)
+                                 qk_norm_rope=qk_norm_rope_exact, swiglu=swiglu, qk_norm_rope_fp8=None)
 
 
 def rotary_angles(position_ids, inv_freq):
@@ -81,6 +83,10 @@ class FusedAttention(nn.Module):
         # Project q, k and v into three planes, one GEMM each, so attention reads each contiguous (rather than
         # as strided views of one projection). A quantized to_qkv keeps the one fused GEMM.
         self.qkv_planes = False
+        # With fa3-fp8, q, k and v leave the norm kernel in e4m3 (q's and k's scales bounded by the norm's weight);
+        # False: they leave it in bf16 and attention scales each head by its largest value. A sequence-parallel
+        # attend needs bf16 (h3gen.parallel.ulysses turns this off).
+        self.fp8_from_norm = True
 
     def project(self, x):
         """(projection, planes): (B, L, 3 * inner) from one GEMM, or (3, B, L, inner) from one GEMM per plane."""
@@ -95,6 +101,8 @@ class FusedAttention(nn.Module):
     def forward(self, x, cos, sin, ops, backend):
         qkv, planes = self.project(x)
         del x  # a caller that passes the normed rows straight in gets them freed before attention
+        if backend == "fa3-fp8" and self.fp8_from_norm and ops.qk_norm_rope_fp8 is not None:
+            return self.to_out(self.attend_from_fp8_norm(qkv, cos, sin, ops, planes))
         # q and k are normalized and rotated over their own part of the projection, where the kernel runs.
         q, k, v = ops.qk_norm_rope(qkv, self.heads, self.norm_q.weight, self.norm_k.weight, self.norm_q.eps, cos,
                                    sin, in_place=True, planes=planes)
@@ -102,6 +110,16 @@ class FusedAttention(nn.Module):
         attended = self.attend(q, k, v, backend).flatten(2, 3).type_as(q)
         del q, k, v  # the projection is freed before the output GEMM
         return self.to_out(attended)
+
+    @torch.compiler.disable
+    def attend_from_fp8_norm(self, qkv, cos, sin, ops, planes):
+        """fa3-fp8 on the norm kernel's e4m3 output; where fa3 cannot run, the backend it falls back to on bf16."""
+        args = (qkv, self.heads, self.norm_q.weight, self.norm_k.weight, self.norm_q.eps, cos, sin)
+        choice = choose_backend(qkv.device, "fa3-fp8", qkv.dtype, self.norm_q.weight.shape[0])
+        if choice.name != "fa3-fp8":
+            q, k, v = ops.qk_norm_rope(*args, in_place=True, planes=planes)
+            return self.attend(q, k, v, choice.name).flatten(2, 3).type_as(q)
+        return attend_fp8(ops.qk_norm_rope_fp8(*args, planes=planes)).flatten(2, 3).to(qkv.dtype)
 
     def attend(self, q, k, v, backend):
         """The one step that mixes rows: a sequence-parallel form replaces it (h3gen.parallel.ulysses)."""

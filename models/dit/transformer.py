@@ -5,12 +5,15 @@ Switches, each measurable on its own: `use_triton` (fused norm/modulate, QK-norm
 torch.compile of each block), `attention_backend` ("auto" or a name from `h3gen.kernels.attention.BACKENDS`),
 `ffn_chunk_rows` (the feed-forward over row chunks, for memory), `exact_norms` (with `use_triton`: each norm's
 statistic computed by torch, so the forward rounds as diffusers' does), `qkv_planes` (q, k and v projected by one
-GEMM each into contiguous planes, for the attention kernel to read).
+GEMM each into contiguous planes, for the attention kernel to read), `fp8_norm_scales` (with fa3-fp8: the QK-norm
+kernel writes q, k, v in e4m3, q's and k's scales bounded by the norm's weight; off: bf16 out of it, attention
+scales each head by its largest value).
 """
 import torch
 import torch.nn as nn
 
 from h3gen.kernels.attention import attention_backend as attention_backend_name
+from h3gen.kernels.attention import choose_backend
 from h3gen.models.dit.tags import MODALITIES
 from h3gen.models.dit.blocks import (EXACT_NORM_OPS, REFERENCE_OPS, TRITON_OPS, H3Block, OutputNorm,
                                           RefinerBlock, TimeEmbedding, rotary_angles, rotary_inv_freq)
@@ -35,7 +38,8 @@ class FastH3Transformer(nn.Module):
     h3gen_loader = True
 
     def __init__(self, config: H3DiTConfig, use_triton=True, adaln_table=True, compile_blocks=False,
-                 attention_backend="auto", ffn_chunk_rows=0, exact_norms=False, qkv_planes=False):
+                 attention_backend="auto", ffn_chunk_rows=0, exact_norms=False, qkv_planes=False,
+                 fp8_norm_scales=True):
         super().__init__()
         self.config = cfg = config
         self.proj_in = nn.Linear(cfg.video_patch_dim, cfg.hidden_size)
@@ -54,10 +58,10 @@ class FastH3Transformer(nn.Module):
         self.streamer = None  # blocks whose weights stream from host memory (`stream_blocks`)
         self.compile_blocks = False
         self.configure(use_triton, adaln_table, compile_blocks, attention_backend, ffn_chunk_rows, exact_norms,
-                       qkv_planes)
+                       qkv_planes, fp8_norm_scales)
 
     def configure(self, use_triton=None, adaln_table=None, compile_blocks=None, attention_backend=None,
-                  ffn_chunk_rows=None, exact_norms=None, qkv_planes=None):
+                  ffn_chunk_rows=None, exact_norms=None, qkv_planes=None, fp8_norm_scales=None):
         """Flip switches on a built model (None keeps a switch as it is); regional compilation cannot be undone."""
         if use_triton is not None:
             self.use_triton = use_triton
@@ -77,6 +81,8 @@ class FastH3Transformer(nn.Module):
                 block.ff.chunk_rows = ffn_chunk_rows
             if qkv_planes is not None:
                 block.attn.qkv_planes = qkv_planes
+            if fp8_norm_scales is not None:
+                block.attn.fp8_from_norm = fp8_norm_scales
         if compile_blocks is not None and compile_blocks != self.compile_blocks:
             if not compile_blocks:
                 raise ValueError("compiled blocks cannot be uncompiled; build a new model with compile_blocks=False")
@@ -283,9 +289,11 @@ class FastH3Transformer(nn.Module):
                                       self.proj_in.weight.device) if count else None
 
     def attention_backend_name(self):
+        """The backend the blocks run, with the reason when it is not the one asked for."""
         # The blocks' dtype (proj_in is one of the checkpoint's fp32 modules).
-        return attention_backend_name(self.proj_in.weight.device, self.attention_backend,
-                                      self.context_embedder.weight.dtype)
+        choice = choose_backend(self.proj_in.weight.device, self.attention_backend, self.context_embedder.weight.dtype,
+                                self.config.attention_head_dim)
+        return choice.name if choice.fallback_reason is None else f"{choice.name} ({choice.fallback_reason})"
 
     def resident_bytes(self):
         tensors = [*self.parameters(), *self.buffers()]
