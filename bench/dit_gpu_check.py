@@ -416,9 +416,14 @@ def run_fast(config, inputs, schedule, reference, outputs):
         if results.get("flash_attn_4_best_options"):
             variants += ["fa4-best-options", ("table+fa4-best-options", dict(use_triton=True, adaln_table=True,
                                                                               attention_backend=fa4))]
-    best_attention = fa4 or cudnn
+    from h3gen.kernels.attention import choose_backend
+
+    fa3 = None if TINY or choose_backend(DEVICE, "fa3").fallback_reason else "fa3"
+    if fa3:  # FlashAttention-3 (fa3-fwd): auto's pick on Hopper when installed
+        variants.append(("table+fa3", dict(use_triton=True, adaln_table=True, attention_backend=fa3)))
+    best_attention = fa3 or fa4 or cudnn
     # FP8 attention on bf16 linears, then FP8 linears (the swap is for good: these come after every bf16 variant).
-    fp8_attention = ["triton-fp8"] + ([] if TINY else ["cudnn-fp8"])
+    fp8_attention = ["triton-fp8"] + ([] if TINY else ["cudnn-fp8"]) + (["fa3-fp8"] if fa3 else [])
     variants += [(f"table+{name}", dict(use_triton=True, adaln_table=True, attention_backend=name))
                  for name in fp8_attention]
     # FP8 runs as the FP8 presets do: the feed-forward over 16k-row passes, for the memory budget.
