@@ -402,17 +402,10 @@ def run_fast(config, inputs, schedule, reference, outputs):
     # Norm statistics from torch: with diffusers' own attention pick the forward should be bit-equal to diffusers'.
     variants.append(("table+sdpa+exact-norms", dict(use_triton=True, adaln_table=True, attention_backend="sdpa",
                                                     exact_norms=True)))
-    # q, k, v projected into contiguous planes, one GEMM each: does the projection still give diffusers' numbers?
-    variants.append(("table+sdpa+exact-norms+qkv-planes", dict(use_triton=True, adaln_table=True,
-                                                               attention_backend="sdpa", exact_norms=True,
-                                                               qkv_planes=True)))
     if fa4:
         variants.append(("fused+triton+table+fa4", dict(use_triton=True, adaln_table=True, attention_backend=fa4)))
         variants.append(("table+fa4+exact-norms", dict(use_triton=True, adaln_table=True, attention_backend=fa4,
                                                        exact_norms=True)))
-        # flash-attn-4 reads contiguous q, k, v: 3 % faster alone than on views of one projection.
-        variants.append(("table+fa4+qkv-planes", dict(use_triton=True, adaln_table=True, attention_backend=fa4,
-                                                      qkv_planes=True)))
         if results.get("flash_attn_4_best_options"):
             variants += ["fa4-best-options", ("table+fa4-best-options", dict(use_triton=True, adaln_table=True,
                                                                               attention_backend=fa4))]
@@ -479,7 +472,7 @@ def run_fast(config, inputs, schedule, reference, outputs):
                 model.configure(compile_blocks=True)
             continue
         try:
-            model.configure(**{"exact_norms": False, "qkv_planes": False, **switches})
+            model.configure(**{"exact_norms": False, **switches})
             out, seconds = warm_then_time(model, inputs, lambda m, kw: m(**kw))
             row = dict(seconds=round(seconds, 2), tflops=round(flop / seconds / 1e12, 1),
                        peak_GiB=peak_gib(model.resident_bytes()),

@@ -24,20 +24,16 @@ def apply_rotary_reference(x, cos, sin):
     return torch.cat((rotary * cos + rotated * sin, passed), dim=-1)
 
 
-def split_qkv(qkv, heads, planes=False):
-    """q, k, v views (B, L, heads, head_dim) of a projection laid out (B, L, 3 * inner), or with `planes` (3, B, L,
-    inner): q, k and v each contiguous."""
-    parts = qkv.unbind(0) if planes else qkv.chunk(3, dim=-1)
-    return tuple(t.unflatten(-1, (heads, -1)) for t in parts)
+def split_qkv(qkv, heads):
+    """q, k, v views (B, L, heads, head_dim) of a projection laid out (B, L, 3 * inner)."""
+    return tuple(t.unflatten(-1, (heads, -1)) for t in qkv.chunk(3, dim=-1))
 
 
-def qk_norm_rope_reference(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, rstd=None,
-                           planes=False):
-    """`qkv` (B, L, 3 * heads * head_dim), or with `planes` (3, B, L, heads * head_dim) -> q, k, v each (B, L,
-    heads, head_dim); v is a view. With `in_place` the kernel writes q and k over their own part of `qkv` (all three
+def qk_norm_rope_reference(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, rstd=None):
+    """`qkv` (B, L, 3 * heads * head_dim) -> q, k, v each (B, L, heads, head_dim); v is a view. With `in_place` the kernel writes q and k over their own part of `qkv` (all three
     are views then); the reference never does. `rstd`, (q's, k's) statistic as torch computes it
     (`kernels.norm_statistic.torch_rstd`), is for the kernel."""
-    q, k, v = split_qkv(qkv, heads, planes)
+    q, k, v = split_qkv(qkv, heads)
     head_dim = q.shape[-1]
     q = F.rms_norm(q, (head_dim,), q_weight, eps)
     k = F.rms_norm(k, (head_dim,), k_weight, eps)
@@ -95,14 +91,14 @@ def _qk_norm_rope_kernel(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, rstd_ptr, out_pt
 
 
 def qk_norm_rope_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, rstd=None,
-                        planes=False, heads_block=8, num_warps=None):
+                        heads_block=8, num_warps=None):
     qkv = qkv.contiguous()
-    inner = qkv.shape[-1] if planes else qkv.shape[-1] // 3
+    inner = qkv.shape[-1] // 3
     head_dim = inner // heads
     seq_len = qkv.shape[-2]
-    rows = qkv[0].numel() // inner if planes else qkv.numel() // qkv.shape[-1]
-    # Where q's and k's rows start and how far apart they are: side by side in each row, or one plane each.
-    row_stride, offsets = (inner, (0, rows * inner)) if planes else (qkv.shape[-1], (0, inner))
+    rows = qkv.numel() // qkv.shape[-1]
+    # q's and k's rows sit side by side in each row of the projection.
+    row_stride, offsets = qkv.shape[-1], (0, inner)
     has_rope = cos is not None
     if has_rope:
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -117,7 +113,7 @@ def qk_norm_rope_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None,
     grid = (rows, triton.cdiv(heads, heads_block))
     outputs = []
     q_rstd, k_rstd = rstd if rstd is not None else (None, None)
-    views = split_qkv(qkv, heads, planes)
+    views = split_qkv(qkv, heads)
     for offset, weight, statistic, view in zip(offsets, (q_weight, k_weight), (q_rstd, k_rstd), views):
         if statistic is not None:
             assert statistic.dtype == torch.float32 and statistic.numel() == rows * heads
@@ -135,9 +131,9 @@ def qk_norm_rope_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None,
     return outputs[0], outputs[1], views[2]
 
 
-def qk_norm_rope(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, rstd=None, planes=False):
+def qk_norm_rope(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, rstd=None):
     fn = qk_norm_rope_triton if qkv.is_cuda else qk_norm_rope_reference
-    return fn(qkv, heads, q_weight, k_weight, eps, cos, sin, in_place, rstd, planes)
+    return fn(qkv, heads, q_weight, k_weight, eps, cos, sin, in_place, rstd)
 
 
 def fp8_multipliers(q_weight, k_weight, v, head_dim):
@@ -148,25 +144,23 @@ def fp8_multipliers(q_weight, k_weight, v, head_dim):
     return [m.contiguous() for m in (*bounds, power_of_two_multiplier(head_amax(v)))]
 
 
-def qk_norm_rope_fp8_reference(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, planes=False) -> FP8Heads:
+def qk_norm_rope_fp8_reference(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None) -> FP8Heads:
     """What `qk_norm_rope_reference` gives, each of q, k, v times its power of two and rounded to e4m3."""
-    q, k, v = qk_norm_rope_reference(qkv, heads, q_weight, k_weight, eps, cos, sin, planes=planes)
+    q, k, v = qk_norm_rope_reference(qkv, heads, q_weight, k_weight, eps, cos, sin)
     multipliers = fp8_multipliers(q_weight, k_weight, v, q.shape[-1])
     return FP8Heads(*(quantize_heads(t, m) for t, m in zip((q, k, v), multipliers)),
                     *(descale(m, *m.shape) for m in multipliers))
 
 
-def qk_norm_rope_fp8_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, planes=False, heads_block=8,
+def qk_norm_rope_fp8_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, heads_block=8,
                             num_warps=None) -> FP8Heads:
     qkv = qkv.contiguous()
-    inner = qkv.shape[-1] if planes else qkv.shape[-1] // 3
+    inner = qkv.shape[-1] // 3
     head_dim, seq_len = inner // heads, qkv.shape[-2]
-    rows = qkv[0].numel() // inner if planes else qkv.numel() // qkv.shape[-1]
-    row_stride, offsets = (inner, (0, rows * inner, 2 * rows * inner)) if planes else (qkv.shape[-1],
-                                                                                        (0, inner, 2 * inner))
+    rows, row_stride, offsets = qkv.numel() // qkv.shape[-1], qkv.shape[-1], (0, inner, 2 * inner)
     has_rope = cos is not None
     cos, sin = (cos.contiguous(), sin.contiguous()) if has_rope else (q_weight, q_weight)  # never read without
-    views = split_qkv(qkv, heads, planes)
+    views = split_qkv(qkv, heads)
     multipliers = fp8_multipliers(q_weight, k_weight, views[2], head_dim)
     grid = (rows, triton.cdiv(heads, heads_block))
     outputs = [qkv.new_empty(views[0].shape, dtype=FP8) for _ in range(3)]
@@ -181,6 +175,6 @@ def qk_norm_rope_fp8_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=N
     return FP8Heads(*outputs, *(descale(m, *m.shape) for m in multipliers))
 
 
-def qk_norm_rope_fp8(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, planes=False) -> FP8Heads:
+def qk_norm_rope_fp8(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None) -> FP8Heads:
     fn = qk_norm_rope_fp8_triton if qkv.is_cuda else qk_norm_rope_fp8_reference
-    return fn(qkv, heads, q_weight, k_weight, eps, cos, sin, planes)
+    return fn(qkv, heads, q_weight, k_weight, eps, cos, sin)

@@ -37,9 +37,7 @@ class EulerConfig:
     attention: str = "auto"
     ffn_chunk_rows: int = 0  # h3gen DiT: feed-forward over chunks of this many rows (0: all), less peak memory
     exact_norms: bool = False  # h3gen DiT, Triton: norm statistics from torch, rounding as diffusers does (slower)
-    qkv_planes: bool = False  # h3gen DiT: q, k, v projected into three contiguous planes (one GEMM each)
     stream_blocks: int = 0  # h3gen DiT: the last N blocks' weights kept in host memory, streamed in as they run
-    fp8_norm_scales: bool = True  # h3gen DiT, fa3-fp8: the QK-norm kernel writes e4m3 (off: per-head amax after it)
 
 
 def sigma_schedule(config: EulerConfig, shift: float):
@@ -182,7 +180,6 @@ class EulerSampler(Stage):
                              adaln_timesteps=timesteps, use_triton=config.triton, adaln_table=config.adaln_table,
                              compile_blocks=config.compile, attention_backend=config.attention,
                              ffn_chunk_rows=config.ffn_chunk_rows, exact_norms=config.exact_norms,
-                             qkv_planes=config.qkv_planes, fp8_norm_scales=config.fp8_norm_scales,
                              # adapters are added per checkpoint tensor, before Q, K, V are fused and the AdaLN
                              # tables built
                              checkpoint_tensor=lambda key, tensor: quant.checkpoint_tensor("dit", key, tensor))

@@ -4,10 +4,8 @@ Switches, each measurable on its own: `use_triton` (fused norm/modulate, QK-norm
 `adaln_table` (modulation rows read from tables built by `precompute_adaln`), `compile_blocks` (regional
 torch.compile of each block), `attention_backend` ("auto" or a name from `h3gen.kernels.attention.BACKENDS`),
 `ffn_chunk_rows` (the feed-forward over row chunks, for memory), `exact_norms` (with `use_triton`: each norm's
-statistic computed by torch, so the forward rounds as diffusers' does), `qkv_planes` (q, k and v projected by one
-GEMM each into contiguous planes, for the attention kernel to read), `fp8_norm_scales` (with fa3-fp8: the QK-norm
-kernel writes q, k, v in e4m3, q's and k's scales bounded by the norm's weight; off: bf16 out of it, attention
-scales each head by its largest value).
+statistic computed by torch, so the forward rounds as diffusers' does). With fa3-fp8 attention the QK-norm kernel
+writes q, k and v in e4m3.
 """
 import torch
 import torch.nn as nn
@@ -38,8 +36,7 @@ class FastH3Transformer(nn.Module):
     h3gen_loader = True
 
     def __init__(self, config: H3DiTConfig, use_triton=True, adaln_table=True, compile_blocks=False,
-                 attention_backend="auto", ffn_chunk_rows=0, exact_norms=False, qkv_planes=False,
-                 fp8_norm_scales=True):
+                 attention_backend="auto", ffn_chunk_rows=0, exact_norms=False):
         super().__init__()
         self.config = cfg = config
         self.proj_in = nn.Linear(cfg.video_patch_dim, cfg.hidden_size)
@@ -57,11 +54,10 @@ class FastH3Transformer(nn.Module):
         self.adaln_groups = {}  # a group's values (one forward's `timestep`) -> its first row in the tables
         self.streamer = None  # blocks whose weights stream from host memory (`stream_blocks`)
         self.compile_blocks = False
-        self.configure(use_triton, adaln_table, compile_blocks, attention_backend, ffn_chunk_rows, exact_norms,
-                       qkv_planes, fp8_norm_scales)
+        self.configure(use_triton, adaln_table, compile_blocks, attention_backend, ffn_chunk_rows, exact_norms)
 
     def configure(self, use_triton=None, adaln_table=None, compile_blocks=None, attention_backend=None,
-                  ffn_chunk_rows=None, exact_norms=None, qkv_planes=None, fp8_norm_scales=None):
+                  ffn_chunk_rows=None, exact_norms=None):
         """Flip switches on a built model (None keeps a switch as it is); regional compilation cannot be undone."""
         if use_triton is not None:
             self.use_triton = use_triton
@@ -79,10 +75,6 @@ class FastH3Transformer(nn.Module):
             block.ops, block.attention_backend = self.ops, self.attention_backend
             if ffn_chunk_rows is not None:
                 block.ff.chunk_rows = ffn_chunk_rows
-            if qkv_planes is not None:
-                block.attn.qkv_planes = qkv_planes
-            if fp8_norm_scales is not None:
-                block.attn.fp8_from_norm = fp8_norm_scales
         if compile_blocks is not None and compile_blocks != self.compile_blocks:
             if not compile_blocks:
                 raise ValueError("compiled blocks cannot be uncompiled; build a new model with compile_blocks=False")
