@@ -402,23 +402,21 @@ def run_fast(config, inputs, schedule, reference, outputs):
     # Norm statistics from torch: with diffusers' own attention pick the forward should be bit-equal to diffusers'.
     variants.append(("table+sdpa+exact-norms", dict(use_triton=True, adaln_table=True, attention_backend="sdpa",
                                                     exact_norms=True)))
-    # q, k, v projected into contiguous planes, one GEMM each: does the projection still give diffusers' numbers?
-    variants.append(("table+sdpa+exact-norms+qkv-planes", dict(use_triton=True, adaln_table=True,
-                                                               attention_backend="sdpa", exact_norms=True,
-                                                               qkv_planes=True)))
     if fa4:
         variants.append(("fused+triton+table+fa4", dict(use_triton=True, adaln_table=True, attention_backend=fa4)))
         variants.append(("table+fa4+exact-norms", dict(use_triton=True, adaln_table=True, attention_backend=fa4,
                                                        exact_norms=True)))
-        # flash-attn-4 reads contiguous q, k, v: 3 % faster alone than on views of one projection.
-        variants.append(("table+fa4+qkv-planes", dict(use_triton=True, adaln_table=True, attention_backend=fa4,
-                                                      qkv_planes=True)))
         if results.get("flash_attn_4_best_options"):
             variants += ["fa4-best-options", ("table+fa4-best-options", dict(use_triton=True, adaln_table=True,
                                                                               attention_backend=fa4))]
-    best_attention = fa4 or cudnn
+    from h3gen.kernels.attention import choose_backend
+
+    fa3 = None if TINY or choose_backend(DEVICE, "fa3").fallback_reason else "fa3"
+    if fa3:  # FlashAttention-3 (fa3-fwd): auto's pick on Hopper when installed
+        variants.append(("table+fa3", dict(use_triton=True, adaln_table=True, attention_backend=fa3)))
+    best_attention = fa3 or fa4 or cudnn
     # FP8 attention on bf16 linears, then FP8 linears (the swap is for good: these come after every bf16 variant).
-    fp8_attention = ["triton-fp8"] + ([] if TINY else ["cudnn-fp8"])
+    fp8_attention = ["triton-fp8"] + ([] if TINY else ["cudnn-fp8"]) + (["fa3-fp8"] if fa3 else [])
     variants += [(f"table+{name}", dict(use_triton=True, adaln_table=True, attention_backend=name))
                  for name in fp8_attention]
     # FP8 runs as the FP8 presets do: the feed-forward over 16k-row passes, for the memory budget.
@@ -474,7 +472,7 @@ def run_fast(config, inputs, schedule, reference, outputs):
                 model.configure(compile_blocks=True)
             continue
         try:
-            model.configure(**{"exact_norms": False, "qkv_planes": False, **switches})
+            model.configure(**{"exact_norms": False, **switches})
             out, seconds = warm_then_time(model, inputs, lambda m, kw: m(**kw))
             row = dict(seconds=round(seconds, 2), tflops=round(flop / seconds / 1e12, 1),
                        peak_GiB=peak_gib(model.resident_bytes()),

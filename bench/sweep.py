@@ -157,7 +157,8 @@ def summarize(values: list[float]) -> tuple[float, float]:
     return statistics.median(ordered), p95
 
 
-def records_for(name, baseline, request, runs, forwards_run, full_forwards, peaks, common, attention) -> list[dict]:
+def records_for(name, baseline, request, runs, forwards_run, full_forwards, peaks, common, attention,
+                dit_rel_err=None) -> list[dict]:
     duration = request.duration
     per_stage: dict[str, list[float]] = {}
     for seconds in runs:
@@ -177,10 +178,12 @@ def records_for(name, baseline, request, runs, forwards_run, full_forwards, peak
                       peak_gib=round(max(peaks.values(), default=0.0) if stage == "e2e" else
                                      peaks.get({"dit": "sampler", "vae_video": "vae", "vae_audio": "vae",
                                                 "transfer": "vae"}.get(stage, stage), 0.0), 3),
-                      rtf=round(median / duration, 4) if stage == "e2e" else None)
+                      rtf=round(median / duration, 4) if stage == "e2e" else None, dit_rel_err=None)
         if stage == "dit":
             record.update(per_forward_s=round(median / full_forwards, 4), forwards=full_forwards,
                           notes=f"{forwards_run} forwards timed, scaled to {full_forwards}; attention {attention}")
+            if dit_rel_err is not None:  # the output video latents against the baseline's (bench.velocity_error)
+                record.update(dit_rel_err=round(dit_rel_err, 5))
         records.append(record)
     return records
 
@@ -197,6 +200,7 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
         for seconds in plan.durations:
             request = Request(index=0, prompt=prompt, seed=plan.seed, width=plan.width, height=plan.height,
                               frames=bench_frames(seconds), id="bench")
+            reference = None  # the baseline's output video latents, for each preset's dit_rel_err
             for name, baseline in names:
                 preset = resolve(name, registry)
                 full_forwards = preset_forwards(preset)
@@ -212,12 +216,28 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
                     records.append(dict(common, preset=name, baseline=baseline, duration_s=request.duration,
                                         frames=request.frames, size=f"{plan.width}x{plan.height}", stage="e2e",
                                         median_s=None, p95_s=None, repeats=0, per_forward_s=None, forwards=None,
-                                        peak_gib=None, rtf=None, notes=f"failed: {type(e).__name__}: {e}"[:500]))
+                                        peak_gib=None, rtf=None, dit_rel_err=None, notes=f"failed: {type(e).__name__}: {e}"[:500]))
                     continue
+                error, reference = output_error(plan, request, bench.clip, baseline, reference)
                 records += records_for(preset.name, baseline, request, runs, bench.forwards_run, full_forwards,
-                                       bench.peaks, common, bench.clip.attention or "-")
+                                       bench.peaks, common, bench.clip.attention or "-", error)
     add_ratios(records)
     return records
+
+
+def output_error(plan: BenchPlan, request: Request, clip, baseline: bool, reference):
+    """(this preset's dit_rel_err or None, the reference latents from here on): the baseline's DiT output is the
+    reference; each preset after it on the same weights and inputs is measured against it."""
+    from h3gen.bench.velocity_error import latent_step_error, starting_noise
+
+    if "dit" not in plan.stages or clip.video_latents is None or request.task != "t2va":
+        return None, reference
+    latents = clip.video_latents.float().cpu()
+    if baseline:
+        return None, latents
+    if reference is None:
+        return None, None
+    return latent_step_error(latents, reference, starting_noise(request, plan.seed)), reference
 
 
 def add_ratios(records: list[dict]) -> None:

@@ -82,3 +82,17 @@ def compare(reference, candidate) -> dict[str, float]:
 def weight_bytes(module) -> int:
     """Bytes of every parameter and buffer: what the weights cost in memory."""
     return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+
+
+def latent_step_error(candidate, reference, noise) -> float:
+    """||candidate - reference|| / ||reference - noise||: how far a sampler's output latents land from the
+    reference sampler's, relative to how far the reference moved them from the shared starting noise. After one
+    forward this is the relative error of the velocity."""
+    return float((candidate.double() - reference.double()).norm() / (reference.double() - noise.double()).norm())
+
+
+def starting_noise(request: Request, seed: int):
+    """The video latents a t2va sampler starts from (h3gen's and diffusers' draw them alike)."""
+    import torch
+
+    return torch.randn(request.video_latent_shape, generator=torch.Generator("cpu").manual_seed(seed))

@@ -1,13 +1,21 @@
 """Full (unmasked) self-attention over (B, L, heads, head_dim) tensors, on the fastest backend available."""
+import dataclasses
 import functools
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-BACKENDS = ("flash-attn-4", "sdpa-cudnn", "sdpa-flash", "sdpa", "triton-fp8", "cudnn-fp8")
+BACKENDS = ("fa3", "flash-attn-4", "sdpa-cudnn", "sdpa-flash", "sdpa", "triton-fp8", "cudnn-fp8", "fa3-fp8")
 # FP8 attention trades accuracy for speed, so "auto" never picks it: a preset or --set asks for it by name.
-FP8_BACKENDS = ("triton-fp8", "cudnn-fp8")
+FP8_BACKENDS = ("triton-fp8", "cudnn-fp8", "fa3-fp8")
+# "auto" on Hopper, fastest first, as measured at L = 73,642, 56 x 128 heads on an H200: FlashAttention-3 (fa3-fwd)
+# 693 TFLOP/s and SDPA's cuDNN 560 (bench/results/2026-12-01T2134-fa3-probe.json), flash-attn-4 682 (README); SDPA's
+# own default there is its FA2 kernel, 361.
+HOPPER_ORDER = ("fa3", "flash-attn-4", "sdpa-cudnn")
+# Backends that fall back when their package is missing or their kernel refuses the inputs, and to what: the bf16
+# backend "auto" would pick instead, which is also what FP8 presets ran before fa3-fp8 existed.
+FALLBACK = {"fa3": "auto", "fa3-fp8": "auto"}
 _SDPA_FORCED = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION}
 
 
@@ -28,28 +36,81 @@ def _flash_attn_4():
     return functools.partial(_flash_attn_fwd, **FLASH_ATTN_4_OPTIONS)
 
 
-def attention_backend(device=None, requested="auto", dtype=None):
-    """Name of the backend `attention` runs on `device` for `requested` ("auto" or one of BACKENDS) and inputs of
-    `dtype` (None: the half-precision types the models run in)."""
-    if requested != "auto":
-        if requested not in BACKENDS:
-            raise ValueError(f"unknown attention backend {requested!r}; choose 'auto' or one of {BACKENDS}")
-        return requested
+@functools.cache
+def _fa3():
+    try:
+        from fa3_fwd_interface import flash_attn_func
+    except Exception:  # an optional dependency; a broken install counts as absent
+        return None
+    return flash_attn_func
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The backend that runs, and why it is not the one asked for (None when it is)."""
+
+    name: str
+    fallback_reason: str | None = None
+
+
+def fa3_refusal(device, dtype, head_dim) -> str | None:
+    """Why FlashAttention-3's forward cannot take these inputs, or None. The fa3-fwd build has sm90 kernels for bf16
+    and e4m3 only (no fp16, no fp32) and head dims up to 256; every head split, head dim and odd length the DiT
+    and the video decoder use was accepted on an H200 (bench/results/2026-12-01T2134-fa3-probe.json)."""
+    if _fa3() is None:
+        return "fa3-fwd is not installed (pip install 'h3gen[fa3]')"
     device = torch.device(device if device is not None else "cpu")
-    # flash-attn-4 and cuDNN take bf16 / fp16 only; fp32 (tests, CPU-exact runs) goes to SDPA's own choice.
+    if device.type != "cuda":
+        return f"FlashAttention-3 runs on CUDA only, not {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"fa3-fwd has Hopper (sm90) kernels only; this GPU is sm{major}{minor}"
+    if dtype not in (None, torch.bfloat16):
+        return f"fa3-fwd takes bf16 inputs (quantized to e4m3 for fa3-fp8), not {dtype}"
+    if head_dim is not None and (head_dim > 256 or head_dim % 8):
+        return f"fa3-fwd takes head dims up to 256 in multiples of 8, not {head_dim}"
+    return None
+
+
+def choose_backend(device=None, requested="auto", dtype=None, head_dim=None) -> Choice:
+    """The backend `attention` runs on `device` for `requested` ("auto" or one of BACKENDS), inputs of `dtype` (None:
+    the half-precision types the models run in) and `head_dim` (None: any)."""
+    if requested not in ("auto", *BACKENDS):
+        raise ValueError(f"unknown attention backend {requested!r}; choose 'auto' or one of {BACKENDS}")
+    if requested in FALLBACK:
+        refusal = fa3_refusal(device, dtype, head_dim)
+        if refusal is None:
+            return Choice(requested)
+        fallback = choose_backend(device, FALLBACK[requested], dtype, head_dim).name
+        return Choice(fallback, f"{requested} not used, {fallback} instead: {refusal}")
+    if requested != "auto":
+        return Choice(requested)
+    device = torch.device(device if device is not None else "cpu")
+    # The fast kernels take bf16 / fp16 only; fp32 (tests, CPU-exact runs) goes to SDPA's own choice.
     if device.type != "cuda" or dtype not in (None, torch.bfloat16, torch.float16):
-        return "sdpa"
+        return Choice("sdpa")
     major, _ = torch.cuda.get_device_capability(device)
-    if major in (9, 10) and _flash_attn_4() is not None:
-        return "flash-attn-4"
-    # SDPA picks its FA2 kernel on Hopper by default; cuDNN's is about 1.6x faster there at H3's shapes.
-    return "sdpa-cudnn" if major == 9 else "sdpa"
+    installed = {"fa3": fa3_refusal(device, dtype, head_dim) is None, "flash-attn-4": _flash_attn_4() is not None,
+                 "sdpa-cudnn": True}
+    if major == 9:
+        return Choice(next(name for name in HOPPER_ORDER if installed[name]))
+    return Choice("flash-attn-4" if major == 10 and installed["flash-attn-4"] else "sdpa")
+
+
+def attention_backend(device=None, requested="auto", dtype=None, head_dim=None):
+    """Name of the backend `choose_backend` picks."""
+    return choose_backend(device, requested, dtype, head_dim).name
 
 
 @torch.compiler.disable
 def attention(q, k, v, backend="auto"):
     """`q`, `k`, `v` (B, L, heads, head_dim) -> (B, L, heads, head_dim), softmax scale 1/sqrt(head_dim)."""
-    name = attention_backend(q.device, backend, q.dtype)
+    name = attention_backend(q.device, backend, q.dtype, q.shape[-1])
+    if name == "fa3":
+        return _fa3()(q, k, v)
+    if name == "fa3-fp8":
+        from h3gen.kernels.attention_fa3_fp8 import attention_fa3_fp8
+        return attention_fa3_fp8(q, k, v)
     if name == "triton-fp8":
         from h3gen.kernels.attention_fp8 import attention_fp8
         return attention_fp8(q, k, v)

@@ -97,6 +97,7 @@ def apply_ulysses(transformer, group):
     slices = RowSlices(group)
     for block in transformer.transformer_blocks:
         block.attn.attend = UlyssesAttention(slices)
+        block.attn.fp8_from_norm = False  # the all-to-all carries bf16 q, k, v; fa3-fp8 quantizes what arrives
     blocks_on_all_rows = transformer.run_blocks
 
     def run_blocks(packed, temb, adaln_index, from_table, cos, sin, step_cache=None, token_tags=None):

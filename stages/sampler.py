@@ -32,10 +32,11 @@ class EulerConfig:
     triton: bool = True  # h3gen DiT: Triton kernels for norm/modulate, QK-norm + RoPE, SwiGLU, gated residual
     adaln_table: bool = True  # h3gen DiT: modulation rows precomputed for the schedule, adaln_proj dropped
     compile: bool = False  # h3gen DiT: regional torch.compile of each block
-    attention: str = "auto"  # h3gen DiT: auto, flash-attn-4, sdpa-cudnn, sdpa-flash, sdpa, triton-fp8, cudnn-fp8
+    # h3gen DiT: auto, fa3, flash-attn-4, sdpa-cudnn, sdpa-flash, sdpa, triton-fp8, cudnn-fp8, fa3-fp8 (fa3 and
+    # fa3-fp8 fall back to auto's pick where fa3-fwd is missing or refuses, the reason in the run's attention field)
+    attention: str = "auto"
     ffn_chunk_rows: int = 0  # h3gen DiT: feed-forward over chunks of this many rows (0: all), less peak memory
     exact_norms: bool = False  # h3gen DiT, Triton: norm statistics from torch, rounding as diffusers does (slower)
-    qkv_planes: bool = False  # h3gen DiT: q, k, v projected into three contiguous planes (one GEMM each)
     stream_blocks: int = 0  # h3gen DiT: the last N blocks' weights kept in host memory, streamed in as they run
 
 
@@ -179,7 +180,6 @@ class EulerSampler(Stage):
                              adaln_timesteps=timesteps, use_triton=config.triton, adaln_table=config.adaln_table,
                              compile_blocks=config.compile, attention_backend=config.attention,
                              ffn_chunk_rows=config.ffn_chunk_rows, exact_norms=config.exact_norms,
-                             qkv_planes=config.qkv_planes,
                              # adapters are added per checkpoint tensor, before Q, K, V are fused and the AdaLN
                              # tables built
                              checkpoint_tensor=lambda key, tensor: quant.checkpoint_tensor("dit", key, tensor))

@@ -138,20 +138,16 @@ def test_bf16_keeps_fp32_modules_and_tracks_diffusers(checkpoint):
     assert_matches(fast, reference, layout_inputs(), tolerance=BF16_TOLERANCE)
 
 
-@pytest.mark.parametrize("table, exact_norms, qkv_planes", [(False, False, False), (True, False, False),
-                                                             (True, True, False), (True, True, True)])
-def test_bf16_t2va_equals_diffusers_bit_for_bit(checkpoint, table, exact_norms, qkv_planes):
+@pytest.mark.parametrize("table, exact_norms", [(False, False), (True, False), (True, True)])
+def test_bf16_t2va_equals_diffusers_bit_for_bit(checkpoint, table, exact_norms):
     """The kernels' torch references (what runs off CUDA) round where diffusers rounds, the fused projections give
     its numbers, and a table group built for the forward's own timesteps gives its modulation rows: no tolerance.
-    With `exact_norms` the ops hand torch's norm statistics to the kernels (which on CUDA read them); with
-    `qkv_planes` q, k and v come from one GEMM each, into contiguous planes."""
+    With `exact_norms` the ops hand torch's norm statistics to the kernels (which on CUDA read them)."""
     inputs = layout_inputs(keyframes=())
     fast = FastH3Transformer.from_pretrained(checkpoint, dtype=torch.bfloat16, exact_norms=exact_norms,
-                                             adaln_timesteps=(inputs["timestep"].tolist(),) if table else None,
-                                             qkv_planes=qkv_planes)
+                                             adaln_timesteps=(inputs["timestep"].tolist(),) if table else None)
     assert (fast.transformer_blocks[0].adaln_proj is None) == table
     assert (fast.transformer_blocks[0].ops is EXACT_NORM_OPS) == exact_norms
-    assert fast.transformer_blocks[0].attn.qkv_planes == qkv_planes
     reference = MiniMaxH3Transformer3DModel.from_pretrained(checkpoint, torch_dtype=torch.bfloat16).eval()
     for actual, expected in zip(fast(**inputs), reference_outputs(reference, inputs)):
         assert torch.equal(actual, expected)
@@ -184,15 +180,6 @@ def test_forward_reads_the_adaln_group_built_for_its_timesteps(checkpoint, refer
     # A forward no group matches finds each of its values by value.
     index, _ = fast.adaln_index(torch.tensor([0.9]), torch.zeros_like(inputs["timestep_indices"]), inputs["token_tags"])
     assert torch.equal(index, 2 * 3 + inputs["token_tags"])
-
-
-def test_qkv_planes_match_diffusers(checkpoint, reference):
-    """q, k, v projected into three planes: the fp32 forward matches diffusers', the refiner's blocks included."""
-    fast = FastH3Transformer.from_pretrained(checkpoint, dtype=torch.float32, qkv_planes=True)
-    assert all(b.attn.qkv_planes for b in (*fast.token_refiner.refiner_blocks, *fast.transformer_blocks))
-    qkv, planes = fast.transformer_blocks[0].attn.project(torch.randn(1, 5, fast.config.hidden_size))
-    assert planes and qkv.shape == (3, 1, 5, fast.config.num_attention_heads * fast.config.attention_head_dim)
-    assert_matches(fast, reference, layout_inputs(keyframes=("first",)))
 
 
 def test_feed_forward_over_row_chunks_matches_diffusers(checkpoint, reference):

@@ -61,14 +61,12 @@ def test_h3gen_dit_render_matches_the_reference_render(tiny_model, prompts_file,
     from safetensors.torch import load_file
 
     prompts = prompts_file('{"id": "clip", "prompt": "a kite over a beach", "seed": 9}\n')
-    for name, dit, exact_norms, planes in (("reference", "diffusers", "false", "false"),
-                                           ("fast", "h3gen", "false", "false"), ("exact", "h3gen", "true", "false"),
-                                           ("planes", "h3gen", "false", "true")):
+    for name, dit, exact_norms in (("reference", "diffusers", "false"), ("fast", "h3gen", "false"),
+                                   ("exact", "h3gen", "true")):
         h3gen("render", prompts, "-o", tmp_path / name, "--model", tiny_model, "--save-latents",
-              "--set", f'sampler.dit="{dit}"', "--set", f"sampler.exact_norms={exact_norms}",
-              "--set", f"sampler.qkv_planes={planes}", check_code=0)
+              "--set", f'sampler.dit="{dit}"', "--set", f"sampler.exact_norms={exact_norms}", check_code=0)
     reference = load_file(str(tmp_path / "reference" / "clip.latents.safetensors"))
-    for name in ("fast", "exact", "planes"):
+    for name in ("fast", "exact"):
         ours = load_file(str(tmp_path / name / "clip.latents.safetensors"))
         for key in ("video", "audio"):
             assert relative_error(ours[key], reference[key]) < MAX_RELATIVE_ERROR

@@ -146,16 +146,6 @@ def test_parity_qk_norm_rope(dtype, rope):
         if dtype == torch.float32 and not rope:
             assert torch.equal(actual, e)
         assert_close(actual, e, dtype)
-    # The same projection in three planes (3, B, L, inner): the same values as the side-by-side layout gives, in
-    # place and not, with and without the statistics; q, k and v come back contiguous.
-    planes = torch.stack(qkv.chunk(3, dim=-1))
-    side_by_side = k.qk_norm_rope_triton(*args, heads_block=2)
-    assert all(torch.equal(a, e) for a, e in zip(k.qk_norm_rope_reference(planes, *args[1:], planes=True), expected))
-    for options in (dict(), dict(in_place=True), dict(rstd=(torch_rstd(q, 1e-5), torch_rstd(k_rows, 1e-5)))):
-        out = k.qk_norm_rope_triton(planes.clone(), *args[1:], planes=True, heads_block=2, **options)
-        assert all(t.is_contiguous() for t in out)
-        reference = handed if "rstd" in options else side_by_side
-        assert all(torch.equal(a, e) for a, e in zip(out, reference)), options
 
 
 def test_rotary_matches_diffusers():

@@ -6,10 +6,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from h3gen.kernels.attention import attention
+from h3gen.kernels.attention import attention, choose_backend
+from h3gen.kernels.attention_fa3_fp8 import attend_fp8
 from h3gen.kernels.gated_residual import gated_residual, gated_residual_reference
 from h3gen.kernels.norm_statistic import torch_rstd
-from h3gen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference, split_qkv
+from h3gen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_fp8, qk_norm_rope_reference, split_qkv
 from h3gen.kernels.rmsnorm_modulate import rmsnorm_modulate, rmsnorm_modulate_reference
 from h3gen.kernels.swiglu import swiglu, swiglu_reference
 from h3gen.models.dit.tags import MODALITIES
@@ -17,26 +18,27 @@ from h3gen.models.quant_linear import swiglu_linear
 
 # Each packed row picks its AdaLN row by (timestep, modality): 0 video, 1 text, 2 audio.
 
+# `qk_norm_rope_fp8`: the kernel that writes q, k, v in e4m3 for fa3-fp8 (None: attention quantizes bf16 inputs).
 REFERENCE_OPS = SimpleNamespace(rmsnorm_modulate=rmsnorm_modulate_reference, gated_residual=gated_residual_reference,
-                                qk_norm_rope=qk_norm_rope_reference, swiglu=swiglu_reference)
+                                qk_norm_rope=qk_norm_rope_reference, swiglu=swiglu_reference, qk_norm_rope_fp8=None)
 TRITON_OPS = SimpleNamespace(rmsnorm_modulate=rmsnorm_modulate, gated_residual=gated_residual,
-                             qk_norm_rope=qk_norm_rope, swiglu=swiglu)
+                             qk_norm_rope=qk_norm_rope, swiglu=swiglu, qk_norm_rope_fp8=qk_norm_rope_fp8)
 
 
 def rmsnorm_modulate_exact(x, weight, eps, *modulation):
     return rmsnorm_modulate(x, weight, eps, *modulation, rstd=torch_rstd(x, eps))
 
 
-def qk_norm_rope_exact(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, planes=False):
-    q, k, _ = split_qkv(qkv, heads, planes)
+def qk_norm_rope_exact(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False):
+    q, k, _ = split_qkv(qkv, heads)
     return qk_norm_rope(qkv, heads, q_weight, k_weight, eps, cos, sin, in_place,
-                        rstd=(torch_rstd(q, eps), torch_rstd(k, eps)), planes=planes)
+                        rstd=(torch_rstd(q, eps), torch_rstd(k, eps)))
 
 
 # The Triton kernels with every norm's statistic computed by torch: the forward rounds exactly as diffusers' does, so
 # with the same attention kernel the two are bit-equal, for one more read of each normed tensor.
 EXACT_NORM_OPS = SimpleNamespace(rmsnorm_modulate=rmsnorm_modulate_exact, gated_residual=gated_residual,
-                                 qk_norm_rope=qk_norm_rope_exact, swiglu=swiglu)
+                                 qk_norm_rope=qk_norm_rope_exact, swiglu=swiglu, qk_norm_rope_fp8=None)
 
 
 def rotary_angles(position_ids, inv_freq):
@@ -78,30 +80,34 @@ class FusedAttention(nn.Module):
         self.norm_q = nn.RMSNorm(head_dim, eps=qk_norm_eps)
         self.norm_k = nn.RMSNorm(head_dim, eps=qk_norm_eps)
         self.to_out = nn.Linear(heads * head_dim, hidden_size, bias=False)
-        # Project q, k and v into three planes, one GEMM each, so attention reads each contiguous (rather than
-        # as strided views of one projection). A quantized to_qkv keeps the one fused GEMM.
-        self.qkv_planes = False
-
-    def project(self, x):
-        """(projection, planes): (B, L, 3 * inner) from one GEMM, or (3, B, L, inner) from one GEMM per plane."""
-        if not (self.qkv_planes and isinstance(self.to_qkv, nn.Linear)):
-            return self.to_qkv(x), False
-        weight = self.to_qkv.weight
-        planes = x.new_empty((3, *x.shape[:-1], weight.shape[0] // 3))
-        for plane, rows in zip(planes, weight.chunk(3)):
-            torch.matmul(x, rows.t(), out=plane)
-        return planes, True
+        # With fa3-fp8, q, k and v leave the norm kernel in e4m3 (q's and k's scales bounded by the norm's weight:
+        # as accurate as scales from each head's largest value and 3 % faster per forward, README). False: they
+        # leave it in bf16 and attention scales each head by its largest value, which a sequence-parallel attend
+        # needs (h3gen.parallel.ulysses turns this off).
+        self.fp8_from_norm = True
 
     def forward(self, x, cos, sin, ops, backend):
-        qkv, planes = self.project(x)
+        qkv = self.to_qkv(x)
         del x  # a caller that passes the normed rows straight in gets them freed before attention
+        if backend == "fa3-fp8" and self.fp8_from_norm and ops.qk_norm_rope_fp8 is not None:
+            return self.to_out(self.attend_from_fp8_norm(qkv, cos, sin, ops))
         # q and k are normalized and rotated over their own part of the projection, where the kernel runs.
         q, k, v = ops.qk_norm_rope(qkv, self.heads, self.norm_q.weight, self.norm_k.weight, self.norm_q.eps, cos,
-                                   sin, in_place=True, planes=planes)
+                                   sin, in_place=True)
         del qkv
         attended = self.attend(q, k, v, backend).flatten(2, 3).type_as(q)
         del q, k, v  # the projection is freed before the output GEMM
         return self.to_out(attended)
+
+    @torch.compiler.disable
+    def attend_from_fp8_norm(self, qkv, cos, sin, ops):
+        """fa3-fp8 on the norm kernel's e4m3 output; where fa3 cannot run, the backend it falls back to on bf16."""
+        args = (qkv, self.heads, self.norm_q.weight, self.norm_k.weight, self.norm_q.eps, cos, sin)
+        choice = choose_backend(qkv.device, "fa3-fp8", qkv.dtype, self.norm_q.weight.shape[0])
+        if choice.name != "fa3-fp8":
+            q, k, v = ops.qk_norm_rope(*args, in_place=True)
+            return self.attend(q, k, v, choice.name).flatten(2, 3).type_as(q)
+        return attend_fp8(ops.qk_norm_rope_fp8(*args)).flatten(2, 3).to(qkv.dtype)
 
     def attend(self, q, k, v, backend):
         """The one step that mixes rows: a sequence-parallel form replaces it (h3gen.parallel.ulysses)."""

@@ -4,13 +4,14 @@ Switches, each measurable on its own: `use_triton` (fused norm/modulate, QK-norm
 `adaln_table` (modulation rows read from tables built by `precompute_adaln`), `compile_blocks` (regional
 torch.compile of each block), `attention_backend` ("auto" or a name from `h3gen.kernels.attention.BACKENDS`),
 `ffn_chunk_rows` (the feed-forward over row chunks, for memory), `exact_norms` (with `use_triton`: each norm's
-statistic computed by torch, so the forward rounds as diffusers' does), `qkv_planes` (q, k and v projected by one
-GEMM each into contiguous planes, for the attention kernel to read).
+statistic computed by torch, so the forward rounds as diffusers' does). With fa3-fp8 attention the QK-norm kernel
+writes q, k and v in e4m3.
 """
 import torch
 import torch.nn as nn
 
 from h3gen.kernels.attention import attention_backend as attention_backend_name
+from h3gen.kernels.attention import choose_backend
 from h3gen.models.dit.tags import MODALITIES
 from h3gen.models.dit.blocks import (EXACT_NORM_OPS, REFERENCE_OPS, TRITON_OPS, H3Block, OutputNorm,
                                           RefinerBlock, TimeEmbedding, rotary_angles, rotary_inv_freq)
@@ -35,7 +36,7 @@ class FastH3Transformer(nn.Module):
     h3gen_loader = True
 
     def __init__(self, config: H3DiTConfig, use_triton=True, adaln_table=True, compile_blocks=False,
-                 attention_backend="auto", ffn_chunk_rows=0, exact_norms=False, qkv_planes=False):
+                 attention_backend="auto", ffn_chunk_rows=0, exact_norms=False):
         super().__init__()
         self.config = cfg = config
         self.proj_in = nn.Linear(cfg.video_patch_dim, cfg.hidden_size)
@@ -53,11 +54,10 @@ class FastH3Transformer(nn.Module):
         self.adaln_groups = {}  # a group's values (one forward's `timestep`) -> its first row in the tables
         self.streamer = None  # blocks whose weights stream from host memory (`stream_blocks`)
         self.compile_blocks = False
-        self.configure(use_triton, adaln_table, compile_blocks, attention_backend, ffn_chunk_rows, exact_norms,
-                       qkv_planes)
+        self.configure(use_triton, adaln_table, compile_blocks, attention_backend, ffn_chunk_rows, exact_norms)
 
     def configure(self, use_triton=None, adaln_table=None, compile_blocks=None, attention_backend=None,
-                  ffn_chunk_rows=None, exact_norms=None, qkv_planes=None):
+                  ffn_chunk_rows=None, exact_norms=None):
         """Flip switches on a built model (None keeps a switch as it is); regional compilation cannot be undone."""
         if use_triton is not None:
             self.use_triton = use_triton
@@ -75,8 +75,6 @@ class FastH3Transformer(nn.Module):
             block.ops, block.attention_backend = self.ops, self.attention_backend
             if ffn_chunk_rows is not None:
                 block.ff.chunk_rows = ffn_chunk_rows
-            if qkv_planes is not None:
-                block.attn.qkv_planes = qkv_planes
         if compile_blocks is not None and compile_blocks != self.compile_blocks:
             if not compile_blocks:
                 raise ValueError("compiled blocks cannot be uncompiled; build a new model with compile_blocks=False")
@@ -283,9 +281,11 @@ class FastH3Transformer(nn.Module):
                                       self.proj_in.weight.device) if count else None
 
     def attention_backend_name(self):
+        """The backend the blocks run, with the reason when it is not the one asked for."""
         # The blocks' dtype (proj_in is one of the checkpoint's fp32 modules).
-        return attention_backend_name(self.proj_in.weight.device, self.attention_backend,
-                                      self.context_embedder.weight.dtype)
+        choice = choose_backend(self.proj_in.weight.device, self.attention_backend, self.context_embedder.weight.dtype,
+                                self.config.attention_head_dim)
+        return choice.name if choice.fallback_reason is None else f"{choice.name} ({choice.fallback_reason})"
 
     def resident_bytes(self):
         tensors = [*self.parameters(), *self.buffers()]
