@@ -59,3 +59,34 @@ def test_unwritable_output_directory(prompts_file, tmp_path):
     blocker.write_text("")
     result = h3gen("render", prompts_file("x\n"), "-o", blocker / "out")
     assert result.returncode == 2 and "is not writable" in result.stderr
+
+
+# -- line endings, a byte-order mark, what a line may hold ----------------------------------------------------------
+
+def test_a_byte_order_mark_is_dropped(tmp_path):
+    """Editors on Windows start the file with U+FEFF: the first line reads as it would without it."""
+    for first in ('{"id": "fox", "prompt": "a fox"}', "a fox"):
+        text = f"{first}\nwaves\n"
+        with_bom = parse(tmp_path, "\ufeff" + text)
+        assert with_bom == parse(tmp_path, text)
+    assert parse(tmp_path, '\ufeff{"id": "fox", "prompt": "a fox"}\n')[0].id == "fox"
+    assert parse(tmp_path, "\ufeffa fox\n")[0].prompt == "a fox"
+
+
+def test_lines_end_at_newline_only(tmp_path):
+    """U+2028 and the other breaks str.splitlines honours are part of a line; \\r\\n is accepted."""
+    import json
+
+    inside = "a fox\u2028in snow\x1c\x85\u2029at dawn"
+    text = json.dumps({"id": "fox", "prompt": inside}, ensure_ascii=False) + "\n" + inside + "\nlast\n"
+    requests = parse(tmp_path, text)
+    assert [(r.id, r.prompt, r.line) for r in requests] == [("fox", inside, 1), (None, inside, 2), (None, "last", 3)]
+    assert parse(tmp_path, "one\r\n{\"prompt\": \"two\"}\r\n") == parse(tmp_path, "one\n{\"prompt\": \"two\"}\n")
+    with pytest.raises(UsageError, match="p.txt:3: malformed JSON"):
+        parse(tmp_path, "one\u2028two\nthree\n{\"prompt\": \n")
+
+
+@pytest.mark.parametrize("line", ['["a", "b"]', "[cinematic] a fox", "[]", "{not json}"])
+def test_a_line_starting_with_a_bracket_is_json_or_an_error(tmp_path, line):
+    with pytest.raises(UsageError, match="p.txt:2: "):
+        parse(tmp_path, f"first\n{line}\n")
