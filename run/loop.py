@@ -69,6 +69,7 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent) -> Batch
     check_unique_outputs(every, preset.name, settings.prompts)  # across shards too: two shards must not write one file
     requests = shard_requests(every, settings.shard)
     check_writable(settings.output)
+    check_device(preset.runtime["device"])
     # Clips are numbered by their place in the whole file, so [i/n] means the same in every shard.
     reporter = make_reporter(len(every), settings.json_out, preset.name)
     check_plugins(found, settings.strict_plugins, reporter)
@@ -91,6 +92,8 @@ def plan_memory_budget(preset, requests, repo, reporter) -> None:
 
 
 def check_writable(directory: Path) -> None:
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"output directory {directory} is a file", "pass -o with a directory, or a path not yet taken")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".h3gen-probe-"):
@@ -98,6 +101,17 @@ def check_writable(directory: Path) -> None:
     except OSError as e:
         raise UsageError(f"output directory {directory} is not writable ({e.strerror or e})",
                          "pass -o with a directory you can write to") from None
+
+
+def check_device(device: str) -> None:
+    """A CUDA device asked for where torch sees none: said as such, not as the model failing to load."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError(f"runtime.device is {device} but no CUDA device is visible",
+                         "use --set runtime.device=cpu (or auto), or run where torch sees a GPU")
 
 
 def check_plugins(found, strict: bool, reporter) -> None:

@@ -349,8 +349,18 @@ def check_disk(out_dir: Path, request: Request) -> None:
     need = int(request.frames * request.width * request.height * MP4_BYTES_PER_PIXEL) + AUDIO_BYTES
     free = shutil.disk_usage(out_dir).free
     if free < need:
-        raise ClipError(f"only {free / 2**20:.0f} MiB free in {out_dir}, the clip needs up to {need / 2**20:.0f} MiB",
+        free_text, need_text = sizes_that_differ(free, need)
+        raise ClipError(f"only {free_text} free in {out_dir}, the clip needs up to {need_text}",
                         "free disk space; a rerun redoes only the clips that are missing")
+
+
+def sizes_that_differ(a: int, b: int) -> tuple[str, str]:
+    """Both sizes in MiB, with as many decimals as it takes for two different sizes to read differently."""
+    for decimals in range(4):
+        texts = f"{a / 2**20:.{decimals}f} MiB", f"{b / 2**20:.{decimals}f} MiB"
+        if texts[0] != texts[1]:
+            return texts
+    return f"{a:,} bytes", f"{b:,} bytes"
 
 
 def write_error(path: Path, error: OSError) -> str:
