@@ -10,7 +10,7 @@ import signal
 import tempfile
 from pathlib import Path
 
-from h3gen.errors import UsageError
+from h3gen.errors import UsageError, WriteError
 from h3gen.run.report import SilentReporter
 from h3gen.run.settings import RunSettings
 
@@ -141,7 +141,11 @@ def model_repo(model, reporter):
     if model is None:
         from h3gen.models.tiny import TINY_NOTICE, ensure_tiny_model
 
-        model = ensure_tiny_model()
+        try:
+            model = ensure_tiny_model()
+        except Exception as e:  # OSError, or safetensors' own error for a full disk
+            raise WriteError(f"cannot write the tiny model into the cache ({str(e).splitlines()[0] if str(e) else e})",
+                             "free space in the cache folder (XDG_CACHE_HOME), or pass --model") from None
         reporter.say(f"note: {TINY_NOTICE}")
     return ModelRepo(model)
 

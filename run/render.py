@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import os
 import shutil
@@ -126,8 +125,11 @@ class Renderer:
         """(status, claim, error): the claim when this run renders the clip; status "busy" when another run holds
         it, "skipped" when an overlapping run finished it after this one started."""
         claim = outputs.ClipClaim(clip.path)
-        if not claim.acquire():
-            return "busy", None, ""
+        try:
+            if not claim.acquire():
+                return "busy", None, ""
+        except OSError as e:
+            return "", None, write_error(claim.lock_path, e)
         if not force and already_done(clip.request, self.out_dir, self.preset.name, self.save_latents):
             claim.release()
             return "skipped", None, ""
@@ -226,7 +228,9 @@ class Renderer:
                             skipped=status in ("skipped", "busy"),
                             note="another h3gen run is rendering it" if status == "busy" else "",
                             attention=clip.attention)
-        outputs.record(self.out_dir, result, self.preset.name, status or ("ok" if result.ok else "failed"))
+        unrecorded = outputs.record(self.out_dir, result, self.preset.name, status or ("ok" if result.ok else "failed"))
+        if unrecorded and result.ok and not result.skipped:  # written, but the manifest does not say so
+            result = dataclasses.replace(result, ok=False, error=unrecorded)
         self.reporter.clip_done(result)
         return result
 
@@ -363,11 +367,7 @@ def sizes_that_differ(a: int, b: int) -> tuple[str, str]:
     return f"{a:,} bytes", f"{b:,} bytes"
 
 
-def write_error(path: Path, error: OSError) -> str:
-    text = f"cannot write {path}: {error.strerror or error}"
-    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        text += f" (free space in {path.parent}; a rerun redoes only the clips that are missing)"
-    return text
+write_error = outputs.write_error
 
 
 def latents_path(path: Path) -> Path:
@@ -375,14 +375,5 @@ def latents_path(path: Path) -> Path:
 
 
 def write_latents(clip: Clip) -> None:
-    from safetensors.torch import save_file
-
-    path = latents_path(clip.path)
-    partial = path.with_name(f".{path.name}.partial")
-    try:
-        save_file({"video": clip.video_latents.float().cpu().contiguous(),
-                   "audio": clip.audio_latents.float().cpu().contiguous()}, str(partial))
-        partial.replace(path)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    outputs.save_tensors({"video": clip.video_latents.float().cpu().contiguous(),
+                          "audio": clip.audio_latents.float().cpu().contiguous()}, latents_path(clip.path))

@@ -264,7 +264,7 @@ def limit_file_size(limit):
     return apply
 
 
-def test_disk_full_while_writing_costs_one_clip_and_leaves_no_partial_file(prompts_file, tmp_path):
+def test_disk_full_while_writing_costs_one_clip_and_leaves_no_partial_file(prompts_file, tmp_path, tiny_model):
     """Two faults in one run: "full" writes into /dev/full (no space left from the first write), "big" grows past
     the file-size limit mid-write; "small" between them is written."""
     out = tmp_path / "out"
@@ -395,3 +395,112 @@ def test_signal_while_the_mux_reads_a_decode_in_flight_leaves_only_whole_files(f
     # a's background mux may or may not have finished when the signal came; b's never does
     assert {p.name for p in out.glob("*.mp4")} <= {"a.mp4"}
     assert all(validate_clip(path, expected_frames=124) == [] for path in out.glob("*.mp4"))
+
+
+# -- every write of the run fails soft ------------------------------------------------------------------------------
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 1 MiB tmpfs filled to the last block (mounting needs root; elsewhere the patched tests below stand in)."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with open(mount / "filler", "wb", buffering=0) as filler:
+            try:
+                while True:
+                    filler.write(b"\0" * 4096)
+            except OSError:
+                pass
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)])
+
+
+def test_a_full_output_disk_fails_every_clip_cleanly(full_disk, prompts_file, tiny_model):
+    """No space for an MP4, a manifest line or a claim: each clip fails with one line, the run ends with its
+    summary and exit 1, no traceback, nothing partial."""
+    result = h3gen("render", prompts_file("a fox\nwaves\n"), "-o", full_disk, "--json", "--save-latents",
+                   "--model", tiny_model)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "Error" not in result.stderr.replace("error", ""), result.stderr[-3000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["ok"] for r in lines] == [False, False]
+    assert "0 of 2 clips written, 2 failed" in result.stderr
+    assert sorted(p.name for p in full_disk.iterdir()) in (["filler"], ["filler", "manifest.jsonl"])
+
+
+def test_a_full_cache_disk_costs_only_the_cache(full_disk, prompts_file, tiny_model, tmp_path):
+    """The embedding cache lives on another disk; when that one is full, clips render as without a cache."""
+    out = tmp_path / "out"
+    result = h3gen("render", prompts_file("a fox\n"), "-o", out, "--json", "--model", tiny_model,
+                   env={"XDG_CACHE_HOME": str(full_disk)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [json.loads(line)["ok"] for line in result.stdout.splitlines()] == [True]
+
+
+def test_a_manifest_line_that_cannot_be_written_fails_its_clip(tmp_path, monkeypatch):
+    import errno
+
+    from h3gen.inputs.request import Request
+    from h3gen.run import outputs
+    from h3gen.run.render import ClipResult
+
+    def no_space(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(outputs.os, "write", no_space)
+    result = ClipResult(Request(index=0, prompt="x", seed=0, width=32, height=32, frames=124), tmp_path / "a.mp4",
+                        True, {}, 0.0)
+    problem = outputs.record(tmp_path, result, "tiny", "ok")
+    assert problem == (f"cannot write {tmp_path / 'manifest.jsonl'}: No space left on device (free space in "
+                       f"{tmp_path}; a rerun redoes only the clips that are missing)")
+
+
+def test_a_claim_that_cannot_be_created_fails_its_clip(tiny_model, tmp_path, monkeypatch):
+    """The lock file of one clip cannot be created: that clip fails with one line, the next renders."""
+    import errno
+
+    from h3gen.cli.ui import PlainReporter
+    from h3gen.config.preset import resolve
+    from h3gen.inputs.prompts import read_prompts
+    from h3gen.models.repo import ModelRepo
+    from h3gen.plugins.manager import registry
+    from h3gen.run import outputs
+    from h3gen.run.render import Renderer
+
+    real_open = os.open
+
+    def open_except_a(path, *args):
+        if str(path).endswith(".a.mp4.lock"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_open(path, *args)
+
+    monkeypatch.setattr(outputs.os, "open", open_except_a)
+    preset = resolve("tiny", registry())
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(TWO_CLIPS)
+    out = tmp_path / "out"
+    renderer = Renderer(preset, registry(), ModelRepo(tiny_model), PlainReporter(2))
+    results = list(renderer.render(read_prompts(prompts, 0, preset.request), out, save_latents=True))
+    renderer.close()
+    assert [r.ok for r in results] == [False, True]
+    assert results[0].error.startswith(f"cannot write {out / '.a.mp4.lock'}: No space left on device (free space")
+    assert sorted(p.name for p in out.iterdir()) == ["b.latents.safetensors", "b.mp4", "manifest.jsonl"]
+
+
+def test_tensors_that_cannot_be_written_raise_the_os_error(tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own error; the latents and the embedding cache see an OSError."""
+    import errno
+
+    import torch
+
+    from h3gen.run.outputs import save_tensors
+
+    target = tmp_path / "x.safetensors"
+    with pytest.raises(OSError) as raised:
+        save_tensors({"a": torch.zeros(4)}, tmp_path / "missing-folder" / "x.safetensors")
+    assert raised.value.errno == errno.ENOENT
+    save_tensors({"a": torch.zeros(4)}, target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]
