@@ -15,8 +15,11 @@ from h3gen.run.report import SilentReporter
 from h3gen.run.settings import RunSettings
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: a closed terminal, an ssh session dropped
+
+
 class Interrupted(BaseException):
-    """SIGINT or SIGTERM: the clip in flight is discarded and the run ends with 128 + the signal number.
+    """SIGINT, SIGTERM or SIGHUP: the clip in flight is discarded and the run ends with 128 + the signal number.
 
     A BaseException, so the per-clip `except Exception` in the render loop lets it through.
     """
@@ -29,13 +32,13 @@ class Interrupted(BaseException):
 
 @contextlib.contextmanager
 def stop_on_signals():
-    """Turn SIGINT and SIGTERM into `Interrupted` in the main thread; a second one ends the process at once."""
+    """Turn SIGINT, SIGTERM and SIGHUP into `Interrupted` in the main thread; a second one ends the process at once."""
 
     def stop(signum, frame):
         signal.signal(signum, signal.SIG_DFL)
         raise Interrupted(signum)
 
-    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
     try:
         yield
     finally:
@@ -70,6 +73,7 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent) -> Batch
     requests = shard_requests(every, settings.shard)
     check_writable(settings.output)
     check_device(preset.runtime["device"])
+    clear_leftovers(requests, settings.output, preset.name)
     # Clips are numbered by their place in the whole file, so [i/n] means the same in every shard.
     reporter = make_reporter(len(every), settings.json_out, preset.name)
     check_plugins(found, settings.strict_plugins, reporter)
@@ -101,6 +105,15 @@ def check_writable(directory: Path) -> None:
     except OSError as e:
         raise UsageError(f"output directory {directory} is not writable ({e.strerror or e})",
                          "pass -o with a directory you can write to") from None
+
+
+def clear_leftovers(requests, output: Path, preset_name: str) -> None:
+    """What a killed run left of this run's clips (partial files, locks) goes, unless a live run still holds it."""
+    from h3gen.run import outputs
+    from h3gen.run.render import clip_name
+
+    for request in requests:
+        outputs.clear_leftovers(output / clip_name(request, preset_name))
 
 
 def check_device(device: str) -> None:

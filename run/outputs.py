@@ -50,6 +50,32 @@ class ClipClaim:
             self.fd = None
 
 
+def leftovers(path: Path) -> list[Path]:
+    """The hidden files a run writes beside the clip at `path` before renaming them into place."""
+    latents = path.with_suffix(".latents.safetensors")
+    return [path.with_name(f".{path.name}.partial.mp4"), latents.with_name(f".{latents.name}.partial")]
+
+
+def clear_leftovers(path: Path) -> None:
+    """Remove the partial files and the lock a killed run left beside the clip at `path`; a run still rendering it
+    holds its lock, and its files stay."""
+    claim = ClipClaim(path)
+    if not any(p.exists() for p in [claim.lock_path, *leftovers(path)]):
+        return
+    try:
+        if not claim.acquire():
+            return
+    except OSError:
+        return  # the clip's own claim then fails with the reason
+    try:
+        for partial in leftovers(path):
+            partial.unlink(missing_ok=True)
+    except OSError:
+        pass
+    finally:
+        claim.release()
+
+
 def record(out_dir: Path, result, preset: str, status: str) -> str:
     """Append one line for a clip: ok, failed, skipped (already there and valid) or busy (another run has it).
     '' when written, else why not (one line)."""

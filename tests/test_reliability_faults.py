@@ -315,7 +315,7 @@ def wait_for(path, process, seconds=120):
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_signal_discards_the_clip_in_flight_and_a_rerun_resumes(faults, prompts_file, tmp_path, signum, code):
     env, preset = faults
     out, marker = tmp_path / "out", tmp_path / "muxing-b"
@@ -335,8 +335,9 @@ def test_signal_discards_the_clip_in_flight_and_a_rerun_resumes(faults, prompts_
     assert "1 of 3 clips written, 2 not rendered" in stderr
     assert sorted(p.name for p in out.glob("*.mp4")) == ["a.mp4", "c.mp4"]
     assert validate_clip(out / "a.mp4", expected_frames=124) == []
-    if signum == signal.SIGINT:
-        return  # resuming is the same after either signal; checked once below
+    assert not list(out.glob(".*"))  # no partial MP4, no claim left behind
+    if signum != signal.SIGTERM:
+        return  # resuming is the same after any signal; checked once below
     first = (out / "a.mp4").stat().st_mtime_ns
 
     rerun = h3gen(*render, "--json", env=env, check_code=0)
@@ -504,3 +505,37 @@ def test_tensors_that_cannot_be_written_raise_the_os_error(tmp_path, monkeypatch
     assert raised.value.errno == errno.ENOENT
     save_tensors({"a": torch.zeros(4)}, target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]
+
+
+def test_a_rerun_after_sigkill_removes_the_partial_mp4_and_the_locks_it_owns(faults, prompts_file, tmp_path):
+    """SIGKILL mid-write leaves b's 48-byte partial MP4 and b's lock; a lock of a clip already written is left too
+    when the kill lands between the MP4's rename and the claim's release (made by hand here). The rerun removes
+    them all, also the lock of the clip it skips."""
+    env, preset = faults
+    out, marker = tmp_path / "out", tmp_path / "muxing-b"
+    render = ["render", prompts_file(TWO_CLIPS), "-o", out, "--preset", preset, "--set", "mux.workers=0"]
+    process = start_render(render[1:] + ["--set", 'mux.slow_id="b"', "--set", f'mux.marker="{marker}"'], env)
+    wait_for(marker, process)
+    process.kill()
+    process.communicate(timeout=60)
+    assert (out / ".b.mp4.partial.mp4").stat().st_size == 48 and (out / ".b.mp4.lock").exists()
+    (out / ".a.mp4.lock").touch()
+    rerun = h3gen(*render, "--json", env=env, check_code=0)
+    assert [(r["id"], r["skipped"]) for r in map(json.loads, rerun.stdout.splitlines())] == [("a", True), ("b", False)]
+    assert not list(out.glob(".*")), list(out.glob(".*"))
+    assert all(validate_clip(out / f"{name}.mp4", expected_frames=124) == [] for name in "ab")
+
+
+def test_a_rerun_leaves_the_claims_of_a_run_still_rendering(tmp_path):
+    from h3gen.run.outputs import ClipClaim, clear_leftovers
+
+    clip = tmp_path / "a.mp4"
+    other_run = ClipClaim(clip)
+    assert other_run.acquire()
+    partial = tmp_path / ".a.mp4.partial.mp4"
+    partial.write_bytes(b"being written")
+    clear_leftovers(clip)
+    assert partial.exists() and other_run.lock_path.exists()
+    other_run.release()
+    clear_leftovers(clip)
+    assert not list(tmp_path.iterdir())
