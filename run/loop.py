@@ -30,12 +30,32 @@ class Interrupted(BaseException):
         self.results = []  # clips finished before the signal
 
 
+_held = {"depth": 0, "signum": None}  # signals_held's state: how deep, and the signal that came meanwhile
+
+
+@contextlib.contextmanager
+def signals_held():
+    """Hold a stop signal while a clip's result is recorded and reported: the manifest, the summary and --json then
+    never disagree about a clip. The signal is raised as `Interrupted` when the outermost block ends."""
+    _held["depth"] += 1
+    try:
+        yield
+    finally:
+        _held["depth"] -= 1
+        signum, _held["signum"] = _held["signum"], None if not _held["depth"] else _held["signum"]
+        if signum is not None and not _held["depth"]:
+            raise Interrupted(signum)
+
+
 @contextlib.contextmanager
 def stop_on_signals():
     """Turn SIGINT, SIGTERM and SIGHUP into `Interrupted` in the main thread; a second one ends the process at once."""
 
     def stop(signum, frame):
         signal.signal(signum, signal.SIG_DFL)
+        if _held["depth"]:
+            _held["signum"] = signum
+            return
         raise Interrupted(signum)
 
     previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
@@ -194,14 +214,20 @@ def render_batch(settings: RunSettings, preset, found, make_reporter) -> int:
     return report_end(reporter, results, len(requests), stopped)
 
 
-def report_end(reporter, results, total: int, stopped=None) -> int:
-    """The summary, and the exit status: 0 all written, 1 some failed, 128 + signal when stopped."""
+def report_end(reporter, results, total: int, stopped=None, say_stopped: bool = True) -> int:
+    """The summary, and the exit status: 0 all written, 1 some failed, 128 + signal when stopped. With workers the
+    launcher says why they stopped (`say_stopped` False): only it knows whether the signal came from the user."""
     reporter.summary(sorted(results, key=lambda r: r.request.index), total)
     if stopped:
-        reporter.say(f"h3gen: stopped by {stopped.signal_name}: the clip in flight was discarded; run the same "
-                     "command again to render the rest (clips already written are kept and skipped)")
+        if say_stopped:
+            reporter.say(stopped_line(stopped.signal_name))
         return stopped.exit_code
     return 0 if all(r.ok for r in results) else 1
+
+
+def stopped_line(signal_name: str) -> str:
+    return (f"h3gen: stopped by {signal_name}: the clip in flight was discarded; run the same command again to "
+            "render the rest (clips already written are kept and skipped)")
 
 
 def render_pending(requests, settings: RunSettings, preset, found, repo, reporter, group=None, leader=0) -> list:
@@ -227,16 +253,19 @@ def render_pending(requests, settings: RunSettings, preset, found, repo, reporte
         warning = cuda_fit_warning(requests, repo.path("transformer") / "config.json", renderer.runtime.dtype.itemsize)
         if warning:
             reporter.say(f"h3gen: {warning}")
-    results, interrupted = [], False
+    interrupted = False
     reporter.start()
     try:
-        for result in renderer.render(requests, settings.output, settings.save_latents, settings.force):
-            if result is not None:  # None: a clip another rank of the group reports
-                results.append(result)
-    except Interrupted as stop:
-        stop.results, interrupted = results, True
+        try:
+            for _ in renderer.render(requests, settings.output, settings.save_latents, settings.force):
+                pass  # every result is in renderer.results from the moment its manifest line is written
+        except Interrupted:
+            interrupted = True
+            raise
+        finally:
+            renderer.close(discard=interrupted)  # the clips it finishes join renderer.results too
+            reporter.stop()
+    except Interrupted as stop:  # in the render or in close()
+        stop.results = renderer.results
         raise
-    finally:
-        results += filter(None, renderer.close(discard=interrupted))  # the same list `Interrupted.results` holds
-        reporter.stop()
-    return results
+    return renderer.results

@@ -16,6 +16,7 @@ from h3gen.errors import ClipError, H3genError, ModelError
 from h3gen.inputs.request import Request
 from h3gen.run import memory, outputs
 from h3gen.run.arriving import ArrivingMedia
+from h3gen.run.loop import signals_held
 from h3gen.run.timing import StageTimer
 from h3gen.stages.base import StageFailed
 from h3gen.stages.clip import PIPELINE, Clip
@@ -94,6 +95,7 @@ class Renderer:
         # (clip, claim, future, the file's state before the mux) in render order; finished results not yet yielded
         self.muxing, self.done = [], []
         self.claim_on_device = None
+        self.results = []  # every clip this renderer finished, in the order their manifest lines were written
 
     def render(self, requests: list[Request], out_dir: Path, save_latents: bool = False,
                force: bool = False) -> Iterator[ClipResult]:
@@ -114,7 +116,6 @@ class Renderer:
             if status or error:
                 yield self.finish(clip, error, status=status)
                 continue
-            self.claim_on_device = claim  # a signal can land mid-clip: close() gives this one back
             self.render_one(clip, claim)
             self.claim_on_device = None
             memory.release(self.runtime.device)
@@ -130,6 +131,7 @@ class Renderer:
                 return "busy", None, ""
         except OSError as e:
             return "", None, write_error(claim.lock_path, e)
+        self.claim_on_device = claim  # from here a signal can land (the check below decodes): close() releases it
         if not force and already_done(clip.request, self.out_dir, self.preset.name, self.save_latents):
             claim.release()
             return "skipped", None, ""
@@ -185,6 +187,7 @@ class Renderer:
                 job = mux.submit(clip)
             if job is not None:
                 self.muxing.append((clip, claim, job, before))
+                self.claim_on_device = None  # close() finds it in self.muxing
                 return
             try:
                 clip = mux(clip)
@@ -208,19 +211,29 @@ class Renderer:
         yield from self.done
         self.done.clear()
         while self.muxing and (wait or self.muxing[0][2].done()):
-            clip, claim, job, before = self.muxing.pop(0)
+            clip, claim, job, before = self.muxing[0]  # popped once done: a signal while it waits leaves it to close()
             error = ""
             try:
                 job.result()
-                self.reporter.stage_done(clip, "mux", clip.seconds.get("mux", 0.0))
             except Exception as e:
                 remove_if_written(clip.path, before)
                 error = clip_error(clip, e)
+            self.muxing.pop(0)
+            if not error:
+                self.reporter.stage_done(clip, "mux", clip.seconds.get("mux", 0.0))
             yield self.finish(clip, error, claim=claim)
 
     def finish(self, clip: Clip, error: str = "", status: str = "", claim=None) -> ClipResult:
+        with signals_held():  # recorded, reported and counted, or none of these
+            result = self.finish_held(clip, error, status, claim)
+            self.results.append(result)
+        return result
+
+    def finish_held(self, clip: Clip, error: str, status: str, claim) -> ClipResult:
         if claim is not None:
             claim.release()
+            if claim is self.claim_on_device:
+                self.claim_on_device = None
         clip.drop_tensors()
         top_level = sum(clip.seconds.get(kind, 0.0) for kind in PIPELINE)
         result = ClipResult(clip.request, clip.path, not error, dict(clip.seconds), top_level,
