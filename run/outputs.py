@@ -69,7 +69,8 @@ def clear_leftovers(path: Path) -> None:
         return  # the clip's own claim then fails with the reason
     try:
         for partial in leftovers(path):
-            partial.unlink(missing_ok=True)
+            if partial.is_file() and not partial.is_symlink():  # what h3gen writes; anything else is not its own
+                partial.unlink()
     except OSError:
         pass
     finally:
