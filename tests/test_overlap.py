@@ -109,14 +109,20 @@ class EventLog:
 
 
 def test_a_long_batch_starts_rendering_after_its_first_chunk_of_prompts(tiny_model, tmp_path, monkeypatch):
-    """Prompts are encoded a chunk at a time, each chunk's clips rendered before the next is encoded, with a line
-    per chunk: 10,000 prompts no longer wait for the last one's encoding. On the CPU the encoder stays loaded."""
+    """Prompts are encoded a chunk at a time (small first, then doubling), each chunk's clips rendered before the
+    next is encoded, with a line per chunk: 10,000 prompts no longer wait for the last one's encoding. On the CPU
+    the encoder stays loaded."""
+    from h3gen.run.render import chunk_sizes
+
+    assert chunk_sizes(10_000)[:5] == [8, 16, 32, 64, 64] and sum(chunk_sizes(10_000)) == 10_000
+    assert chunk_sizes(3) == [3] and chunk_sizes(30) == [8, 16, 6]
     from h3gen.config.preset import resolve
     from h3gen.inputs.prompts import read_prompts
     from h3gen.models.repo import ModelRepo
     from h3gen.plugins.manager import registry
     from h3gen.run import render
 
+    monkeypatch.setattr(render, "FIRST_ENCODE_CHUNK", 1)
     monkeypatch.setattr(render, "ENCODE_CHUNK", 2)
     preset = resolve("tiny", registry(), ["encode.cache=false"])
     prompts = tmp_path / "prompts.txt"
@@ -135,10 +141,10 @@ def test_a_long_batch_starts_rendering_after_its_first_chunk_of_prompts(tiny_mod
     renderer.close()
     assert [r.ok for r in results] == [True] * 5
     order = [event for event in log.events if event[0] in ("encoding", "started")]
-    assert order == [("encoding", 0), ("encoding", 1), ("started", 0), ("started", 1), ("encoding", 2),
-                     ("encoding", 3), ("started", 2), ("started", 3), ("encoding", 4), ("started", 4)]
+    assert order == [("encoding", 0), ("started", 0), ("encoding", 1), ("encoding", 2), ("started", 1),
+                     ("started", 2), ("encoding", 3), ("encoding", 4), ("started", 3), ("started", 4)]
     said = [text for kind, text in log.events if kind == "say"]
     assert [line.split(" in ")[0] for line in said if "encoded" in line] == [
-        "h3gen: encoded 2 prompt(s) (1-2 of 5)", "h3gen: encoded 2 prompt(s) (3-4 of 5)",
-        "h3gen: encoded 1 prompt(s) (5-5 of 5)"]
+        "h3gen: encoded 1 prompt(s) (1-1 of 5)", "h3gen: encoded 2 prompt(s) (2-3 of 5)",
+        "h3gen: encoded 2 prompt(s) (4-5 of 5)"]
     assert encode.encoder_loads == 1
