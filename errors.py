@@ -27,6 +27,12 @@ class ModelError(H3genError):
     exit_code = 2
 
 
+class WriteError(H3genError):
+    """A write the run cannot do without (a full disk, a read-only folder): the run stops cleanly; a rerun resumes."""
+
+    exit_code = 1
+
+
 class ClipError(H3genError):
     """One clip failed; the run goes on with the others."""
 

@@ -146,7 +146,7 @@ def bench(
 @app.command()
 def validate(
     files: Annotated[list[Path], typer.Argument(help="MP4 files to check.")],
-    frames: Annotated[Optional[int], typer.Option("--frames", help="Expected frame count.")] = None,
+    frames: Annotated[Optional[int], typer.Option("--frames", min=1, help="Expected frame count.")] = None,
 ):
     """Check that clips are valid: H.264 at 24 fps, AAC stereo 32 kHz, matching durations, not blank or silent."""
     from h3gen.run.validate import validate_clip

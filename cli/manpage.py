@@ -60,7 +60,7 @@ def page() -> str:
               roff("Set to 1 to print a failure's traceback besides its line (as --traceback)."),
               ".SH PLUGINS", roff(PLUGINS),
               ".SH EXIT STATUS", roff("0 when every clip was written or already there, 1 when some clips failed, "
-                                      "2 on usage errors, 130 or 143 when stopped by SIGINT or SIGTERM."),
+                                      "2 on usage errors, 130, 143 or 129 when stopped by SIGINT, SIGTERM or SIGHUP."),
               ".SH SEE ALSO", roff("README.md and docs/plugins.md of the h3gen repository.")]
     return "\n".join(lines) + "\n"
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from h3gen.cli.ui import reporter_for
-from h3gen.errors import UsageError
+from h3gen.errors import UsageError, WriteError
 from h3gen.run.loop import Interrupted, stop_on_signals
 from h3gen.run.settings import RunSettings
 
@@ -16,6 +17,11 @@ def run_render(settings: RunSettings) -> int:
     with stop_on_signals():
         try:
             return _run_render(settings)
+        except OSError as e:  # a write outside any clip: one line, never a traceback
+            from h3gen.run.outputs import write_error
+
+            raise WriteError(write_error(Path(e.filename or settings.output), e),
+                             "a rerun resumes: clips already written are kept and skipped") from None
         except Interrupted as stop:
             reporter_for(0, False, "").say(f"h3gen: stopped by {stop.signal_name}; run the same command again to resume")
             return stop.exit_code

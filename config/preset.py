@@ -61,6 +61,8 @@ def find_preset(name_or_file: str, registry, folder: Path | None = None) -> tupl
     if folder is not None and not path.is_absolute():
         path = folder / path
     if path.suffix == ".toml" or path.exists():
+        if path.is_dir():
+            raise UsageError(f"preset {path} is a directory", "pass a preset name or a .toml file")
         if not path.is_file():
             raise UsageError(f"preset file {path} does not exist", "pass a preset name or an existing .toml file")
         return path.stem, path

@@ -31,7 +31,7 @@ def read_prompts(path: Path, base_seed: int, defaults: dict) -> list[Request]:
         line = path.read_bytes()[: e.start].count(b"\n") + 1
         raise UsageError(f"{path}:{line}: not UTF-8 text", "save the prompts file as UTF-8") from None
     requests, seen = [], {}
-    for number, raw in enumerate(text.splitlines(), start=1):
+    for number, raw in enumerate(prompt_lines(text), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
@@ -48,14 +48,22 @@ def read_prompts(path: Path, base_seed: int, defaults: dict) -> list[Request]:
     return requests
 
 
+def prompt_lines(text: str) -> list[str]:
+    """Lines end at \n only (a \r before it goes too): U+2028 and the other breaks `str.splitlines` honours are
+    text, as JSON allows them unescaped in a string. A byte-order mark (editors on Windows write one) is dropped."""
+    return [line.removesuffix("\r") for line in text.removeprefix("\ufeff").split("\n")]
+
+
 def _parse_line(line: str, where: str) -> dict:
-    if not line.startswith("{"):
+    # A line that starts like JSON is JSON or an error: a typo in an object must never render as its text.
+    if not line.startswith(("{", "[")):
         return {"prompt": line}
     try:
         fields = json.loads(line)
     except json.JSONDecodeError as e:
         raise UsageError(f"{where}: malformed JSON ({e.msg} at column {e.colno})",
-                         'write one object per line, e.g. {"prompt": "..."}') from None
+                         'write one object per line, e.g. {"prompt": "..."}; a prompt starting with "[" or "{" '
+                         'goes in one too') from None
     if not isinstance(fields, dict):
         raise UsageError(f"{where}: a JSON line must be an object", 'e.g. {"prompt": "..."}')
     for key, value in fields.items():
@@ -88,8 +96,10 @@ def _request(fields: dict, index: int, line: int, base_seed: int, defaults: dict
     seed = int(fields.get("seed", base_seed + index))
     if not 0 <= seed < 2**63:
         raise UsageError(f"{where}: seed {seed} is out of range", "use a seed between 0 and 2**63 - 1")
-    return Request(index=index, prompt=fields["prompt"].strip(), seed=seed, width=width, height=height,
-                   frames=frames_for_duration(duration), id=clip_id, line=line, **conditions)
+    request = Request(index=index, prompt=fields["prompt"].strip(), seed=seed, width=width, height=height,
+                      frames=frames_for_duration(duration), id=clip_id, line=line, **conditions)
+    check_fits(request, where)
+    return request
 
 
 def _conditions(fields: dict, base: Path, where: str) -> tuple[dict, tuple[int, int] | None]:
@@ -119,6 +129,21 @@ def check_size(width: int, height: int, where: str) -> None:
     if not MIN_ASPECT <= width / height <= MAX_ASPECT:
         raise UsageError(f"{where}: aspect ratio {width}x{height} is outside H3's 1:4 to 4:1",
                          "choose a less extreme width/height")
+
+
+# What the largest group of GPUs a run can have holds: 8 ranks of one machine splitting a clip, at 288 GiB each (the
+# largest GPUs made). A clip whose estimated peak is beyond that fails on every device, after the weights load.
+MAX_CLIP_BYTES = 8 * 288 * 2**30
+
+
+def check_fits(request: Request, where: str) -> None:
+    from h3gen.run.memory import DiTShape, peak_bytes
+
+    need = peak_bytes(request, DiTShape(), 0)
+    if need > MAX_CLIP_BYTES:
+        raise UsageError(f"{where}: size {request.width}x{request.height} at {request.frames} frames needs about "
+                         f"{need / 2**40:,.1f} TiB of device memory, more than any group of GPUs holds",
+                         "use a size near H3's 1344x768")
 
 
 def _short(value) -> str:

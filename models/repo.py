@@ -108,5 +108,11 @@ def load_component(name: str, loader, *args, **kwargs):
         raise
     except (OSError, ValueError, RuntimeError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "meta tensor" in first:  # a module the config declares and the weights never filled
+            first = "the weights lack tensors its config declares"
+        folder = Path(args[0]) if args and isinstance(args[0], (str, Path)) else None
+        if folder is None or not (folder / "config.json").is_file():
+            raise ModelError(f"cannot load {name}: {first[:300]}",
+                             "check that the folder matches the repository (config and weights of one release)") from e
         raise ModelError(f"cannot load {name}: {first[:300]}",
-                         "check that the folder matches the repository (config and weights of one release)") from e
+                         f"check that {folder / 'config.json'} and the weights beside it come from one release") from e

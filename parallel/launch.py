@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import uuid
@@ -121,7 +122,11 @@ def run(config, job: dict, entry: str) -> int:
     except ChildFailedError as failed:
         raise root_cause(failed, job["device"]) from None
     except SignalException as stop:
-        # The agent passed the signal on to the workers, whose rank 0 printed the summary.
+        # The agent passed the signal on to the workers, whose rank 0 printed the summary. Only this process knows
+        # the signal came from outside: rank 0 is also stopped by the agent when another worker dies.
+        from h3gen.run.loop import stopped_line
+
+        print(stopped_line(signal.Signals(int(stop.sigval)).name), file=sys.stderr)
         return 128 + int(stop.sigval)
 
 

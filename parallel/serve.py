@@ -11,6 +11,9 @@ from h3gen.run.report import SilentReporter
 from h3gen.run.settings import RunSettings
 
 
+PUMP_DRAIN_S = 20  # how long a stopped rank 0 waits for the other groups' last results (a killed one sends none)
+
+
 class Worker:
     def __init__(self, job: dict, device: str, make_reporter):
         import torch.distributed as dist
@@ -118,10 +121,12 @@ class Worker:
                 pump.join()
         except Interrupted as stop:
             results, stopped = stop.results, stop
+            if pump:  # the other groups were stopped too: their last results are on the way
+                pump.join(timeout=PUMP_DRAIN_S)
         finally:
             reporter.end()
-        results = finished + results + (pump.results if pump else [])
-        code = report_end(reporter, results, len(self.batch.requests), stopped)
+        results = finished + results + (pump.results[:] if pump else [])
+        code = report_end(reporter, results, len(self.batch.requests), stopped, say_stopped=False)
         Path(self.job["status_file"]).write_text(str(code))
         if stopped:
             raise stopped

@@ -65,14 +65,12 @@ class EmbeddingCache:
         return entry["prompt_embeds"], entry["text_token_tags"]
 
     def put(self, prompt: str, prompt_embeds, text_token_tags) -> None:
-        from safetensors.torch import save_file
+        from h3gen.run.outputs import save_tensors
 
         path = self.path(prompt)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(f".{path.name}.partial")
-            save_file({"prompt_embeds": prompt_embeds.detach().cpu().contiguous(),
-                       "text_token_tags": text_token_tags.cpu().contiguous()}, str(partial))
-            partial.replace(path)
+            save_tensors({"prompt_embeds": prompt_embeds.detach().cpu().contiguous(),
+                          "text_token_tags": text_token_tags.cpu().contiguous()}, path)
         except OSError:  # a cache that cannot be written only costs speed
             pass

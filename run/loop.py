@@ -10,13 +10,16 @@ import signal
 import tempfile
 from pathlib import Path
 
-from h3gen.errors import UsageError
+from h3gen.errors import UsageError, WriteError
 from h3gen.run.report import SilentReporter
 from h3gen.run.settings import RunSettings
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: a closed terminal, an ssh session dropped
+
+
 class Interrupted(BaseException):
-    """SIGINT or SIGTERM: the clip in flight is discarded and the run ends with 128 + the signal number.
+    """SIGINT, SIGTERM or SIGHUP: the clip in flight is discarded and the run ends with 128 + the signal number.
 
     A BaseException, so the per-clip `except Exception` in the render loop lets it through.
     """
@@ -27,15 +30,35 @@ class Interrupted(BaseException):
         self.results = []  # clips finished before the signal
 
 
+_held = {"depth": 0, "signum": None}  # signals_held's state: how deep, and the signal that came meanwhile
+
+
+@contextlib.contextmanager
+def signals_held():
+    """Hold a stop signal while a clip's result is recorded and reported: the manifest, the summary and --json then
+    never disagree about a clip. The signal is raised as `Interrupted` when the outermost block ends."""
+    _held["depth"] += 1
+    try:
+        yield
+    finally:
+        _held["depth"] -= 1
+        signum, _held["signum"] = _held["signum"], None if not _held["depth"] else _held["signum"]
+        if signum is not None and not _held["depth"]:
+            raise Interrupted(signum)
+
+
 @contextlib.contextmanager
 def stop_on_signals():
-    """Turn SIGINT and SIGTERM into `Interrupted` in the main thread; a second one ends the process at once."""
+    """Turn SIGINT, SIGTERM and SIGHUP into `Interrupted` in the main thread; a second one ends the process at once."""
 
     def stop(signum, frame):
         signal.signal(signum, signal.SIG_DFL)
+        if _held["depth"]:
+            _held["signum"] = signum
+            return
         raise Interrupted(signum)
 
-    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
     try:
         yield
     finally:
@@ -69,6 +92,8 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent) -> Batch
     check_unique_outputs(every, preset.name, settings.prompts)  # across shards too: two shards must not write one file
     requests = shard_requests(every, settings.shard)
     check_writable(settings.output)
+    check_device(preset.runtime["device"])
+    clear_leftovers(requests, settings.output, preset.name)
     # Clips are numbered by their place in the whole file, so [i/n] means the same in every shard.
     reporter = make_reporter(len(every), settings.json_out, preset.name)
     check_plugins(found, settings.strict_plugins, reporter)
@@ -91,6 +116,8 @@ def plan_memory_budget(preset, requests, repo, reporter) -> None:
 
 
 def check_writable(directory: Path) -> None:
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"output directory {directory} is a file", "pass -o with a directory, or a path not yet taken")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".h3gen-probe-"):
@@ -98,6 +125,26 @@ def check_writable(directory: Path) -> None:
     except OSError as e:
         raise UsageError(f"output directory {directory} is not writable ({e.strerror or e})",
                          "pass -o with a directory you can write to") from None
+
+
+def clear_leftovers(requests, output: Path, preset_name: str) -> None:
+    """What a killed run left of this run's clips (partial files, locks) goes, unless a live run still holds it."""
+    from h3gen.run import outputs
+    from h3gen.run.render import clip_name
+
+    for request in requests:
+        outputs.clear_leftovers(output / clip_name(request, preset_name))
+
+
+def check_device(device: str) -> None:
+    """A CUDA device asked for where torch sees none: said as such, not as the model failing to load."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError(f"runtime.device is {device} but no CUDA device is visible",
+                         "use --set runtime.device=cpu (or auto), or run where torch sees a GPU")
 
 
 def check_plugins(found, strict: bool, reporter) -> None:
@@ -127,7 +174,11 @@ def model_repo(model, reporter):
     if model is None:
         from h3gen.models.tiny import TINY_NOTICE, ensure_tiny_model
 
-        model = ensure_tiny_model()
+        try:
+            model = ensure_tiny_model()
+        except Exception as e:  # OSError, or safetensors' own error for a full disk
+            raise WriteError(f"cannot write the tiny model into the cache ({str(e).splitlines()[0] if str(e) else e})",
+                             "free space in the cache folder (XDG_CACHE_HOME), or pass --model") from None
         reporter.say(f"note: {TINY_NOTICE}")
     return ModelRepo(model)
 
@@ -163,14 +214,20 @@ def render_batch(settings: RunSettings, preset, found, make_reporter) -> int:
     return report_end(reporter, results, len(requests), stopped)
 
 
-def report_end(reporter, results, total: int, stopped=None) -> int:
-    """The summary, and the exit status: 0 all written, 1 some failed, 128 + signal when stopped."""
+def report_end(reporter, results, total: int, stopped=None, say_stopped: bool = True) -> int:
+    """The summary, and the exit status: 0 all written, 1 some failed, 128 + signal when stopped. With workers the
+    launcher says why they stopped (`say_stopped` False): only it knows whether the signal came from the user."""
     reporter.summary(sorted(results, key=lambda r: r.request.index), total)
     if stopped:
-        reporter.say(f"h3gen: stopped by {stopped.signal_name}: the clip in flight was discarded; run the same "
-                     "command again to render the rest (clips already written are kept and skipped)")
+        if say_stopped:
+            reporter.say(stopped_line(stopped.signal_name))
         return stopped.exit_code
     return 0 if all(r.ok for r in results) else 1
+
+
+def stopped_line(signal_name: str) -> str:
+    return (f"h3gen: stopped by {signal_name}: the clip in flight was discarded; run the same command again to "
+            "render the rest (clips already written are kept and skipped)")
 
 
 def render_pending(requests, settings: RunSettings, preset, found, repo, reporter, group=None, leader=0) -> list:
@@ -196,16 +253,19 @@ def render_pending(requests, settings: RunSettings, preset, found, repo, reporte
         warning = cuda_fit_warning(requests, repo.path("transformer") / "config.json", renderer.runtime.dtype.itemsize)
         if warning:
             reporter.say(f"h3gen: {warning}")
-    results, interrupted = [], False
+    interrupted = False
     reporter.start()
     try:
-        for result in renderer.render(requests, settings.output, settings.save_latents, settings.force):
-            if result is not None:  # None: a clip another rank of the group reports
-                results.append(result)
-    except Interrupted as stop:
-        stop.results, interrupted = results, True
+        try:
+            for _ in renderer.render(requests, settings.output, settings.save_latents, settings.force):
+                pass  # every result is in renderer.results from the moment its manifest line is written
+        except Interrupted:
+            interrupted = True
+            raise
+        finally:
+            renderer.close(discard=interrupted)  # the clips it finishes join renderer.results too
+            reporter.stop()
+    except Interrupted as stop:  # in the render or in close()
+        stop.results = renderer.results
         raise
-    finally:
-        results += filter(None, renderer.close(discard=interrupted))  # the same list `Interrupted.results` holds
-        reporter.stop()
-    return results
+    return renderer.results

@@ -3,13 +3,18 @@
 Two overlapping runs (cron jobs that outlast their interval) on one directory never write the same clip: each
 clip is claimed with an advisory lock that the kernel drops when its process ends, so a crashed run never leaves
 a stale claim. The manifest is JSON Lines, appended one whole line per event.
+
+Every write here fails soft: an OSError (a full disk, a read-only directory) comes back as the clip's one-line
+reason, never as a traceback that ends the run.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -24,6 +29,8 @@ class ClipClaim:
         self.fd = None
 
     def acquire(self) -> bool:
+        """True when this process now holds the clip; False when another does. Raises OSError when the lock file
+        cannot be created."""
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -35,22 +42,90 @@ class ClipClaim:
 
     def release(self) -> None:
         if self.fd is not None:
-            self.lock_path.unlink(missing_ok=True)
+            try:
+                self.lock_path.unlink(missing_ok=True)
+            except OSError:  # a directory turned read-only: the kernel still drops the lock with the descriptor
+                pass
             os.close(self.fd)
             self.fd = None
 
 
-def record(out_dir: Path, result, preset: str, status: str) -> None:
-    """Append one line for a clip: ok, failed, skipped (already there and valid) or busy (another run has it)."""
+def leftovers(path: Path) -> list[Path]:
+    """The hidden files a run writes beside the clip at `path` before renaming them into place."""
+    latents = path.with_suffix(".latents.safetensors")
+    return [path.with_name(f".{path.name}.partial.mp4"), latents.with_name(f".{latents.name}.partial")]
+
+
+def clear_leftovers(path: Path) -> None:
+    """Remove the partial files and the lock a killed run left beside the clip at `path`; a run still rendering it
+    holds its lock, and its files stay."""
+    claim = ClipClaim(path)
+    if not any(p.exists() for p in [claim.lock_path, *leftovers(path)]):
+        return
+    try:
+        if not claim.acquire():
+            return
+    except OSError:
+        return  # the clip's own claim then fails with the reason
+    try:
+        for partial in leftovers(path):
+            if partial.is_file() and not partial.is_symlink():  # what h3gen writes; anything else is not its own
+                partial.unlink()
+    except OSError:
+        pass
+    finally:
+        claim.release()
+
+
+def record(out_dir: Path, result, preset: str, status: str) -> str:
+    """Append one line for a clip: ok, failed, skipped (already there and valid) or busy (another run has it).
+    '' when written, else why not (one line)."""
     request = result.request
     line = json.dumps({"time": round(time.time(), 3), "pid": os.getpid(), "file": result.path.name,
                        "id": request.id, "line": request.line, "seed": request.seed, "preset": preset,
                        "status": status, "error": result.error or None, "forwards": result.forwards,
                        "forwards_reused": result.forwards_reused,
                        "seconds": {k: round(v, 4) for k, v in result.seconds.items()}}) + "\n"
-    fd = os.open(out_dir / MANIFEST, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    path = out_dir / MANIFEST
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.write(fd, line.encode())
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            written = os.write(fd, line.encode())
+            if written < len(line.encode()):  # the disk filled mid-line: cut the half line off again
+                os.ftruncate(fd, os.fstat(fd).st_size - written)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        finally:
+            os.close(fd)
+    except OSError as e:
+        return write_error(path, e)
+    return ""
+
+
+def write_error(path: Path, error: OSError) -> str:
+    """The one line a failed write costs its clip."""
+    text = f"cannot write {path}: {error.strerror or error}"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        text += f" (free space in {path.parent}; a rerun redoes only the clips that are missing)"
+    return text
+
+
+def save_tensors(tensors: dict, path: Path) -> None:
+    """Write a safetensors file whole or not at all (a hidden partial file, renamed when complete); a failed write
+    raises OSError with its errno, as a file write would, where safetensors raises its own error."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        save_file(tensors, str(partial))
+        partial.replace(path)
+    except SafetensorError as e:
+        found = re.search(r"os error (\d+)", str(e))
+        code = int(found.group(1)) if found else errno.EIO
+        raise OSError(code, os.strerror(code), str(path)) from None
     finally:
-        os.close(fd)
+        try:
+            partial.unlink(missing_ok=True)
+        except OSError:
+            pass

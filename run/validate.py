@@ -62,6 +62,9 @@ def validate_clip(
 ) -> list[str]:
     """Human-readable problems with the clip at `path`; empty when it is valid."""
     try:
+        truncated = box_problem(Path(path))
+        if truncated:
+            return [truncated]
         info = probe_clip(path)
     except (av.FFmpegError, OSError) as error:
         return [f"cannot read {path}: {error}"]
@@ -70,6 +73,37 @@ def validate_clip(
         + _audio_problems(info, sample_rate)
         + _sync_problems(info)
     )
+
+
+REQUIRED_BOXES = (b"ftyp", b"moov", b"mdat")
+
+
+def box_problem(path: Path) -> str:
+    """What is wrong with the MP4's top-level boxes ('' when nothing): they must tile the file exactly, so a file cut
+    short (a copy that stopped, a disk that filled) is caught even where the decoder reads past the missing end."""
+    size, offset, found = path.stat().st_size, 0, set()
+    with path.open("rb") as f:
+        while offset < size:
+            f.seek(offset)
+            header = f.read(16)
+            if len(header) < 8:
+                return f"truncated: {size - offset} stray byte(s) after the last box at offset {offset}"
+            length, kind = int.from_bytes(header[:4], "big"), header[4:8]
+            if offset == 0 and kind != b"ftyp":
+                return f"cannot read {path}: not an MP4 (it does not start with an ftyp box)"
+            if length == 1:  # a 64-bit size follows the type
+                length = int.from_bytes(header[8:16], "big") if len(header) == 16 else 0
+            elif length == 0:  # the box runs to the end of the file
+                length = size - offset
+            if length < 8:
+                return f"cannot read {path}: not an MP4 (box at offset {offset} has size {length})"
+            if offset + length > size:
+                return (f"truncated: box {kind.decode('latin-1')!r} at offset {offset} needs {length} bytes, "
+                        f"the file has {size - offset} from there")
+            found.add(kind)
+            offset += length
+    missing = [kind.decode() for kind in REQUIRED_BOXES if kind not in found]
+    return f"cannot read {path}: not a whole MP4 (no {', '.join(missing)} box)" if missing else ""
 
 
 class _PixelStats:

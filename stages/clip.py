@@ -19,7 +19,7 @@ class Step:
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     on_device: bool  # runs on the clip's device, on every rank of a group; the mux runs on the host, once
-    ahead: bool = False  # runs for every prompt of the batch before the first clip renders, then unloads
+    ahead: bool = False  # runs for every prompt of a chunk before the chunk's first clip renders (run.render)
 
 
 FLOW = (

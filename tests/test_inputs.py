@@ -59,3 +59,84 @@ def test_unwritable_output_directory(prompts_file, tmp_path):
     blocker.write_text("")
     result = h3gen("render", prompts_file("x\n"), "-o", blocker / "out")
     assert result.returncode == 2 and "is not writable" in result.stderr
+
+
+# -- line endings, a byte-order mark, what a line may hold ----------------------------------------------------------
+
+def test_a_byte_order_mark_is_dropped(tmp_path):
+    """Editors on Windows start the file with U+FEFF: the first line reads as it would without it."""
+    for first in ('{"id": "fox", "prompt": "a fox"}', "a fox"):
+        text = f"{first}\nwaves\n"
+        with_bom = parse(tmp_path, "\ufeff" + text)
+        assert with_bom == parse(tmp_path, text)
+    assert parse(tmp_path, '\ufeff{"id": "fox", "prompt": "a fox"}\n')[0].id == "fox"
+    assert parse(tmp_path, "\ufeffa fox\n")[0].prompt == "a fox"
+
+
+def test_lines_end_at_newline_only(tmp_path):
+    """U+2028 and the other breaks str.splitlines honours are part of a line; \\r\\n is accepted."""
+    import json
+
+    inside = "a fox\u2028in snow\x1c\x85\u2029at dawn"
+    text = json.dumps({"id": "fox", "prompt": inside}, ensure_ascii=False) + "\n" + inside + "\nlast\n"
+    requests = parse(tmp_path, text)
+    assert [(r.id, r.prompt, r.line) for r in requests] == [("fox", inside, 1), (None, inside, 2), (None, "last", 3)]
+    assert parse(tmp_path, "one\r\n{\"prompt\": \"two\"}\r\n") == parse(tmp_path, "one\n{\"prompt\": \"two\"}\n")
+    with pytest.raises(UsageError, match="p.txt:3: malformed JSON"):
+        parse(tmp_path, "one\u2028two\nthree\n{\"prompt\": \n")
+
+
+@pytest.mark.parametrize("line", ['["a", "b"]', "[cinematic] a fox", "[]", "{not json}"])
+def test_a_line_starting_with_a_bracket_is_json_or_an_error(tmp_path, line):
+    with pytest.raises(UsageError, match="p.txt:2: "):
+        parse(tmp_path, f"first\n{line}\n")
+
+
+# -- messages that say what is wrong --------------------------------------------------------------------------------
+
+def refused_with(result, message):
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.startswith("h3gen: error: ") and result.stderr.strip().count("\n") == 0, result.stderr
+    assert message in result.stderr, result.stderr
+
+
+def test_a_preset_that_is_a_directory_is_named_so(prompts_file, tmp_path):
+    refused_with(h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--preset", tmp_path),
+                 f"preset {tmp_path} is a directory")
+
+
+def test_an_output_that_is_a_file_is_named_so(prompts_file, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = h3gen("render", prompts_file("x\n"), "-o", blocker)
+    refused_with(result, f"output directory {blocker} is a file")
+    assert "File exists" not in result.stderr
+
+
+def test_cuda_without_a_gpu_says_so_before_loading(prompts_file, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--set", "runtime.device=cuda")
+    refused_with(result, "runtime.device is cuda but no CUDA device is visible")
+    assert "loaded on" not in result.stderr and "model folder" not in result.stderr
+
+
+@pytest.mark.parametrize("frames", ["-3", "0"])
+def test_validate_refuses_a_frame_count_below_one(tmp_path, frames):
+    result = h3gen("validate", tmp_path / "x.mp4", "--frames", frames)
+    assert result.returncode == 2 and "--frames" in result.stderr
+
+
+def test_the_disk_check_shows_sizes_that_differ(tmp_path, monkeypatch):
+    import shutil
+
+    from h3gen.errors import ClipError
+    from h3gen.inputs.request import Request
+    from h3gen.run.render import check_disk
+
+    tiny_clip = Request(index=0, prompt="x", seed=0, width=32, height=32, frames=124)  # needs 1.06 MiB
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 2**20, 2**20))
+    with pytest.raises(ClipError, match=r"only 1\.0 MiB free in .*, the clip needs up to 1\.1 MiB"):
+        check_disk(tmp_path, tiny_clip)

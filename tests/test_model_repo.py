@@ -70,3 +70,18 @@ def test_shapes_that_do_not_match_the_config_exit_2(repo_copy, prompts_file, tmp
 def test_not_a_directory_exits_2(prompts_file, tmp_path):
     result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--model", tmp_path / "none")
     assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+def test_a_config_that_does_not_match_its_weights_names_the_file(repo_copy, prompts_file, tmp_path):
+    """One layer more in the config than in the weights: the error names the config and its folder's weights."""
+    import json
+
+    config = repo_copy / "transformer" / "config.json"
+    fields = json.loads(config.read_text())
+    fields["num_layers"] += 1
+    config.write_text(json.dumps(fields))
+    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--model", repo_copy)
+    assert result.returncode == 2, result.stderr[-2000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("h3gen: error: ") and str(config) in error, error
+    assert "meta tensor" not in error

@@ -125,3 +125,16 @@ def test_corrupt_file_is_a_problem(tmp_path):
 def test_missing_file_is_a_problem(tmp_path):
     (problem,) = validate_clip(tmp_path / "missing.mp4")
     assert problem.startswith("cannot read")
+
+
+def test_a_truncated_clip_is_a_problem(clip, tmp_path):
+    """The last bytes cut: the clip may still decode, but its boxes no longer add up to the file's size."""
+    whole = clip.read_bytes()
+    for cut in (1, 7, 48, 100):
+        path = tmp_path / f"cut-{cut}.mp4"
+        path.write_bytes(whole[:-cut])
+        problems = validate_clip(path, expected_frames=FRAMES)
+        assert problems and "truncated" in problems[0], (cut, problems)
+    grown = tmp_path / "grown.mp4"
+    grown.write_bytes(whole + b"\0" * 3)
+    assert validate_clip(grown, expected_frames=FRAMES)

@@ -75,3 +75,76 @@ def test_overlapping_runs_on_one_directory_never_write_the_same_clip(prompts_fil
         assert len(statuses) == 2 and set(statuses) <= {"ok", "busy", "skipped"}
         assert validate_clip(out / f"{name}.mp4", expected_frames=124) == []
     assert not list(out.glob(".*"))  # no claims or partial files left behind
+
+
+class EventLog:
+    """A reporter that keeps what the run said and when each clip started, in order."""
+
+    def __init__(self):
+        self.events = []
+
+    def say(self, text):
+        self.events.append(("say", text))
+
+    def start(self):
+        return self
+
+    def stop(self):
+        pass
+
+    def clip_started(self, clip):
+        self.events.append(("started", clip.request.index))
+
+    def stage_done(self, clip, kind, seconds):
+        pass
+
+    def step(self, clip, step, steps):
+        pass
+
+    def clip_done(self, result):
+        pass
+
+    def summary(self, results, total=None):
+        pass
+
+
+def test_a_long_batch_starts_rendering_after_its_first_chunk_of_prompts(tiny_model, tmp_path, monkeypatch):
+    """Prompts are encoded a chunk at a time (small first, then doubling), each chunk's clips rendered before the
+    next is encoded, with a line per chunk: 10,000 prompts no longer wait for the last one's encoding. On the CPU
+    the encoder stays loaded."""
+    from h3gen.run.render import chunk_sizes
+
+    assert chunk_sizes(10_000)[:5] == [8, 16, 32, 64, 64] and sum(chunk_sizes(10_000)) == 10_000
+    assert chunk_sizes(3) == [3] and chunk_sizes(30) == [8, 16, 6]
+    from h3gen.config.preset import resolve
+    from h3gen.inputs.prompts import read_prompts
+    from h3gen.models.repo import ModelRepo
+    from h3gen.plugins.manager import registry
+    from h3gen.run import render
+
+    monkeypatch.setattr(render, "FIRST_ENCODE_CHUNK", 1)
+    monkeypatch.setattr(render, "ENCODE_CHUNK", 2)
+    preset = resolve("tiny", registry(), ["encode.cache=false"])
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"prompt {i}\n" for i in range(5)))
+    log = EventLog()
+    renderer = render.Renderer(preset, registry(), ModelRepo(tiny_model), log)
+    encode = renderer.stages["encode"]
+    real_run = encode.run
+
+    def logged_run(clip):
+        log.events.append(("encoding", clip.request.index))
+        return real_run(clip)
+
+    monkeypatch.setattr(encode, "run", logged_run)
+    results = list(renderer.render(read_prompts(prompts, 0, preset.request), tmp_path / "out"))
+    renderer.close()
+    assert [r.ok for r in results] == [True] * 5
+    order = [event for event in log.events if event[0] in ("encoding", "started")]
+    assert order == [("encoding", 0), ("started", 0), ("encoding", 1), ("encoding", 2), ("started", 1),
+                     ("started", 2), ("encoding", 3), ("encoding", 4), ("started", 3), ("started", 4)]
+    said = [text for kind, text in log.events if kind == "say"]
+    assert [line.split(" in ")[0] for line in said if "encoded" in line] == [
+        "h3gen: encoded 1 prompt(s) (1-1 of 5)", "h3gen: encoded 2 prompt(s) (2-3 of 5)",
+        "h3gen: encoded 2 prompt(s) (4-5 of 5)"]
+    assert encode.encoder_loads == 1

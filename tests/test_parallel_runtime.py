@@ -144,6 +144,7 @@ def test_killed_worker_fails_the_run_and_a_rerun_finishes_the_rest(tmp_path):
     assert run.returncode == 1, stderr[-3000:]
     assert "h3gen: error: CPU worker 1" in stderr and "was killed by SIGKILL" in stderr
     assert "run the same command again" in stderr.splitlines()[-1]
+    assert "stopped by SIGTERM" not in stderr  # the agent stopped rank 0 because worker 1 died: not the user
 
     finished = written(out)
     assert 0 < len(finished) < 8
@@ -152,6 +153,34 @@ def test_killed_worker_fails_the_run_and_a_rerun_finishes_the_rest(tmp_path):
     after = written(out)
     assert len(after) == 8 and all(after[name] == finished[name] for name in finished)
     assert all(validate_clip(out / name, expected_frames=124) == [] for name in after)
+    assert not list(out.glob(".*")), list(out.glob(".*"))  # the killed worker's partial MP4 and lock went too
+
+
+def test_sigterm_with_workers_counts_every_clip_written(tmp_path):
+    """The summary, the --json lines and the manifest agree on the clips written before the signal, and nothing
+    partial or locked is left."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"prompt number {i}\n" for i in range(12)))
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "h3gen.cli.main", "render", str(prompts), "-o", str(out), "--cpu-workers", "2",
+               "--json"]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, **ENV})
+    manifest = out / "manifest.jsonl"
+    deadline = time.monotonic() + 180
+    while not (manifest.is_file() and manifest.read_text().count('"status": "ok"') >= 2):
+        assert run.poll() is None and time.monotonic() < deadline, "the run ended before two clips were written"
+        time.sleep(0.05)
+    run.send_signal(signal.SIGTERM)
+    stdout, stderr = run.communicate(timeout=120)
+    assert run.returncode == 143, stderr[-3000:]
+    in_manifest = [r["file"] for r in map(json.loads, manifest.read_text().splitlines()) if r["status"] == "ok"]
+    in_json = [r["path"].rsplit("/", 1)[-1] for r in map(json.loads, stdout.splitlines()) if r["ok"]]
+    on_disk = sorted(p.name for p in out.glob("*.mp4"))
+    assert sorted(in_manifest) == sorted(in_json) == on_disk, (in_manifest, in_json, on_disk)
+    assert f"{len(on_disk)} of 12 clips written" in stderr, stderr[-3000:]
+    assert stderr.count("h3gen: stopped by SIGTERM") == 1, stderr[-3000:]
+    assert not list(out.glob(".*")), list(out.glob(".*"))
 
 
 @pytest.mark.parametrize("args, message", [

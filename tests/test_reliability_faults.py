@@ -264,7 +264,7 @@ def limit_file_size(limit):
     return apply
 
 
-def test_disk_full_while_writing_costs_one_clip_and_leaves_no_partial_file(prompts_file, tmp_path):
+def test_disk_full_while_writing_costs_one_clip_and_leaves_no_partial_file(prompts_file, tmp_path, tiny_model):
     """Two faults in one run: "full" writes into /dev/full (no space left from the first write), "big" grows past
     the file-size limit mid-write; "small" between them is written."""
     out = tmp_path / "out"
@@ -315,7 +315,7 @@ def wait_for(path, process, seconds=120):
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_signal_discards_the_clip_in_flight_and_a_rerun_resumes(faults, prompts_file, tmp_path, signum, code):
     env, preset = faults
     out, marker = tmp_path / "out", tmp_path / "muxing-b"
@@ -335,8 +335,9 @@ def test_signal_discards_the_clip_in_flight_and_a_rerun_resumes(faults, prompts_
     assert "1 of 3 clips written, 2 not rendered" in stderr
     assert sorted(p.name for p in out.glob("*.mp4")) == ["a.mp4", "c.mp4"]
     assert validate_clip(out / "a.mp4", expected_frames=124) == []
-    if signum == signal.SIGINT:
-        return  # resuming is the same after either signal; checked once below
+    assert not list(out.glob(".*"))  # no partial MP4, no claim left behind
+    if signum != signal.SIGTERM:
+        return  # resuming is the same after any signal; checked once below
     first = (out / "a.mp4").stat().st_mtime_ns
 
     rerun = h3gen(*render, "--json", env=env, check_code=0)
@@ -395,3 +396,146 @@ def test_signal_while_the_mux_reads_a_decode_in_flight_leaves_only_whole_files(f
     # a's background mux may or may not have finished when the signal came; b's never does
     assert {p.name for p in out.glob("*.mp4")} <= {"a.mp4"}
     assert all(validate_clip(path, expected_frames=124) == [] for path in out.glob("*.mp4"))
+
+
+# -- every write of the run fails soft ------------------------------------------------------------------------------
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 1 MiB tmpfs filled to the last block (mounting needs root; elsewhere the patched tests below stand in)."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with open(mount / "filler", "wb", buffering=0) as filler:
+            try:
+                while True:
+                    filler.write(b"\0" * 4096)
+            except OSError:
+                pass
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)])
+
+
+def test_a_full_output_disk_fails_every_clip_cleanly(full_disk, prompts_file, tiny_model):
+    """No space for an MP4, a manifest line or a claim: each clip fails with one line, the run ends with its
+    summary and exit 1, no traceback, nothing partial."""
+    result = h3gen("render", prompts_file("a fox\nwaves\n"), "-o", full_disk, "--json", "--save-latents",
+                   "--model", tiny_model)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "Error" not in result.stderr.replace("error", ""), result.stderr[-3000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["ok"] for r in lines] == [False, False]
+    assert "0 of 2 clips written, 2 failed" in result.stderr
+    assert sorted(p.name for p in full_disk.iterdir()) in (["filler"], ["filler", "manifest.jsonl"])
+
+
+def test_a_full_cache_disk_costs_only_the_cache(full_disk, prompts_file, tiny_model, tmp_path):
+    """The embedding cache lives on another disk; when that one is full, clips render as without a cache."""
+    out = tmp_path / "out"
+    result = h3gen("render", prompts_file("a fox\n"), "-o", out, "--json", "--model", tiny_model,
+                   env={"XDG_CACHE_HOME": str(full_disk)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [json.loads(line)["ok"] for line in result.stdout.splitlines()] == [True]
+
+
+def test_a_manifest_line_that_cannot_be_written_fails_its_clip(tmp_path, monkeypatch):
+    import errno
+
+    from h3gen.inputs.request import Request
+    from h3gen.run import outputs
+    from h3gen.run.render import ClipResult
+
+    def no_space(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(outputs.os, "write", no_space)
+    result = ClipResult(Request(index=0, prompt="x", seed=0, width=32, height=32, frames=124), tmp_path / "a.mp4",
+                        True, {}, 0.0)
+    problem = outputs.record(tmp_path, result, "tiny", "ok")
+    assert problem == (f"cannot write {tmp_path / 'manifest.jsonl'}: No space left on device (free space in "
+                       f"{tmp_path}; a rerun redoes only the clips that are missing)")
+
+
+def test_a_claim_that_cannot_be_created_fails_its_clip(tiny_model, tmp_path, monkeypatch):
+    """The lock file of one clip cannot be created: that clip fails with one line, the next renders."""
+    import errno
+
+    from h3gen.cli.ui import PlainReporter
+    from h3gen.config.preset import resolve
+    from h3gen.inputs.prompts import read_prompts
+    from h3gen.models.repo import ModelRepo
+    from h3gen.plugins.manager import registry
+    from h3gen.run import outputs
+    from h3gen.run.render import Renderer
+
+    real_open = os.open
+
+    def open_except_a(path, *args):
+        if str(path).endswith(".a.mp4.lock"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_open(path, *args)
+
+    monkeypatch.setattr(outputs.os, "open", open_except_a)
+    preset = resolve("tiny", registry())
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(TWO_CLIPS)
+    out = tmp_path / "out"
+    renderer = Renderer(preset, registry(), ModelRepo(tiny_model), PlainReporter(2))
+    results = list(renderer.render(read_prompts(prompts, 0, preset.request), out, save_latents=True))
+    renderer.close()
+    assert [r.ok for r in results] == [False, True]
+    assert results[0].error.startswith(f"cannot write {out / '.a.mp4.lock'}: No space left on device (free space")
+    assert sorted(p.name for p in out.iterdir()) == ["b.latents.safetensors", "b.mp4", "manifest.jsonl"]
+
+
+def test_tensors_that_cannot_be_written_raise_the_os_error(tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own error; the latents and the embedding cache see an OSError."""
+    import errno
+
+    import torch
+
+    from h3gen.run.outputs import save_tensors
+
+    target = tmp_path / "x.safetensors"
+    with pytest.raises(OSError) as raised:
+        save_tensors({"a": torch.zeros(4)}, tmp_path / "missing-folder" / "x.safetensors")
+    assert raised.value.errno == errno.ENOENT
+    save_tensors({"a": torch.zeros(4)}, target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]
+
+
+def test_a_rerun_after_sigkill_removes_the_partial_mp4_and_the_locks_it_owns(faults, prompts_file, tmp_path):
+    """SIGKILL mid-write leaves b's 48-byte partial MP4 and b's lock; a lock of a clip already written is left too
+    when the kill lands between the MP4's rename and the claim's release (made by hand here). The rerun removes
+    them all, also the lock of the clip it skips."""
+    env, preset = faults
+    out, marker = tmp_path / "out", tmp_path / "muxing-b"
+    render = ["render", prompts_file(TWO_CLIPS), "-o", out, "--preset", preset, "--set", "mux.workers=0"]
+    process = start_render(render[1:] + ["--set", 'mux.slow_id="b"', "--set", f'mux.marker="{marker}"'], env)
+    wait_for(marker, process)
+    process.kill()
+    process.communicate(timeout=60)
+    assert (out / ".b.mp4.partial.mp4").stat().st_size == 48 and (out / ".b.mp4.lock").exists()
+    (out / ".a.mp4.lock").touch()
+    rerun = h3gen(*render, "--json", env=env, check_code=0)
+    assert [(r["id"], r["skipped"]) for r in map(json.loads, rerun.stdout.splitlines())] == [("a", True), ("b", False)]
+    assert not list(out.glob(".*")), list(out.glob(".*"))
+    assert all(validate_clip(out / f"{name}.mp4", expected_frames=124) == [] for name in "ab")
+
+
+def test_a_rerun_leaves_the_claims_of_a_run_still_rendering(tmp_path):
+    from h3gen.run.outputs import ClipClaim, clear_leftovers
+
+    clip = tmp_path / "a.mp4"
+    other_run = ClipClaim(clip)
+    assert other_run.acquire()
+    partial = tmp_path / ".a.mp4.partial.mp4"
+    partial.write_bytes(b"being written")
+    clear_leftovers(clip)
+    assert partial.exists() and other_run.lock_path.exists()
+    other_run.release()
+    clear_leftovers(clip)
+    assert not list(tmp_path.iterdir())

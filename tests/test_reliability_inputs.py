@@ -38,6 +38,9 @@ def refused(result, message):
     ('{"prompt": "x", "id": "a\\nb"}\n', "id 'a\\nb' is not a plain file name"),
     ('{"prompt": "same", "seed": 3}\n{"prompt": "same", "seed": 3}\n', "prompts.txt:2: writes h3-"),
     (b"ok\n\xff\xfe\n", "prompts.txt:2: not UTF-8 text"),
+    ('["a", "b"]\n', "prompts.txt:1: a JSON line must be an object"),
+    ('{"prompt": "x", "width": 320000, "height": 320000}\n', "prompts.txt:1: size 320000x320000 at 124 frames needs"),
+    ('{"prompt": "x", "width": 16384, "height": 16384, "duration": 15}\n', "prompts.txt:1: size 16384x16384 at 345 frames"),
 ])
 def test_bad_prompts_file_is_refused_before_anything_loads(tmp_path, text, message):
     prompts = tmp_path / "prompts.txt"
