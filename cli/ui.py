@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from h3gen.run.records import clip_record
+
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -19,16 +21,6 @@ STAGE_ORDER = ("encode", "sampler", "vae", "mux")
 
 def seconds_text(seconds: dict) -> str:
     return "  ".join(f"{k} {seconds[k]:.2f}s" for k in STAGE_ORDER if k in seconds)
-
-
-def result_record(result, preset: str) -> dict:
-    return {"path": str(result.path), "id": result.request.id, "line": result.request.line,
-            "seed": result.request.seed, "preset": preset, "ok": result.ok, "error": result.error or None,
-            "seconds": {k: round(v, 4) for k, v in result.seconds.items()},
-            "end_to_end_s": round(result.end_to_end, 4), "rtf": round(result.rtf, 4),
-            "media_s": round(result.request.duration, 4), "frames": result.request.frames,
-            "forwards": result.forwards, "forwards_reused": result.forwards_reused, "peak_gib": round(result.peak_gib, 3), "skipped": result.skipped,
-            "attention": result.attention or None}
 
 
 class PlainReporter:
@@ -59,7 +51,9 @@ class PlainReporter:
         pass
 
     def clip_done(self, result):
-        if result.skipped:
+        if result.status == "conflict":
+            self.say(f"[{result.request.index + 1}/{self.total}] {result.path}: {result.error}")
+        elif result.skipped:
             self.say(f"[{result.request.index + 1}/{self.total}] skipped {result.path}: "
                      + (result.note or "already there and valid (--force renders it again)"))
         elif result.ok:
@@ -69,7 +63,7 @@ class PlainReporter:
         else:
             self.say(f"[{result.request.index + 1}/{self.total}] FAILED {result.path.name}: {result.error}")
         if self.json_out:
-            print(json.dumps(result_record(result, self.preset)), file=sys.stdout, flush=True)
+            print(json.dumps(clip_record(result, self.preset)), file=sys.stdout, flush=True)
 
     def summary(self, results, total: int | None = None):
         """The table of clips, then one line of counts and one line per failed clip with its reason."""
@@ -77,25 +71,24 @@ class PlainReporter:
         for column in ("clip", "status", *STAGE_ORDER, "end to end", "RTF"):
             table.add_column(column, justify="left" if column in ("clip", "status") else "right")
         for r in results:
-            status = "skipped" if r.skipped else "ok" if r.ok else "failed"
-            table.add_row(r.path.name, status,
+            table.add_row(r.path.name, r.status,
                           *(f"{r.seconds[k]:.2f}s" if k in r.seconds else "-" for k in STAGE_ORDER),
-                          f"{r.end_to_end:.2f}s" if not r.skipped else "-", f"{r.rtf:.2f}" if not r.skipped else "-")
+                          f"{r.end_to_end:.2f}s" if r.rendered else "-", f"{r.rtf:.2f}" if r.rendered else "-")
         self.console.print(table)
         self.say(counts_line(results, len(results) if total is None else total))
         for r in results:
             if not r.ok:
-                self.say(f"  failed {r.path.name} (line {r.request.line}): {r.error}")
+                self.say(f"  {r.status} {r.path.name} (line {r.request.line}): {r.error}")
 
 
 def counts_line(results, total: int) -> str:
-    written = sum(r.ok and not r.skipped for r in results)
-    skipped = sum(r.skipped and not r.note for r in results)
-    busy = sum(r.skipped and bool(r.note) for r in results)
-    failed = sum(not r.ok for r in results)
+    count = {status: sum(r.status == status for r in results) for status in ("ok", "skipped", "busy", "conflict",
+                                                                            "failed")}
+    written, skipped, busy, conflicts, failed = count.values()
     parts = [f"{written} of {total} clips written"]
     parts += [f"{skipped} already there and valid (skipped)"] if skipped else []
     parts += [f"{busy} left to another run rendering them"] if busy else []
+    parts += [f"{conflicts} there from other settings (not redone; --force)"] if conflicts else []
     parts += [f"{failed} failed"] if failed else []
     parts += [f"{total - len(results)} not rendered"] if total > len(results) else []
     return ", ".join(parts)

@@ -51,8 +51,7 @@ class Worker:
             self.batch = prepare(settings, preset, found, self.make_reporter)
             self.batch.reporter = events.SharedReporter(self.batch.reporter)
             requests, reporter = self.batch.requests, self.batch.reporter
-            finished = [] if settings.force else skip_finished(requests, settings.output, preset.name,
-                                                                settings.save_latents, reporter)
+            finished = [] if settings.force else skip_finished(self.batch, settings.output, settings.save_latents)
             done = {result.request.index for result in finished}
             pending = [request for request in requests if request.index not in done]
             heads = job["heads"] if not job["split_refusal"] else 1

@@ -52,6 +52,7 @@ class Batch:
     requests: list  # this run's share of the prompts file (all of it without --shard)
     repo: object
     reporter: object
+    run_fields: dict  # the fingerprint fields every clip shares (h3gen.run.fingerprint)
 
 
 def silent(total: int, json_out: bool, preset: str) -> SilentReporter:
@@ -76,7 +77,9 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent) -> Batch
     check_adapters(preset, requests, repo.root)  # an adapter's step/shift/task contract, before any weight loads
     check_cache(preset, found)
     plan_memory_budget(preset, requests, repo, reporter)
-    return Batch(preset, found, requests, repo, reporter)
+    from h3gen.run.fingerprint import run_fields
+
+    return Batch(preset, found, requests, repo, reporter, run_fields(preset, found, repo))
 
 
 def plan_memory_budget(preset, requests, repo, reporter) -> None:
@@ -132,14 +135,17 @@ def model_repo(model, reporter):
     return ModelRepo(model)
 
 
-def skip_finished(requests, output: Path, preset_name: str, save_latents: bool, reporter) -> list:
-    """Results for the clips a previous run already wrote (file there and valid): a rerun resumes."""
+def skip_finished(batch: Batch, output: Path, save_latents: bool) -> list:
+    """Results for the clips a previous run already wrote (file there, valid, same fingerprint): a rerun resumes;
+    and for those it wrote with other settings (conflicts), which this run leaves alone."""
     from h3gen.run.outputs import record
     from h3gen.run.render import already_done
 
-    finished = [already_done(request, output, preset_name, save_latents) for request in requests]
+    preset_name, reporter = batch.preset.name, batch.reporter
+    finished = [already_done(request, output, preset_name, save_latents, batch.run_fields)
+                for request in batch.requests]
     for result in filter(None, finished):
-        record(output, result, preset_name, "skipped")
+        record(output, result, preset_name, result.status)
         reporter.clip_done(result)
     return [result for result in finished if result]
 
@@ -148,8 +154,7 @@ def render_batch(settings: RunSettings, preset, found, make_reporter) -> int:
     """A one-process run: check, skip what is written, render the rest, report; the exit status."""
     batch = prepare(settings, preset, found, make_reporter)
     reporter, requests = batch.reporter, batch.requests
-    results = [] if settings.force else skip_finished(requests, settings.output, preset.name, settings.save_latents,
-                                                      reporter)
+    results = [] if settings.force else skip_finished(batch, settings.output, settings.save_latents)
     finished = {result.request.index for result in results}
     pending = [request for request in requests if request.index not in finished]
     stopped = None

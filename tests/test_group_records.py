@@ -30,8 +30,8 @@ def test_a_group_reports_each_clip_once_from_its_first_rank(prompts_file, tmp_pa
                                                                       ("ok", "ok")]
     assert len({line["pid"] for line in lines}) == 1  # written by one rank
     records = [json.loads(line) for line in result.stdout.splitlines()]
-    assert sorted((r["id"], r["ok"], r["skipped"]) for r in records) == [("held", True, True), ("long", False, False),
-                                                                         ("ok", True, False)]
+    assert sorted((r["id"], r["ok"], r["status"]) for r in records) == [("held", True, "busy"),
+                                                                        ("long", False, "failed"), ("ok", True, "ok")]
     assert sorted(p.name for p in out.glob("*.mp4")) == ["ok.mp4"]
 
 
