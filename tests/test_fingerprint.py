@@ -18,6 +18,7 @@ def test_a_rerun_skips_only_on_a_matching_fingerprint(prompts_file, tmp_path, ti
     prompts = prompts_file('{"id": "c", "prompt": "a lighthouse at night", "seed": 3}\n')
     out = tmp_path / "out"
     first = h3gen("render", prompts, "-o", out, "--json", check_code=0)
+    clip = (out / "c.mp4").read_bytes()
     written = json.loads(first.stdout)
     with __import__("av").open(str(out / "c.mp4")) as container:
         stored = json.loads(container.metadata["comment"])
@@ -45,15 +46,11 @@ def test_a_rerun_skips_only_on_a_matching_fingerprint(prompts_file, tmp_path, ti
     assert "model: " in record_error(out, 4)
     manifest = [json.loads(line)["status"] for line in (out / "manifest.jsonl").read_text().splitlines()]
     assert manifest == ["ok", "skipped", "conflict", "conflict", "conflict"]
-    assert (out / "c.mp4").read_bytes() == first_bytes(out)
+    assert (out / "c.mp4").read_bytes() == clip  # a conflict leaves the clip as it was
 
 
 def record_error(out, index: int) -> str:
     return json.loads((out / "manifest.jsonl").read_text().splitlines()[index])["error"]
-
-
-def first_bytes(out):
-    return (out / "c.mp4").read_bytes()  # a conflict leaves the clip as it was
 
 
 def test_stage_versions_and_adapter_files_are_fields(tmp_path):
