@@ -57,7 +57,8 @@ def main_options(version: Annotated[bool, typer.Option("--version", callback=ver
 def render(
     prompts: Annotated[Path, typer.Argument(help="Prompts file: one prompt per line, or JSON Lines.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Directory the MP4s are written to.")] = Path("out"),
-    preset: Annotated[str, typer.Option("--preset", help="Preset name or TOML file.")] = "tiny",
+    preset: Annotated[Optional[str], typer.Option("--preset", help="Preset name or TOML file (default: h3-base with "
+                                                                   "--model or H3GEN_MODEL, else tiny).")] = None,
     model: Annotated[Optional[Path], typer.Option("--model", envvar="H3GEN_MODEL",
                                                   help="MiniMax-H3 repository directory (default: embedded tiny model).")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Base seed; a clip's seed is this plus its index.")] = 0,
@@ -96,6 +97,7 @@ def render(
     from h3gen.run.settings import Parallel, RunSettings
 
     try:
+        preset = preset or ("h3-base" if model is not None else "tiny")
         settings = RunSettings(prompts, output, preset, model, seed, tuple(overrides or ()), json_out, save_latents,
                                force, strict_plugins, parse_shard(shard) if shard is not None else None,
                                Parallel(gpus, cpu_workers, ulysses, nnodes, node_rank, rdzv_endpoint, rdzv_id))

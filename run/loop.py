@@ -74,6 +74,7 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent) -> Batch
     reporter = make_reporter(len(every), settings.json_out, preset.name)
     check_plugins(found, settings.strict_plugins, reporter)
     repo = model_repo(settings.model, reporter)
+    check_model_kind(preset, repo, settings.model is None)
     check_adapters(preset, requests, repo.root)  # an adapter's step/shift/task contract, before any weight loads
     check_cache(preset, found)
     plan_memory_budget(preset, requests, repo, reporter)
@@ -122,6 +123,21 @@ def check_unique_outputs(requests, preset_name: str, prompts: Path) -> None:
             raise UsageError(f"{prompts}:{request.line}: writes {name}, as line {first_line[name]} does",
                              "give the clips different ids or seeds")
         first_line[name] = request.line
+
+
+def check_model_kind(preset, repo, embedded: bool) -> None:
+    """A preset made for the tiny model on a real repository, or for a real one on the tiny model, renders nothing
+    worth having: stop before any weight loads."""
+    needs, has = preset.model["needs"], repo.kind()
+    if needs in ("any", has):
+        return
+    anyway = f"or --set model.needs=any to run preset {preset.name} on it anyway"
+    if needs == "MiniMax-H3":
+        given = "the embedded tiny model" if embedded else f"{repo.root}, a tiny model"
+        raise UsageError(f"preset {preset.name} needs a MiniMax-H3 repository, and {given} was given",
+                         f"pass --model DIR (or H3GEN_MODEL) with the MiniMax-H3 repository, --preset tiny, {anyway}")
+    raise UsageError(f"preset {preset.name} is made for the tiny smoke-test model, and {repo.root} is a MiniMax-H3 "
+                     "repository", f"leave out --preset (h3-base), pick one from `h3gen presets list`, {anyway}")
 
 
 def model_repo(model, reporter):

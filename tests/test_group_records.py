@@ -37,7 +37,7 @@ def test_a_group_reports_each_clip_once_from_its_first_rank(prompts_file, tmp_pa
 
 def test_workers_with_a_sampler_that_cannot_split_render_whole_clips_and_say_why(prompts_file, tmp_path):
     result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--cpu-workers", 4,
-                   "--preset", "diffusers", "--set", "request.width=32", "--set", "request.height=32",
+                   "--preset", "diffusers", "--set", "model.needs=any", "--set", "request.width=32", "--set", "request.height=32",
                    "--set", "sampler.steps=3", env=ENV, check_code=0)
     assert ("h3gen: layout 4 group(s) x 1 CPU worker: data parallel, 4 clip(s) at a time (no Ulysses: the sampler "
             "stage 'diffusers' renders a clip on one rank)") in result.stderr

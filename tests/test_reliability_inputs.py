@@ -167,6 +167,6 @@ def test_pickles_and_remote_code_in_the_model_directory_are_never_run(model_copy
         config_path.write_text(json.dumps({**config, "auto_map": auto_map, "trust_remote_code": True}))
         (config_path.parent / "bait.py").write_text(bait)
     out = tmp_path / "out"
-    h3gen("render", prompts_file("x\n"), "-o", out, "--model", model_copy, check_code=0)
+    h3gen("render", prompts_file("x\n"), "-o", out, "--model", model_copy, "--preset", "tiny", check_code=0)
     assert not marker.exists(), marker.read_text()
     assert len(list(out.glob("*.mp4"))) == 1
