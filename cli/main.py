@@ -65,6 +65,8 @@ def render(
     overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a preset value: section.key=value.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per finished clip on stdout.")] = False,
     save_latents: Annotated[bool, typer.Option("--save-latents", help="Also write each clip's final latents.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each prompt's output file and whether it would "
+                                                            "render, skip or conflict; render nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Render clips whose output already exists and validates "
                                                         "(by default they are skipped).")] = False,
     strict_plugins: Annotated[bool, typer.Option("--strict-plugins", envvar="H3GEN_STRICT_PLUGINS",
@@ -100,7 +102,8 @@ def render(
         preset = preset or ("h3-base" if model is not None else "tiny")
         settings = RunSettings(prompts, output, preset, model, seed, tuple(overrides or ()), json_out, save_latents,
                                force, strict_plugins, parse_shard(shard) if shard is not None else None,
-                               Parallel(gpus, cpu_workers, ulysses, nnodes, node_rank, rdzv_endpoint, rdzv_id))
+                               Parallel(gpus, cpu_workers, ulysses, nnodes, node_rank, rdzv_endpoint, rdzv_id),
+                               dry_run)
         code = run_render(settings)
     except H3genError as e:
         fail(e)

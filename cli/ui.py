@@ -7,7 +7,10 @@ stdout is kept for results (`--json`), so every display here writes to stderr an
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from h3gen.run.records import clip_record
@@ -23,12 +26,36 @@ def seconds_text(seconds: dict) -> str:
     return "  ".join(f"{k} {seconds[k]:.2f}s" for k in STAGE_ORDER if k in seconds)
 
 
+def print_result(line: str) -> bool:
+    """One line on stdout; False when its reader has gone (`| head -1`)."""
+    try:
+        print(line, file=sys.stdout, flush=True)
+        return True
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush has somewhere to go
+        os.close(devnull)
+        return False
+
+
 class PlainReporter:
     """One line per event: what cron and make logs want."""
 
     def __init__(self, total: int, json_out: bool = False, preset: str = ""):
         self.total, self.json_out, self.preset = total, json_out, preset
         self.console = Console(stderr=True, highlight=False, soft_wrap=True)
+        self.stdout_gone = False
+
+    def check_stdout(self) -> None:
+        """After stdout's reader has gone, the run ends as SIGPIPE ends other tools, with 141: when the next clip
+        goes to the device, so every clip finished so far is counted, and the clips in flight are discarded as on
+        any signal. (Rank 0 of a worker run also reports the other groups' clips,
+        from a thread of its own; those go on to the end.)"""
+        if self.stdout_gone and threading.current_thread() is threading.main_thread():
+            from h3gen.run.loop import Interrupted
+
+            self.stdout_gone = False
+            raise Interrupted(signal.SIGPIPE)
 
     def say(self, text: str) -> None:
         self.console.print(text, markup=False)
@@ -40,6 +67,7 @@ class PlainReporter:
         pass
 
     def clip_started(self, clip):
+        self.check_stdout()
         request = clip.request
         self.say(f"[{request.index + 1}/{self.total}] {clip.path.name}: {request.width}x{request.height} "
                  f"{request.frames} frames, seed {request.seed}: {request.prompt[:60]}")
@@ -63,7 +91,7 @@ class PlainReporter:
         else:
             self.say(f"[{result.request.index + 1}/{self.total}] FAILED {result.path.name}: {result.error}")
         if self.json_out:
-            print(json.dumps(clip_record(result, self.preset)), file=sys.stdout, flush=True)
+            self.stdout_gone = not print_result(json.dumps(clip_record(result, self.preset)))
 
     def summary(self, results, total: int | None = None):
         """The table of clips, then one line of counts and one line per failed clip with its reason."""
@@ -116,6 +144,7 @@ class LiveReporter(PlainReporter):
         self.progress.stop()
 
     def clip_started(self, clip):
+        self.check_stdout()
         r = clip.request
         self.tasks[r.index] = self.progress.add_task(f"[{r.index + 1}/{self.total}] {r.prompt[:32]}", total=None,
                                                      stages="")

@@ -63,6 +63,9 @@ class Worker:
         why = f" (no Ulysses: {job['split_refusal']})" if job["split_refusal"] and layout.world > 1 else ""
         reporter.say(f"h3gen: layout {layout.describe(worker)}{why}")
         if pending:
+            from h3gen.run.loop import note_tiny
+
+            note_tiny(settings, reporter)
             reporter.say(f"h3gen: {len(pending)} clip(s) to render, preset {preset.name}, model "
                          f"{self.batch.repo.root}, {self.world} worker(s)")
         events.publish_plan(self.store, {"layout": (layout.groups, layout.ulysses), "pending": pending})

@@ -16,7 +16,8 @@ from h3gen.run.settings import RunSettings
 
 
 class Interrupted(BaseException):
-    """SIGINT or SIGTERM: the clip in flight is discarded and the run ends with 128 + the signal number.
+    """SIGINT or SIGTERM (or stdout's reader gone, as SIGPIPE: h3gen.cli.ui): the clip in flight is discarded and the
+    run ends with 128 + the signal number.
 
     A BaseException, so the per-clip `except Exception` in the render loop lets it through.
     """
@@ -144,11 +145,29 @@ def model_repo(model, reporter):
     from h3gen.models.repo import ModelRepo
 
     if model is None:
-        from h3gen.models.tiny import TINY_NOTICE, ensure_tiny_model
+        from h3gen.models.tiny import ensure_tiny_model
 
         model = ensure_tiny_model()
-        reporter.say(f"note: {TINY_NOTICE}")
     return ModelRepo(model)
+
+
+def note_tiny(settings: RunSettings, reporter) -> None:
+    """Said when the embedded tiny model is about to render: not when every clip is already there."""
+    if settings.model is None:
+        from h3gen.models.tiny import TINY_NOTICE
+
+        reporter.say(f"note: {TINY_NOTICE}")
+
+
+def plan(batch: Batch, settings: RunSettings) -> list:
+    """What a run would do with each clip, without loading a weight: (request, path, the skip check's result) per
+    request, in file order; a result of None: it would render."""
+    from h3gen.run.render import already_done, clip_name
+
+    return [(request, settings.output / clip_name(request, batch.preset.name),
+             None if settings.force else already_done(request, settings.output, batch.preset.name,
+                                                      settings.save_latents, batch.run_fields))
+            for request in batch.requests]
 
 
 def skip_finished(batch: Batch, output: Path, save_latents: bool) -> list:
@@ -175,6 +194,7 @@ def render_batch(settings: RunSettings, preset, found, make_reporter) -> int:
     pending = [request for request in requests if request.index not in finished]
     stopped = None
     if pending:  # weights load only when there is something to render
+        note_tiny(settings, reporter)
         reporter.say(f"h3gen: {len(pending)} clip(s) to render, preset {preset.name}, model {batch.repo.root}")
         try:
             results += render_pending(pending, settings, preset, found, batch.repo, reporter)
