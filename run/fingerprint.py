@@ -81,8 +81,9 @@ def differences(old: dict | None, new: dict) -> list[str]:
 
 
 def shown(value) -> str:
-    text = "(none)" if value is None else value if isinstance(value, str) else json.dumps(value)
-    text = text.encode("unicode_escape").decode("ascii")  # prompts are shown escaped, on one line
+    from h3gen.text import shown as escaped
+
+    text = escaped("(none)" if value is None else value if isinstance(value, str) else json.dumps(value))
     return text if len(text) <= 60 else text[:57] + "..."
 
 
