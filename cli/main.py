@@ -153,18 +153,30 @@ def bench(
 def validate(
     files: Annotated[list[Path], typer.Argument(help="MP4 files to check.")],
     frames: Annotated[Optional[int], typer.Option("--frames", help="Expected frame count.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per file on stdout: path, ok, "
+                                                          "problems.")] = False,
 ):
-    """Check that clips are valid: H.264 at 24 fps, AAC stereo 32 kHz, matching durations, not blank or silent."""
-    from h3gen.run.validate import validate_clip
+    """Check that clips are valid: H.264 at 24 fps, AAC stereo 32 kHz, matching durations, not blank or silent.
+    Exit 0 when every file is valid, 1 when one is not, 2 when one does not exist."""
+    import json
 
+    from h3gen.run.validate import validate_clip
+    from h3gen.text import shown
+
+    missing = [path for path in files if not path.exists()]
+    if missing:
+        typer.echo(f"h3gen: error: {shown(str(missing[0]))} does not exist (pass the MP4 files to check)", err=True)
+        raise typer.Exit(2)
     bad = 0
     for path in files:
         problems = validate_clip(path, expected_frames=frames)
-        if problems:
-            bad += 1
-            typer.echo(f"{path}: INVALID: {'; '.join(problems)}", err=True)
+        bad += bool(problems)
+        if json_out:
+            typer.echo(json.dumps({"path": str(path), "ok": not problems, "problems": problems}))
+        elif problems:
+            typer.echo(f"{shown(str(path))}: INVALID: {shown('; '.join(problems))}", err=True)
         else:
-            typer.echo(f"{path}: ok")
+            typer.echo(f"{shown(str(path))}: ok")
     raise typer.Exit(1 if bad else 0)
 
 

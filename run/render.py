@@ -69,8 +69,8 @@ class ClipResult:
 
 def clip_name(request: Request, preset: str) -> str:
     """The id when given, else a hash of what determines the clip, so reruns find the same file."""
-    if request.id:
-        return f"{request.id}.mp4"
+    if request.id:  # an id that already ends in .mp4 is the file name itself
+        return request.id if request.id.endswith(".mp4") else f"{request.id}.mp4"
     media = [request.first_frame, request.last_frame, *(r.path for r in request.references)]
     # t2va names stay what they always were; conditioned clips also depend on their media.
     key = f"{preset}\0{request.seed}\0{request.prompt}" + "".join(f"\0{m}" for m in media if m)

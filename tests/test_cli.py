@@ -1,7 +1,10 @@
 """The command itself: fast help, a current man page, the tiny command."""
 
+import json
 import subprocess
 import sys
+
+import pytest
 
 from conftest import ROOT, h3gen
 
@@ -33,3 +36,26 @@ def test_tiny_writes_the_model_where_asked(tmp_path):
 
 def test_version():
     assert h3gen("--version", check_code=0).stdout.startswith("h3gen ")
+
+
+def test_small_things_read_right(tmp_path, prompts_file):
+    """An id ending in .mp4 is the file name; a stage without keys says so; validate --json; a missing file is a
+    usage error."""
+    from h3gen.errors import UsageError
+    from h3gen.inputs.request import Request
+    from h3gen.run.render import clip_name
+    from h3gen.config.stage_config import build_config
+    from h3gen.stages.base import NoConfig
+
+    assert clip_name(Request(0, "x", 0, 32, 32, 124, id="x.mp4"), "tiny") == "x.mp4"
+    assert clip_name(Request(0, "x", 0, 32, 32, 124, id="x"), "tiny") == "x.mp4"
+    with pytest.raises(UsageError) as refused:
+        build_config(NoConfig, {"crf": 1}, "preset p [vae]")
+    assert "this stage takes no keys" in str(refused.value) and "none" not in str(refused.value)
+    bad = tmp_path / "bad.mp4"
+    bad.write_bytes(b"not a video")
+    checked = h3gen("validate", "--json", bad, check_code=1)
+    [record] = map(json.loads, checked.stdout.splitlines())
+    assert record["path"] == str(bad) and record["ok"] is False and record["problems"]
+    missing = h3gen("validate", tmp_path / "nope.mp4", check_code=2)
+    assert "nope.mp4 does not exist" in missing.stderr
