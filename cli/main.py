@@ -18,6 +18,7 @@ from h3gen import __version__
 from h3gen.errors import H3genError
 
 app = typer.Typer(add_completion=True, no_args_is_help=True, rich_markup_mode=None, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Render MiniMax-H3 clips (video with a stereo soundtrack) from a prompts file.")
 presets_app = typer.Typer(no_args_is_help=True, help="List and inspect presets.")
 app.add_typer(presets_app, name="presets")

@@ -38,6 +38,11 @@ def test_version():
     assert h3gen("--version", check_code=0).stdout.startswith("h3gen ")
 
 
+def test_dash_h_is_help():
+    assert "--dry-run" in h3gen("render", "-h", check_code=0).stdout
+    assert "presets" in h3gen("-h", check_code=0).stdout
+
+
 def test_small_things_read_right(tmp_path, prompts_file):
     """An id ending in .mp4 is the file name; a stage without keys says so; validate --json; a missing file is a
     usage error."""
