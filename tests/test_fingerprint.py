@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import shutil
 
 from conftest import h3gen
@@ -11,7 +12,7 @@ from h3gen.run import fingerprint
 def conflicts(result) -> list[str]:
     """The clip's own line (the summary repeats it)."""
     return [line for line in result.stderr.splitlines()
-            if line.startswith("[1/1]") and "exists, rendered with different settings (" in line]
+            if re.search(r"^\S+ \S+ \[1/1\] .*exists, rendered with different settings \(", line)]
 
 
 def test_a_rerun_skips_only_on_a_matching_fingerprint(prompts_file, tmp_path, tiny_model):
