@@ -64,3 +64,27 @@ def test_small_things_read_right(tmp_path, prompts_file):
     assert record["path"] == str(bad) and record["ok"] is False and record["problems"]
     missing = h3gen("validate", tmp_path / "nope.mp4", check_code=2)
     assert "nope.mp4 does not exist" in missing.stderr
+
+
+def complete(words: str) -> list[str]:
+    """What bash completion offers for the last word of `words`."""
+    result = h3gen(env={"_H3GEN_COMPLETE": "complete_bash", "COMP_WORDS": words,
+                        "COMP_CWORD": str(len(words.split()) - (0 if words.endswith(" ") else 1))}, check_code=0)
+    return result.stdout.split()
+
+
+def test_completion_knows_presets_set_keys_and_stage_names():
+    assert {"h3-base", "h3-base-fp8"} <= set(complete("h3gen render p.txt --preset h3-b"))
+    assert "sampler.steps=" in complete("h3gen render p.txt --set sampler.st")
+    assert "adapter.paths=" in complete("h3gen render p.txt --preset fasth3 --set adapter.pa")
+    assert set(complete("h3gen render p.txt --set vae.use=")) >= {"vae.use=fast", "vae.use=reference"}
+    assert "sampler.steps=" in complete("h3gen presets show h3-base --set sampler.st")
+
+
+def test_every_command_has_an_example_and_plain_metavars():
+    for command in (["render"], ["validate"], ["presets", "list"], ["presets", "show"], ["plugins"], ["tiny"],
+                    ["bench"]):
+        text = h3gen(*command, "--help", check_code=0).stdout
+        assert "Example" in text and f"h3gen {' '.join(command)}" in text.split("Example", 1)[1], command
+    render = h3gen("render", "--help", check_code=0).stdout
+    assert "--set SECTION.KEY=VALUE" in render and "repeatable" in render and "<list[str]>" not in render
