@@ -211,7 +211,12 @@ def compare(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per pair of clips on stdout.")] = False,
 ):
     """How far clip A is from clip B: video PSNR and SSIM (mean and worst frame), audio SNR and log-mel distance.
-    E.g. render one prompts file with h3-base into ref/ and with h3-base-fast into fast/, then `h3gen compare fast ref`."""
+    E.g. render one prompts file with h3-base into ref/ and with h3-base-fast into fast/, then compare them.
+
+    \b
+    Example:
+      h3gen compare fast/ ref/ --json
+    """
     import json
 
     from h3gen.cli.ui import compare_table

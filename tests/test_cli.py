@@ -83,7 +83,7 @@ def test_completion_knows_presets_set_keys_and_stage_names():
 
 def test_every_command_has_an_example_and_plain_metavars():
     for command in (["render"], ["validate"], ["presets", "list"], ["presets", "show"], ["plugins"], ["tiny"],
-                    ["bench"]):
+                    ["bench"], ["compare"]):
         text = h3gen(*command, "--help", check_code=0).stdout
         assert "Example" in text and f"h3gen {' '.join(command)}" in text.split("Example", 1)[1], command
     render = h3gen("render", "--help", check_code=0).stdout
