@@ -14,9 +14,10 @@ from pathlib import Path
 
 # Bumped by a change to h3gen that changes the bytes of a clip rendered with the same settings, so reruns redo them.
 RENDER_VERSION = 1
-# Resolved preset values that change how a run goes, never what a clip holds (streamed blocks: tests/test_streaming.py).
-NOT_IN_OUTPUT = ("version", "request.", "runtime.device", "parallel.", "model.", "mux.workers", "encode.cache",
-                 "sampler.stream_blocks")
+# Resolved preset values that change how a run goes, never what a clip holds (streamed blocks: tests/test_streaming.py;
+# a memory budget only picks how many).
+NOT_IN_OUTPUT = ("version", "request.", "runtime.device", "runtime.vram_gib", "parallel.", "model.", "mux.workers",
+                 "encode.cache", "sampler.stream_blocks")
 TAG = "comment"  # the MP4 metadata key; ffmpeg's mp4 muxer keeps only the standard ones
 
 
