@@ -39,7 +39,11 @@ def run_fields(preset, registry, repo) -> dict:
         if not key.startswith(NOT_IN_OUTPUT):
             fields[key] = plain(value)
     for kind, (name, _) in preset.stages.items():
-        fields[f"{kind}.use"] = f"{name} {stage_version(registry.stage(kind, name))}"
+        stage = registry.stage(kind, name)
+        fields[f"{kind}.use"] = f"{name} {stage_version(stage)}"
+        # A stage may declare config keys that change how it runs, never what it writes (`output_neutral`).
+        for key in getattr(stage, "output_neutral", ()):
+            fields.pop(f"{kind}.{key}", None)
     for index, path in enumerate(adapter_files(preset, repo.root)):
         fields[f"adapter.file{index}"] = file_digest(path)
     return fields

@@ -73,6 +73,7 @@ class SlowConfig(PyAVMuxConfig):
 class SlowMux(PyAVMux):
     kind, name = "mux", "slow"
     Config = SlowConfig
+    output_neutral = ("slow_id", "delay", "marker")  # slow, never different: a rerun without them skips its clips
 
     def run(self, clip):
         if clip.request.id == self.config.slow_id:
@@ -91,6 +92,7 @@ class SlowDecodeVAE(FastVAE):
     """Hands the first chunk of the slow clip's frames to the mux, says so with the marker, then takes its time."""
     kind, name = "vae", "slow-decode"
     Config = SlowDecodeConfig
+    output_neutral = ("slow_id", "marker")
 
     def decode(self, latents, emit):
         def emit_slowly(video):
