@@ -74,7 +74,7 @@ def test_prompts_file_that_is_a_directory(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     (lambda t: t.replace("steps = 4", "steps = 4 4"), "is not valid TOML: Expected newline or end of document "
-                                                      "after a statement (at line 18, column 11)"),
+                                                      "after a statement (at line 21, column 11)"),
     (lambda t: t.replace("[sampler]\n", "[sampler]\nwobble = 1\n"), "unknown key 'wobble' in preset bad [sampler]"),
     (lambda t: t.replace('use = "euler"', 'use = "fancy"'), "unknown sampler stage 'fancy' (registered sampler stages:"),
     (lambda t: t.replace("steps = 4", "steps = 4.5"), "preset bad [sampler].steps must be int, got 4.5"),

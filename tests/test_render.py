@@ -91,7 +91,7 @@ def test_plain_lines_read_in_a_log(prompts_file, tmp_path):
 def test_shown_escapes_what_a_terminal_would_act_on():
     from h3gen.text import shown
 
-    assert shown("a\nb\r\x00\x1b[2J\u2028c\\d é 日本") == "a\\nb\\r\\x00\\x1b[2J\\u2028c\\\\d é 日本"
+    assert shown("a\nb\r\x00\x1b[2J\u2028c é 日本") == "a\\nb\\r\\x00\\x1b[2J\\u2028c é 日本"
 
 
 def test_validate_command_reports_bad_files(tmp_path):
