@@ -5,7 +5,9 @@ BIN := $(VENV)/bin
 # torch and torchvision must be a matching pair; this pair installs from the local wheel cache on CPU machines.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: demo test install man clean
+PREFIX ?= $(HOME)/.local
+
+.PHONY: demo test install user-install man clean
 
 $(BIN)/h3gen: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +17,13 @@ $(BIN)/h3gen: pyproject.toml
 	touch $@
 
 install: $(BIN)/h3gen
+
+# h3gen on PATH (PREFIX/bin, ~/.local/bin by default) and its man page where `man h3gen` finds it (man looks in
+# PREFIX/share/man for PREFIX/bin on PATH).
+user-install: install
+	mkdir -p $(PREFIX)/bin $(PREFIX)/share/man/man1
+	ln -sf $(abspath $(BIN)/h3gen) $(PREFIX)/bin/h3gen
+	cp man/h3gen.1 $(PREFIX)/share/man/man1/h3gen.1
 
 demo: install
 	$(BIN)/h3gen render examples/prompts.txt -o out/

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-TINY_SIZE = ["--set", "request.width=32", "--set", "request.height=32", "--set", "sampler.steps=4",
+TINY_SIZE = ["--set", "model.needs=any", "--set", "request.width=32", "--set", "request.height=32", "--set", "sampler.steps=4",
              "--set", "runtime.dtype=float32", "--set", "runtime.device=cpu"]
 NO_CACHE = ["--set", "encode.cache=false"]
 RUNS = {"tiny": ["--preset", "tiny", *NO_CACHE],

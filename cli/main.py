@@ -15,9 +15,11 @@ from typing import Annotated, Optional
 import typer
 
 from h3gen import __version__
+from h3gen.cli.complete import preset_names, set_keys
 from h3gen.errors import H3genError
 
 app = typer.Typer(add_completion=True, no_args_is_help=True, rich_markup_mode=None, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Render MiniMax-H3 clips (video with a stereo soundtrack) from a prompts file.")
 presets_app = typer.Typer(no_args_is_help=True, help="List and inspect presets.")
 app.add_typer(presets_app, name="presets")
@@ -25,10 +27,11 @@ app.add_typer(presets_app, name="presets")
 
 def fail(error: H3genError) -> None:
     from h3gen.run.render import debugging
+    from h3gen.text import shown
 
     if debugging() and error.__cause__ is not None:
         traceback.print_exception(error.__cause__, file=sys.stderr)
-    typer.echo(f"h3gen: error: {error}", err=True)
+    typer.echo(f"h3gen: error: {shown(str(error))}", err=True)
     raise typer.Exit(error.exit_code)
 
 
@@ -55,15 +58,23 @@ def main_options(version: Annotated[bool, typer.Option("--version", callback=ver
 
 @app.command()
 def render(
-    prompts: Annotated[Path, typer.Argument(help="Prompts file: one prompt per line, or JSON Lines.")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Directory the MP4s are written to.")] = Path("out"),
-    preset: Annotated[str, typer.Option("--preset", help="Preset name or TOML file.")] = "tiny",
-    model: Annotated[Optional[Path], typer.Option("--model", envvar="H3GEN_MODEL",
+    prompts: Annotated[Path, typer.Argument(metavar="PROMPTS",
+                                            help="Prompts file: one prompt per line, or JSON Lines.")],
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="DIR",
+                                         help="Directory the MP4s are written to.")] = Path("out"),
+    preset: Annotated[Optional[str], typer.Option("--preset", metavar="NAME|FILE", autocompletion=preset_names,
+                                                  help="Preset name or TOML file (default: h3-base with "
+                                                       "--model or H3GEN_MODEL, else tiny).")] = None,
+    model: Annotated[Optional[Path], typer.Option("--model", envvar="H3GEN_MODEL", metavar="DIR",
                                                   help="MiniMax-H3 repository directory (default: embedded tiny model).")] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Base seed; a clip's seed is this plus its index.")] = 0,
-    overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a preset value: section.key=value.")] = None,
+    seed: Annotated[int, typer.Option("--seed", metavar="N",
+                                      help="Base seed; a clip's seed is this plus its index.")] = 0,
+    overrides: Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE", autocompletion=set_keys,
+                                                           help="Override a preset value (repeatable).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per finished clip on stdout.")] = False,
     save_latents: Annotated[bool, typer.Option("--save-latents", help="Also write each clip's final latents.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each prompt's output file and whether it would "
+                                                            "render, skip or conflict; render nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Render clips whose output already exists and validates "
                                                         "(by default they are skipped).")] = False,
     strict_plugins: Annotated[bool, typer.Option("--strict-plugins", envvar="H3GEN_STRICT_PLUGINS",
@@ -89,16 +100,25 @@ def render(
                                                                      "multi-node run.")] = None,
     tracebacks: Annotated[bool, typer.Option("--traceback", help=TRACEBACK_HELP)] = False,
 ):
-    """Render one MP4 per prompt."""
+    """Render one MP4 per prompt.
+
+    \b
+    Examples:
+      h3gen render prompts.txt -o out/
+      h3gen render prompts.txt -o out/ --model ~/models/MiniMax-H3 --set sampler.steps=25 --json
+      h3gen render prompts.txt -o out/ --dry-run
+    """
     show_tracebacks(tracebacks)
     from h3gen.cli.run import run_render
     from h3gen.inputs.prompts import parse_shard
     from h3gen.run.settings import Parallel, RunSettings
 
     try:
+        preset = preset or ("h3-base" if model is not None else "tiny")
         settings = RunSettings(prompts, output, preset, model, seed, tuple(overrides or ()), json_out, save_latents,
                                force, strict_plugins, parse_shard(shard) if shard is not None else None,
-                               Parallel(gpus, cpu_workers, ulysses, nnodes, node_rank, rdzv_endpoint, rdzv_id))
+                               Parallel(gpus, cpu_workers, ulysses, nnodes, node_rank, rdzv_endpoint, rdzv_id),
+                               dry_run)
         code = run_render(settings)
     except H3genError as e:
         fail(e)
@@ -132,7 +152,12 @@ def bench(
 ):
     """Time presets against the diffusers baseline, stage by stage; write JSON, a markdown table and a chart.
     With --batch N: N clips through the renderer per preset (the baseline clip by clip), the time each clip adds
-    beyond its DiT, and clips per hour."""
+    beyond its DiT, and clips per hour.
+
+    \b
+    Example:
+      h3gen bench --preset tiny --baseline none --durations 5 --size 32x32 --random-weights tiny
+    """
     from h3gen.cli.bench import run_bench_command
 
     show_tracebacks(tracebacks)
@@ -145,20 +170,37 @@ def bench(
 
 @app.command()
 def validate(
-    files: Annotated[list[Path], typer.Argument(help="MP4 files to check.")],
+    files: Annotated[list[Path], typer.Argument(metavar="FILE", help="MP4 files to check.")],
     frames: Annotated[Optional[int], typer.Option("--frames", min=1, help="Expected frame count.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per file on stdout: path, ok, "
+                                                          "problems.")] = False,
 ):
-    """Check that clips are valid: H.264 at 24 fps, AAC stereo 32 kHz, matching durations, not blank or silent."""
-    from h3gen.run.validate import validate_clip
+    """Check that clips are valid: H.264 at 24 fps, AAC stereo 32 kHz, matching durations, not blank or silent.
+    Exit 0 when every file is valid, 1 when one is not, 2 when one does not exist.
 
+    \b
+    Example:
+      h3gen validate out/*.mp4 --frames 124
+    """
+    import json
+
+    from h3gen.run.validate import validate_clip
+    from h3gen.text import shown
+
+    missing = [path for path in files if not path.exists()]
+    if missing:
+        typer.echo(f"h3gen: error: {shown(str(missing[0]))} does not exist (pass the MP4 files to check)", err=True)
+        raise typer.Exit(2)
     bad = 0
     for path in files:
         problems = validate_clip(path, expected_frames=frames)
-        if problems:
-            bad += 1
-            typer.echo(f"{path}: INVALID: {'; '.join(problems)}", err=True)
+        bad += bool(problems)
+        if json_out:
+            typer.echo(json.dumps({"path": str(path), "ok": not problems, "problems": problems}))
+        elif problems:
+            typer.echo(f"{shown(str(path))}: INVALID: {shown('; '.join(problems))}", err=True)
         else:
-            typer.echo(f"{path}: ok")
+            typer.echo(f"{shown(str(path))}: ok")
     raise typer.Exit(1 if bad else 0)
 
 
@@ -169,7 +211,12 @@ def compare(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per pair of clips on stdout.")] = False,
 ):
     """How far clip A is from clip B: video PSNR and SSIM (mean and worst frame), audio SNR and log-mel distance.
-    E.g. render one prompts file with h3-base into ref/ and with h3-base-fast into fast/, then `h3gen compare fast ref`."""
+    E.g. render one prompts file with h3-base into ref/ and with h3-base-fast into fast/, then compare them.
+
+    \b
+    Example:
+      h3gen compare fast/ ref/ --json
+    """
     import json
 
     from h3gen.cli.ui import compare_table
@@ -189,7 +236,12 @@ def compare(
 
 @presets_app.command("list")
 def presets_list():
-    """List the presets every plugin registered."""
+    """List the presets every plugin registered.
+
+    \b
+    Example:
+      h3gen presets list
+    """
     from h3gen.plugins.manager import registry
     from h3gen.config.preset import load_toml
 
@@ -201,12 +253,19 @@ def presets_list():
 
 @presets_app.command("show")
 def presets_show(
-    name: Annotated[str, typer.Argument(help="Preset name or TOML file.")],
-    overrides: Annotated[Optional[list[str]], typer.Option("--set", help="Override a value: section.key=value.")] = None,
+    name: Annotated[str, typer.Argument(metavar="NAME|FILE", autocompletion=preset_names,
+                                        help="Preset name or TOML file.")],
+    overrides: Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE", autocompletion=set_keys,
+                                                           help="Override a value (repeatable).")] = None,
     as_toml: Annotated[bool, typer.Option("--toml", help="Print the resolved preset as TOML that resolves back to "
                                                         "the same values: a start for a preset of your own.")] = False,
 ):
-    """Print a preset's resolved configuration and where each value came from."""
+    """Print a preset's resolved configuration and where each value came from.
+
+    \b
+    Example:
+      h3gen presets show h3-base --set sampler.steps=25
+    """
     from h3gen.config.preset import describe, resolve, toml_value
     from h3gen.config.preset import as_toml as preset_toml
     from h3gen.plugins.manager import registry
@@ -225,7 +284,12 @@ def presets_show(
 
 @app.command()
 def plugins():
-    """List every registered stage with its kind and the plugin it came from."""
+    """List every registered stage with its kind and the plugin it came from.
+
+    \b
+    Example:
+      h3gen plugins
+    """
     from h3gen.plugins.manager import registry
 
     found = registry()
@@ -242,7 +306,12 @@ def report_failed_plugins(found) -> None:
 
 @app.command()
 def tiny(directory: Annotated[Optional[Path], typer.Argument(help="Where to write it (default: user cache).")] = None):
-    """Write the embedded tiny random-weight model and print where it is."""
+    """Write the embedded tiny random-weight model and print where it is.
+
+    \b
+    Example:
+      h3gen tiny ./tiny-model
+    """
     from h3gen.models.tiny import TINY_NOTICE, ensure_tiny_model
 
     typer.echo(str(ensure_tiny_model(directory)))

@@ -47,8 +47,10 @@ def page() -> str:
              ".SH COMMANDS"]
     for name, command in commands(root, ""):
         sub = click.Context(command, info_name=f"h3gen {name}", parent=ctx)
-        lines += [".SS " + roff(f"h3gen {name} " + " ".join(command.collect_usage_pieces(sub))),
-                  roff((command.help or "").strip())]
+        text, _, example = (command.help or "").partition("\b\n")  # click's mark: the lines after it as written
+        lines += [".SS " + roff(f"h3gen {name} " + " ".join(command.collect_usage_pieces(sub))), roff(text.strip())]
+        if example.strip():
+            lines += [".PP", ".nf", roff(example.rstrip()), ".fi"]
         for param in command.get_params(sub):
             record = param.get_help_record(sub)
             if record:
@@ -59,8 +61,9 @@ def page() -> str:
               ".TP", ".B H3GEN_DEBUG",
               roff("Set to 1 to print a failure's traceback besides its line (as --traceback)."),
               ".SH PLUGINS", roff(PLUGINS),
-              ".SH EXIT STATUS", roff("0 when every clip was written or already there, 1 when some clips failed, "
-                                      "2 on usage errors, 130, 143 or 129 when stopped by SIGINT, SIGTERM or SIGHUP."),
+              ".SH EXIT STATUS", roff("0 when every clip was written or already there, 1 when some clips failed or "
+                                      "are there from other settings, 2 on usage errors, 130, 143 or 129 when stopped "
+                                      "by SIGINT, SIGTERM or SIGHUP, 141 when stdout's reader has gone."),
               ".SH SEE ALSO", roff("README.md and docs/plugins.md of the h3gen repository.")]
     return "\n".join(lines) + "\n"
 

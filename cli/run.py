@@ -35,12 +35,31 @@ def _run_render(settings: RunSettings) -> int:
     found = registry()
     preset = resolve(settings.preset, found, list(settings.overrides))
     settings = with_preset_workers(settings, preset)
+    if settings.dry_run:
+        return dry_run(prepare(settings, preset, found, reporter_for), settings)
     if settings.parallel.workers:
         from h3gen.parallel.launch import launch_workers
 
         return launch_workers(prepare(settings, preset, found), settings, WORKER_ENTRY)
     check_one_process(settings)
     return render_batch(settings, preset, found, reporter_for)
+
+
+def dry_run(batch, settings: RunSettings) -> int:
+    """One line per clip on stdout (a JSON record with --json): render, skip or conflict, and why."""
+    import json
+
+    from h3gen.run.loop import plan
+
+    for request, path, found in plan(batch, settings):
+        action = "render" if found is None else "skip" if found.status == "skipped" else "conflict"
+        why = found.error if found is not None and found.error else None
+        if settings.json_out:
+            print(json.dumps({"path": str(path), "id": request.id, "line": request.line, "seed": request.seed,
+                              "preset": batch.preset.name, "action": action, "error": why}), flush=True)
+        else:
+            print(f"{action:8s} {path}" + (f": {why}" if why else ""), flush=True)
+    return 0
 
 
 def check_one_process(settings: RunSettings) -> None:

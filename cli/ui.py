@@ -7,28 +7,47 @@ stdout is kept for results (`--json`), so every display here writes to stderr an
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape as markup_escape
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 from rich.table import Table
 
+from h3gen.run.records import clip_record
+from h3gen.text import shown
+
 STAGE_ORDER = ("encode", "sampler", "vae", "mux")
+# Seconds between two plain lines of a stage's progress (H3GEN_HEARTBEAT_S): often enough to see a run is alive.
+HEARTBEAT_S = 60.0
+
+
+def duration_text(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s" if rest >= 60 else f"{rest}s"
 
 
 def seconds_text(seconds: dict) -> str:
     return "  ".join(f"{k} {seconds[k]:.2f}s" for k in STAGE_ORDER if k in seconds)
 
 
-def result_record(result, preset: str) -> dict:
-    return {"path": str(result.path), "id": result.request.id, "line": result.request.line,
-            "seed": result.request.seed, "preset": preset, "ok": result.ok, "error": result.error or None,
-            "seconds": {k: round(v, 4) for k, v in result.seconds.items()},
-            "end_to_end_s": round(result.end_to_end, 4), "rtf": round(result.rtf, 4),
-            "media_s": round(result.request.duration, 4), "frames": result.request.frames,
-            "forwards": result.forwards, "forwards_reused": result.forwards_reused, "peak_gib": round(result.peak_gib, 3), "skipped": result.skipped,
-            "attention": result.attention or None}
+def print_result(line: str) -> bool:
+    """One line on stdout; False when its reader has gone (`| head -1`)."""
+    try:
+        print(line, file=sys.stdout, flush=True)
+        return True
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush has somewhere to go
+        os.close(devnull)
+        return False
 
 
 class PlainReporter:
@@ -37,9 +56,25 @@ class PlainReporter:
     def __init__(self, total: int, json_out: bool = False, preset: str = ""):
         self.total, self.json_out, self.preset = total, json_out, preset
         self.console = Console(stderr=True, highlight=False, soft_wrap=True)
+        self.stdout_gone = False
+        self.began = time.monotonic()
+        self.heartbeat = float(os.environ.get("H3GEN_HEARTBEAT_S", HEARTBEAT_S))
+        self.clip_began, self.last_beat = {}, {}  # request index -> monotonic time
+
+    def check_stdout(self) -> None:
+        """After stdout's reader has gone, the run ends as SIGPIPE ends other tools, with 141: when the next clip
+        goes to the device, so every clip finished so far is counted, and the clips in flight are discarded as on
+        any signal. (Rank 0 of a worker run also reports the other groups' clips,
+        from a thread of its own; those go on to the end.)"""
+        if self.stdout_gone and threading.current_thread() is threading.main_thread():
+            from h3gen.run.loop import Interrupted
+
+            self.stdout_gone = False
+            raise Interrupted(signal.SIGPIPE)
 
     def say(self, text: str) -> None:
-        self.console.print(text, markup=False)
+        """A line for a log: timestamped, escaped (a prompt can hold anything)."""
+        self.console.print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {shown(text)}", markup=False)
 
     def start(self):
         return self
@@ -48,18 +83,30 @@ class PlainReporter:
         pass
 
     def clip_started(self, clip):
+        self.check_stdout()
         request = clip.request
+        self.clip_began[request.index] = self.last_beat[request.index] = time.monotonic()
         self.say(f"[{request.index + 1}/{self.total}] {clip.path.name}: {request.width}x{request.height} "
-                 f"{request.frames} frames, seed {request.seed}: {request.prompt[:60]}")
+                 f"{request.frames} frames, seed {request.seed}: {request.prompt}")
 
     def stage_done(self, clip, kind, seconds):
         self.say(f"[{clip.request.index + 1}/{self.total}] {kind} {seconds:.2f}s")
 
     def step(self, clip, step, steps):
-        pass
+        """A heartbeat inside the sampler: `[1/3] sampler step 12/49, 6m10s, ETA 18m`, every `heartbeat` seconds."""
+        index, now = clip.request.index, time.monotonic()
+        began = self.clip_began.setdefault(index, now)
+        if now - self.last_beat.setdefault(index, began) < self.heartbeat or step >= steps:
+            return
+        self.last_beat[index] = now
+        spent = now - began
+        self.say(f"[{index + 1}/{self.total}] sampler step {step}/{steps}, {duration_text(spent)}, "
+                 f"ETA {duration_text(spent / step * (steps - step))}")
 
     def clip_done(self, result):
-        if result.skipped:
+        if result.status == "conflict":
+            self.say(f"[{result.request.index + 1}/{self.total}] {result.path}: {result.error}")
+        elif result.skipped:
             self.say(f"[{result.request.index + 1}/{self.total}] skipped {result.path}: "
                      + (result.note or "already there and valid (--force renders it again)"))
         elif result.ok:
@@ -69,33 +116,45 @@ class PlainReporter:
         else:
             self.say(f"[{result.request.index + 1}/{self.total}] FAILED {result.path.name}: {result.error}")
         if self.json_out:
-            print(json.dumps(result_record(result, self.preset)), file=sys.stdout, flush=True)
+            self.stdout_gone = not print_result(json.dumps(clip_record(result, self.preset)))
 
     def summary(self, results, total: int | None = None):
-        """The table of clips, then one line of counts and one line per failed clip with its reason."""
-        table = Table(title="h3gen render summary", title_justify="left")
-        for column in ("clip", "status", *STAGE_ORDER, "end to end", "RTF"):
-            table.add_column(column, justify="left" if column in ("clip", "status") else "right")
-        for r in results:
-            status = "skipped" if r.skipped else "ok" if r.ok else "failed"
-            table.add_row(r.path.name, status,
-                          *(f"{r.seconds[k]:.2f}s" if k in r.seconds else "-" for k in STAGE_ORDER),
-                          f"{r.end_to_end:.2f}s" if not r.skipped else "-", f"{r.rtf:.2f}" if not r.skipped else "-")
-        self.console.print(table)
-        self.say(counts_line(results, len(results) if total is None else total))
+        """The table of clips, then one line of counts with the run's wall time, and one line per clip not written
+        with its reason."""
+        if results:  # a run stopped before any clip finished has no table to show
+            self.print_table([summary_row(r) for r in results])
+        self.say(f"{counts_line(results, len(results) if total is None else total)} "
+                 f"({duration_text(time.monotonic() - self.began)} in all)")
         for r in results:
             if not r.ok:
-                self.say(f"  failed {r.path.name} (line {r.request.line}): {r.error}")
+                self.say(f"  {r.status} {r.path.name} (line {r.request.line}): {r.error}")
+
+    def print_table(self, rows: list[tuple]) -> None:
+        """Plain aligned text with full names, for a log."""
+        rows = [SUMMARY_COLUMNS] + rows
+        widths = [max(len(row[i]) for row in rows) for i in range(len(SUMMARY_COLUMNS))]
+        self.say("h3gen render summary")
+        for row in rows:
+            self.say("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
+                               for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
+
+
+SUMMARY_COLUMNS = ("clip", "status", *STAGE_ORDER, "end to end", "RTF")
+
+
+def summary_row(r) -> tuple:
+    return (r.path.name, r.status, *(f"{r.seconds[k]:.2f}s" if k in r.seconds else "-" for k in STAGE_ORDER),
+            f"{r.end_to_end:.2f}s" if r.rendered else "-", f"{r.rtf:.2f}" if r.rendered else "-")
 
 
 def counts_line(results, total: int) -> str:
-    written = sum(r.ok and not r.skipped for r in results)
-    skipped = sum(r.skipped and not r.note for r in results)
-    busy = sum(r.skipped and bool(r.note) for r in results)
-    failed = sum(not r.ok for r in results)
+    count = {status: sum(r.status == status for r in results) for status in ("ok", "skipped", "busy", "conflict",
+                                                                            "failed")}
+    written, skipped, busy, conflicts, failed = count.values()
     parts = [f"{written} of {total} clips written"]
     parts += [f"{skipped} already there and valid (skipped)"] if skipped else []
     parts += [f"{busy} left to another run rendering them"] if busy else []
+    parts += [f"{conflicts} there from other settings (not redone; --force)"] if conflicts else []
     parts += [f"{failed} failed"] if failed else []
     parts += [f"{total - len(results)} not rendered"] if total > len(results) else []
     return ", ".join(parts)
@@ -108,24 +167,43 @@ class LiveReporter(PlainReporter):
     def __init__(self, total: int, json_out: bool = False, preset: str = ""):
         super().__init__(total, json_out, preset)
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("{task.fields[stages]}"),
+                                 TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[stages]}"),
                                  console=self.console, redirect_stdout=False, redirect_stderr=False)
         self.tasks = {}  # request index -> progress task
+        self.batch, self.done_early = None, 0  # the batch's own line (clips done of the file's, its ETA)
 
     def say(self, text: str) -> None:
-        self.progress.console.print(text, markup=False)
+        self.progress.console.print(shown(text), markup=False)
 
     def start(self):
         self.progress.start()
+        if self.batch is None:
+            self.batch = self.progress.add_task("batch", total=self.total, completed=self.done_early, stages="")
         return self
 
+    def print_table(self, rows: list[tuple]) -> None:
+        table = Table(title="h3gen render summary", title_justify="left")
+        for column in SUMMARY_COLUMNS:
+            table.add_column(column, justify="left" if column in ("clip", "status") else "right")
+        for row in rows:
+            table.add_row(*row)
+        self.console.print(table)
+
     def stop(self):
+        """The display goes with the run: no bar of a discarded clip is left frozen on the terminal."""
+        for task in [*self.tasks.values(), *([self.batch] if self.batch is not None else [])]:
+            self.progress.remove_task(task)
+        self.tasks.clear()
+        self.batch = None
         self.progress.stop()
 
     def clip_started(self, clip):
+        self.check_stdout()
         r = clip.request
-        self.tasks[r.index] = self.progress.add_task(f"[{r.index + 1}/{self.total}] {r.prompt[:32]}", total=None,
-                                                     stages="")
+        prompt = shown(r.prompt)
+        prompt = prompt if len(prompt) <= 32 else prompt[:31] + "…"
+        self.tasks[r.index] = self.progress.add_task(markup_escape(f"[{r.index + 1}/{self.total}] {prompt}"),
+                                                     total=None, stages="")
 
     def stage_done(self, clip, kind, seconds):
         if clip.request.index in self.tasks:
@@ -139,6 +217,10 @@ class LiveReporter(PlainReporter):
         task = self.tasks.pop(result.request.index, None)
         if task is not None:
             self.progress.remove_task(task)
+        if self.batch is not None:
+            self.progress.advance(self.batch)
+        else:
+            self.done_early += 1  # skipped before the display starts
         super().clip_done(result)
         if result.ok and not result.skipped:
             self.say(f"    {seconds_text(result.seconds)}")

@@ -27,7 +27,10 @@ RUNTIME_DEFAULTS = {"device": "auto", "dtype": "bfloat16", "vram_gib": 0.0}
 # Several workers (0: one process, no torch.distributed); ulysses 0 lets the layout rule pick. Flags override.
 PARALLEL_DEFAULTS = {"gpus": 0, "cpu_workers": 0, "ulysses": 0}
 TOP_LEVEL = {"version", "description"}
-SECTIONS = ("request", "runtime", "parallel", "adapter")  # besides one per stage kind
+# The model a preset is made for: "tiny" (the embedded smoke-test model), "MiniMax-H3" (a real repository) or "any".
+MODEL_DEFAULTS = {"needs": "any"}
+MODEL_KINDS = ("tiny", "MiniMax-H3", "any")
+SECTIONS = ("request", "runtime", "parallel", "adapter", "model")  # besides one per stage kind
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -42,6 +45,7 @@ class Preset:
     sources: dict[str, str]
     adapter: AdapterConfig = dataclasses.field(default_factory=AdapterConfig)
     parallel: dict[str, int] = dataclasses.field(default_factory=lambda: dict(PARALLEL_DEFAULTS))
+    model: dict[str, str] = dataclasses.field(default_factory=lambda: dict(MODEL_DEFAULTS))
 
 
 def load_toml(path: Path) -> dict:
@@ -174,10 +178,14 @@ def resolve(name_or_file: str, registry, overrides: list[str] = ()) -> Preset:
     _check_runtime(runtime, where)
     parallel = _section(data, "parallel", PARALLEL_DEFAULTS, where, sources)
     _check_parallel(parallel, where)
+    model = _section(data, "model", MODEL_DEFAULTS, where, sources)
+    if model["needs"] not in MODEL_KINDS:
+        raise UsageError(f"{where} [model] needs {model['needs']!r} is not a model kind",
+                         f"use one of {', '.join(MODEL_KINDS)}")
     stages = {kind: _stage(kind, data, registry, where, sources) for kind in STAGE_KINDS}
     adapter = _adapter(data, stages["quant"], registry, where, sources)
     return Preset(name, version, str(data.get("description", "")), request, runtime, stages, sources, adapter,
-                  parallel)
+                  parallel, model)
 
 
 def _table(value, section: str, where: str) -> dict:
@@ -282,6 +290,7 @@ def describe(preset: Preset) -> list[tuple[str, Any, str]]:
     rows += [(f"request.{k}", v, preset.sources[f"request.{k}"]) for k, v in preset.request.items()]
     rows += [(f"runtime.{k}", v, preset.sources[f"runtime.{k}"]) for k, v in preset.runtime.items()]
     rows += [(f"parallel.{k}", v, preset.sources[f"parallel.{k}"]) for k, v in preset.parallel.items()]
+    rows += [(f"model.{k}", v, preset.sources[f"model.{k}"]) for k, v in preset.model.items()]
     for kind, (name, config) in preset.stages.items():
         rows += _stage_rows(kind, name, config, preset.sources)
     rows += [(f"adapter.{f.name}", getattr(preset.adapter, f.name), preset.sources[f"adapter.{f.name}"])

@@ -13,6 +13,7 @@ from h3gen.errors import ModelError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 WEIGHTED = ("transformer", "vae", "audio_vae", "text_encoder")
+TINY_WIDTH_LIMIT = 1024  # the DiT's hidden size: the tiny model's is 64, MiniMax-H3's thousands
 CONFIG_ONLY = {"tokenizer": ("tokenizer.json", "tokenizer_config.json"),
                "processor": ("processor_config.json", "preprocessor_config.json")}
 
@@ -58,6 +59,12 @@ class ModelRepo:
 
     def text_dim(self) -> int:
         return json.loads((self.path("transformer") / "config.json").read_text()).get("text_dim", 5120)
+
+    def kind(self) -> str:
+        """"tiny" for a smoke-test model (the embedded one: a DiT a few dozen wide), else "MiniMax-H3"; read from the
+        transformer's config, before any weight loads."""
+        config = json.loads((self.path("transformer") / "config.json").read_text())
+        return "tiny" if config.get("hidden_size", 0) < TINY_WIDTH_LIMIT else "MiniMax-H3"
 
     def text_encoder_identity(self) -> str:
         """What the embedding cache keys on: a fingerprint of the text encoder's and the tokenizer's files."""

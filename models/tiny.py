@@ -48,6 +48,9 @@ def ensure_tiny_model(target: Path | None = None) -> Path:
     target = Path(target) if target is not None else default_tiny_dir()
     if (target / "modular_model_index.json").is_file():
         return target
+    from h3gen.run.quiet import quiet_libraries
+
+    quiet_libraries()  # no third-party progress bars ("Writing model shards") in the user's log
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     try:

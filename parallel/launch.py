@@ -46,7 +46,7 @@ def check_workers(parallel: Parallel, preset, heads: int, refusal: str) -> None:
 
         if not torch.cuda.is_available():
             raise UsageError(f"--gpus {gpus}: no CUDA device is visible",
-                             f"use --cpu-workers {gpus} to run {gpus} workers on the CPU")
+                             f"use --cpu-workers {gpus} to run {gpus} worker{'s' if gpus > 1 else ''} on the CPU")
         if gpus > torch.cuda.device_count():
             raise UsageError(f"--gpus {gpus}: this machine shows {torch.cuda.device_count()} GPU(s)",
                              "ask for at most that many (CUDA_VISIBLE_DEVICES limits what is shown)")

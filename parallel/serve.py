@@ -54,8 +54,7 @@ class Worker:
             self.batch = prepare(settings, preset, found, self.make_reporter)
             self.batch.reporter = events.SharedReporter(self.batch.reporter)
             requests, reporter = self.batch.requests, self.batch.reporter
-            finished = [] if settings.force else skip_finished(requests, settings.output, preset.name,
-                                                                settings.save_latents, reporter)
+            finished = [] if settings.force else skip_finished(self.batch, settings.output, settings.save_latents)
             done = {result.request.index for result in finished}
             pending = [request for request in requests if request.index not in done]
             heads = job["heads"] if not job["split_refusal"] else 1
@@ -67,6 +66,9 @@ class Worker:
         why = f" (no Ulysses: {job['split_refusal']})" if job["split_refusal"] and layout.world > 1 else ""
         reporter.say(f"h3gen: layout {layout.describe(worker)}{why}")
         if pending:
+            from h3gen.run.loop import note_tiny
+
+            note_tiny(settings, reporter)
             reporter.say(f"h3gen: {len(pending)} clip(s) to render, preset {preset.name}, model "
                          f"{self.batch.repo.root}, {self.world} worker(s)")
         events.publish_plan(self.store, {"layout": (layout.groups, layout.ulysses), "pending": pending})

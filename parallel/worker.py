@@ -25,6 +25,7 @@ def main(argv: list[str], make_reporter) -> int:
     from h3gen.run.loop import Interrupted, stop_on_signals
 
     job = json.loads(argv[0])
+    os.chdir(job["settings"]["cwd"])  # the launcher's: the paths of the run are relative to it, as the user gave them
     try:
         with stop_on_signals():
             return serve(job, make_reporter)

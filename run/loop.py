@@ -19,7 +19,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: a close
 
 
 class Interrupted(BaseException):
-    """SIGINT, SIGTERM or SIGHUP: the clip in flight is discarded and the run ends with 128 + the signal number.
+    """SIGINT, SIGTERM or SIGHUP (or stdout's reader gone, as SIGPIPE: h3gen.cli.ui): the clip in flight is
+    discarded and the run ends with 128 + the signal number.
 
     A BaseException, so the per-clip `except Exception` in the render loop lets it through.
     """
@@ -75,6 +76,7 @@ class Batch:
     requests: list  # this run's share of the prompts file (all of it without --shard)
     repo: object
     reporter: object
+    run_fields: dict  # the fingerprint fields every clip shares (h3gen.run.fingerprint)
 
 
 def silent(total: int, json_out: bool, preset: str) -> SilentReporter:
@@ -98,10 +100,13 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent) -> Batch
     reporter = make_reporter(len(every), settings.json_out, preset.name)
     check_plugins(found, settings.strict_plugins, reporter)
     repo = model_repo(settings.model, reporter)
+    check_model_kind(preset, repo, settings.model is None)
     check_adapters(preset, requests, repo.root)  # an adapter's step/shift/task contract, before any weight loads
     check_cache(preset, found)
     plan_memory_budget(preset, requests, repo, reporter)
-    return Batch(preset, found, requests, repo, reporter)
+    from h3gen.run.fingerprint import run_fields
+
+    return Batch(preset, found, requests, repo, reporter, run_fields(preset, found, repo))
 
 
 def plan_memory_budget(preset, requests, repo, reporter) -> None:
@@ -168,29 +173,65 @@ def check_unique_outputs(requests, preset_name: str, prompts: Path) -> None:
         first_line[name] = request.line
 
 
+def check_model_kind(preset, repo, embedded: bool) -> None:
+    """A preset made for the tiny model on a real repository, or for a real one on the tiny model, renders nothing
+    worth having: stop before any weight loads."""
+    needs, has = preset.model["needs"], repo.kind()
+    if needs in ("any", has):
+        return
+    anyway = f"or --set model.needs=any to run preset {preset.name} on it anyway"
+    if needs == "MiniMax-H3":
+        given = "the embedded tiny model" if embedded else f"{repo.root}, a tiny model"
+        raise UsageError(f"preset {preset.name} needs a MiniMax-H3 repository, and {given} was given",
+                         f"pass --model DIR (or H3GEN_MODEL) with the MiniMax-H3 repository, --preset tiny, {anyway}")
+    raise UsageError(f"preset {preset.name} is made for the tiny smoke-test model, and {repo.root} is a MiniMax-H3 "
+                     "repository", f"leave out --preset (h3-base), pick one from `h3gen presets list`, {anyway}")
+
+
 def model_repo(model, reporter):
     from h3gen.models.repo import ModelRepo
 
     if model is None:
-        from h3gen.models.tiny import TINY_NOTICE, ensure_tiny_model
+        from h3gen.models.tiny import ensure_tiny_model
 
         try:
             model = ensure_tiny_model()
         except Exception as e:  # OSError, or safetensors' own error for a full disk
             raise WriteError(f"cannot write the tiny model into the cache ({str(e).splitlines()[0] if str(e) else e})",
                              "free space in the cache folder (XDG_CACHE_HOME), or pass --model") from None
-        reporter.say(f"note: {TINY_NOTICE}")
     return ModelRepo(model)
 
 
-def skip_finished(requests, output: Path, preset_name: str, save_latents: bool, reporter) -> list:
-    """Results for the clips a previous run already wrote (file there and valid): a rerun resumes."""
+def note_tiny(settings: RunSettings, reporter) -> None:
+    """Said when the embedded tiny model is about to render: not when every clip is already there."""
+    if settings.model is None:
+        from h3gen.models.tiny import TINY_NOTICE
+
+        reporter.say(f"note: {TINY_NOTICE}")
+
+
+def plan(batch: Batch, settings: RunSettings) -> list:
+    """What a run would do with each clip, without loading a weight: (request, path, the skip check's result) per
+    request, in file order; a result of None: it would render."""
+    from h3gen.run.render import already_done, clip_name
+
+    return [(request, settings.output / clip_name(request, batch.preset.name),
+             None if settings.force else already_done(request, settings.output, batch.preset.name,
+                                                      settings.save_latents, batch.run_fields))
+            for request in batch.requests]
+
+
+def skip_finished(batch: Batch, output: Path, save_latents: bool) -> list:
+    """Results for the clips a previous run already wrote (file there, valid, same fingerprint): a rerun resumes;
+    and for those it wrote with other settings (conflicts), which this run leaves alone."""
     from h3gen.run.outputs import record
     from h3gen.run.render import already_done
 
-    finished = [already_done(request, output, preset_name, save_latents) for request in requests]
+    preset_name, reporter = batch.preset.name, batch.reporter
+    finished = [already_done(request, output, preset_name, save_latents, batch.run_fields)
+                for request in batch.requests]
     for result in filter(None, finished):
-        record(output, result, preset_name, "skipped")
+        record(output, result, preset_name, result.status)
         reporter.clip_done(result)
     return [result for result in finished if result]
 
@@ -199,12 +240,12 @@ def render_batch(settings: RunSettings, preset, found, make_reporter) -> int:
     """A one-process run: check, skip what is written, render the rest, report; the exit status."""
     batch = prepare(settings, preset, found, make_reporter)
     reporter, requests = batch.reporter, batch.requests
-    results = [] if settings.force else skip_finished(requests, settings.output, preset.name, settings.save_latents,
-                                                      reporter)
+    results = [] if settings.force else skip_finished(batch, settings.output, settings.save_latents)
     finished = {result.request.index for result in results}
     pending = [request for request in requests if request.index not in finished]
     stopped = None
     if pending:  # weights load only when there is something to render
+        note_tiny(settings, reporter)
         reporter.say(f"h3gen: {len(pending)} clip(s) to render, preset {preset.name}, model {batch.repo.root}")
         try:
             results += render_pending(pending, settings, preset, found, batch.repo, reporter)

@@ -78,14 +78,12 @@ def clear_leftovers(path: Path) -> None:
 
 
 def record(out_dir: Path, result, preset: str, status: str) -> str:
-    """Append one line for a clip: ok, failed, skipped (already there and valid) or busy (another run has it).
-    '' when written, else why not (one line)."""
-    request = result.request
-    line = json.dumps({"time": round(time.time(), 3), "pid": os.getpid(), "file": result.path.name,
-                       "id": request.id, "line": request.line, "seed": request.seed, "preset": preset,
-                       "status": status, "error": result.error or None, "forwards": result.forwards,
-                       "forwards_reused": result.forwards_reused,
-                       "seconds": {k: round(v, 4) for k, v in result.seconds.items()}}) + "\n"
+    """Append one line for a clip (h3gen.run.records): ok, failed, skipped (already there and valid), busy (another
+    run has it) or conflict (there, rendered with other settings). '' when written, else why not (one line)."""
+    from h3gen.run.records import clip_record
+
+    line = json.dumps({"time": round(time.time(), 3), "pid": os.getpid(),
+                       **clip_record(result, preset), "status": status}) + "\n"
     path = out_dir / MANIFEST
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

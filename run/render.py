@@ -14,7 +14,7 @@ from pathlib import Path
 
 from h3gen.errors import ClipError, H3genError, ModelError
 from h3gen.inputs.request import Request
-from h3gen.run import memory, outputs
+from h3gen.run import fingerprint, memory, outputs
 from h3gen.run.arriving import ArrivingMedia
 from h3gen.run.loop import signals_held
 from h3gen.run.timing import StageTimer
@@ -44,22 +44,33 @@ class ClipResult:
     seconds: dict[str, float]
     end_to_end: float
     error: str = ""
-    peak_gib: float = 0.0
+    peak_gib: float | None = None  # None where it was not measured (on the CPU, a clip not rendered)
     forwards: int = 0
     forwards_reused: int = 0
     skipped: bool = False  # the output was already there and valid, or another run is writing it
     note: str = ""  # why a clip was skipped when not because it was already there
     attention: str = ""  # the attention backend the DiT ran on
+    status: str = ""  # ok, failed, skipped, busy (another run has it) or conflict (there, other settings)
+    fingerprint: str = ""  # the digest of what decided the clip's bytes (h3gen.run.fingerprint)
+
+    def __post_init__(self):
+        if not self.status:
+            self.status = ("busy" if self.note else "skipped") if self.skipped else "ok" if self.ok else "failed"
 
     @property
-    def rtf(self) -> float:
-        return self.end_to_end / self.request.duration
+    def rendered(self) -> bool:
+        """Written by this run: its times were measured."""
+        return self.status == "ok"
+
+    @property
+    def rtf(self) -> float | None:
+        return self.end_to_end / self.request.duration if self.rendered else None
 
 
 def clip_name(request: Request, preset: str) -> str:
     """The id when given, else a hash of what determines the clip, so reruns find the same file."""
-    if request.id:
-        return f"{request.id}.mp4"
+    if request.id:  # an id that already ends in .mp4 is the file name itself
+        return request.id if request.id.endswith(".mp4") else f"{request.id}.mp4"
     media = [request.first_frame, request.last_frame, *(r.path for r in request.references)]
     # t2va names stay what they always were; conditioned clips also depend on their media.
     key = f"{preset}\0{request.seed}\0{request.prompt}" + "".join(f"\0{m}" for m in media if m)
@@ -106,6 +117,7 @@ class Renderer:
                        for kind, (name, config) in preset.stages.items()}
         self.repo, self.encoder_unloaded = repo, False  # unloaded between chunks on a GPU: load it again first
         self.runtime.quant, self.runtime.cache = self.stages["quant"], self.stages["cache"]
+        self.run_fields = fingerprint.run_fields(preset, registry, repo)
         for kind in ("quant",) + PIPELINE:
             load(self.stages[kind], repo)
         # (clip, claim, future, the file's state before the mux) in render order; finished results not yet yielded
@@ -123,7 +135,8 @@ class Renderer:
         chunks: host memory holds it beside the DiT, and reloading it would cost each chunk its load time."""
         out_dir.mkdir(parents=True, exist_ok=True)
         self.out_dir, self.save_latents = out_dir, save_latents
-        pending = [Clip(request=request, path=out_dir / clip_name(request, self.preset.name), preset=self.preset.name)
+        pending = [Clip(request=request, path=out_dir / clip_name(request, self.preset.name), preset=self.preset.name,
+                        fingerprint=fingerprint.clip_fields(self.run_fields, request))
                    for request in requests]
         total, first = len(pending), 0
         for size in chunk_sizes(total):
@@ -157,9 +170,11 @@ class Renderer:
         except OSError as e:
             return "", None, write_error(claim.lock_path, e)
         self.claim_on_device = claim  # from here a signal can land (the check below decodes): close() releases it
-        if not force and already_done(clip.request, self.out_dir, self.preset.name, self.save_latents):
+        there = None if force else already_done(clip.request, self.out_dir, self.preset.name, self.save_latents,
+                                                 self.run_fields)
+        if there is not None:
             claim.release()
-            return "skipped", None, ""
+            return there.status, None, there.error
         return "", claim, ""
 
     def encode_chunk(self, clips: list[Clip], first: int, total: int, last: bool):
@@ -214,7 +229,7 @@ class Renderer:
                     clip.arriving = None
             clip = self.stages["vae"](clip)
             clip.drop_tensors(keep_media=True)  # the device's share goes now; the mux needs only frames and audio
-            clip.peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+            clip.peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
             if job is None and mux.background:
                 job = mux.submit(clip)
             if job is not None:
@@ -268,14 +283,16 @@ class Renderer:
                 self.claim_on_device = None
         clip.drop_tensors()
         top_level = sum(clip.seconds.get(kind, 0.0) for kind in PIPELINE)
-        result = ClipResult(clip.request, clip.path, not error, dict(clip.seconds), top_level,
+        ok = not error or status == "skipped"
+        result = ClipResult(clip.request, clip.path, ok, dict(clip.seconds), top_level,
                             error, clip.peak_gib, clip.forwards, clip.forwards_reused,
-                            skipped=status in ("skipped", "busy"),
+                            skipped=status in ("skipped", "busy", "conflict"),
                             note="another h3gen run is rendering it" if status == "busy" else "",
-                            attention=clip.attention)
-        unrecorded = outputs.record(self.out_dir, result, self.preset.name, status or ("ok" if result.ok else "failed"))
+                            attention=clip.attention, status=status or ("ok" if ok else "failed"),
+                            fingerprint=fingerprint.digest(clip.fingerprint) if clip.fingerprint else "")
+        unrecorded = outputs.record(self.out_dir, result, self.preset.name, result.status)
         if unrecorded and result.ok and not result.skipped:  # written, but the manifest does not say so
-            result = dataclasses.replace(result, ok=False, error=unrecorded)
+            result = dataclasses.replace(result, ok=False, error=unrecorded, status="failed")
         self.reporter.clip_done(result)
         return result
 
@@ -381,8 +398,10 @@ OOM_HINT = "out of GPU memory (try an FP8 preset, fewer frames or a smaller size
 MP4_BYTES_PER_PIXEL, AUDIO_BYTES = 0.5, 2**20
 
 
-def already_done(request: Request, out_dir: Path, preset: str, save_latents: bool) -> ClipResult | None:
-    """A skipped result when the clip's file is there and validates for this request, so a rerun resumes."""
+def already_done(request: Request, out_dir: Path, preset: str, save_latents: bool,
+                 run_fields: dict) -> ClipResult | None:
+    """A skipped result when the clip's file is there, validates for this request and was rendered with the same
+    fingerprint, so a rerun resumes; a conflict when it was rendered with other settings; None to render it."""
     from h3gen.run.validate import validate_clip
 
     path = out_dir / clip_name(request, preset)
@@ -390,7 +409,16 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
         return None
     if validate_clip(path, expected_frames=request.frames):
         return None  # rendered again; the atomic write replaces the bad file only once the new one is complete
-    return ClipResult(request, path, True, {}, 0.0, skipped=True)
+    wanted = fingerprint.clip_fields(run_fields, request)
+    stored = fingerprint.read_stamp(path)
+    if stored == wanted:
+        return ClipResult(request, path, True, {}, 0.0, skipped=True, fingerprint=fingerprint.digest(wanted))
+    changed = fingerprint.differences(stored, wanted)
+    more = f", and {len(changed) - 3} more" if len(changed) > 3 else ""
+    return ClipResult(request, path, False, {}, 0.0, skipped=True, status="conflict",
+                      error=f"exists, rendered with different settings ({'; '.join(changed[:3])}{more}); "
+                            "--force to redo, or -o elsewhere",
+                      fingerprint=fingerprint.digest(wanted))
 
 
 def check_disk(out_dir: Path, request: Request) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 
@@ -38,15 +39,18 @@ class RunSettings:
     strict_plugins: bool = False
     shard: tuple[int, int] | None = None  # (i, n): the prompts at places i modulo n
     parallel: Parallel = Parallel()
+    dry_run: bool = False  # say what would be rendered, skipped or in conflict, and render nothing
 
     def to_json(self) -> dict:
-        """What the launcher hands its workers: paths made absolute, since a worker may start elsewhere."""
-        return {**dataclasses.asdict(self), "prompts": str(Path(self.prompts).resolve()),
-                "output": str(Path(self.output).resolve()),
-                "model": str(Path(self.model).resolve()) if self.model else None}
+        """What the launcher hands its workers: the paths as the user gave them and the directory they are relative
+        to (`cwd`), so a worker reports them as given, as a one-process run does."""
+        return {**dataclasses.asdict(self), "prompts": str(self.prompts), "output": str(self.output),
+                "model": str(self.model) if self.model else None, "cwd": os.getcwd()}
 
     @classmethod
     def from_json(cls, data: dict) -> RunSettings:
+        """The settings of `to_json`; the caller works in `data["cwd"]` (h3gen.parallel.worker does)."""
+        data = {k: v for k, v in data.items() if k != "cwd"}
         return cls(**{**data, "prompts": Path(data["prompts"]), "output": Path(data["output"]),
                       "model": Path(data["model"]) if data["model"] else None,
                       "overrides": tuple(data["overrides"]), "shard": tuple(data["shard"]) if data["shard"] else None,

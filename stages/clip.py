@@ -41,6 +41,7 @@ class Clip:
     request: Request
     path: Path
     preset: str = ""
+    fingerprint: dict = dataclasses.field(default_factory=dict)  # what decides its bytes (h3gen.run.fingerprint)
     prompt_embeds: Any = None  # (1, tokens, width) text states; on the host between the encode and the sampler
     text_token_tags: Any = None
     conditions: Any = None  # fl2va / ref2va: the prepared media and their latents (h3gen.models.conditions)
@@ -54,7 +55,7 @@ class Clip:
     audio: Any = None  # float32 (2, N) on the host
     sample_rate: int = 0  # the audio's samples per second
     arriving: Any = None  # frames and audio as the decode hands them to a mux started with it (h3gen.run.arriving)
-    peak_gib: float = 0.0  # the device's peak memory while the clip rendered (0 on the CPU)
+    peak_gib: float | None = None  # the device's peak memory while the clip rendered (None on the CPU)
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def drop_tensors(self, keep_media: bool = False) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import av
 import numpy as np
 
+from h3gen.run.fingerprint import stamp
 from h3gen.stages.base import Stage
 
 AAC_FRAME_SAMPLES = 1024
@@ -34,19 +35,22 @@ def write_mp4(
     preset: str = "medium",
     x264_threads: int = 1,
     cancelled=lambda: False,
+    comment: str = "",
 ) -> None:
     """Write H.264 + AAC to `path` atomically; a partial MP4 never appears at `path`.
 
     `frames` is uint8 (T, H, W, 3) RGB, or frames still arriving from the decode (`h3gen.run.arriving`); `audio` is float
     (2, N) in [-1, 1], or a callable that gives it once the frames are through. Identical inputs give byte-identical
     files. `cancelled()` is polled per frame: when it turns true the write stops with `MuxCancelled` and leaves
-    nothing behind.
+    nothing behind. `comment` goes into the MP4's comment tag (h3gen stores the clip's render fingerprint there).
     """
     _check_frames(frames)
     path = Path(path)
     partial = path.with_name(f".{path.name}.partial.mp4")
     try:
         with av.open(str(partial), "w", format="mp4", options=_BITEXACT) as container:
+            if comment:
+                container.metadata["comment"] = comment
             video = _add_video_stream(container, frames, fps, crf, preset, x264_threads)
             sound = _add_audio_stream(container, sample_rate)
             _encode_video(container, video, frames, cancelled)
@@ -176,5 +180,6 @@ class PyAVMux(Stage):
         sample_rate = media.sample_rate if media is not None else clip.sample_rate
         write_mp4(clip.path, frames, audio, sample_rate=sample_rate, crf=self.config.crf,
                   preset=self.config.x264_preset, x264_threads=self.config.x264_threads,
-                  cancelled=self.stopping.is_set)
+                  cancelled=self.stopping.is_set,
+                  comment=stamp(clip.fingerprint) if clip.fingerprint else "")
         return clip

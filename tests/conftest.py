@@ -42,6 +42,14 @@ def h3gen(*args, env=None, check_code=None, **kwargs) -> subprocess.CompletedPro
     return result
 
 
+def media(path: Path) -> list[bytes]:
+    """An MP4's encoded video and audio, without its metadata (the render fingerprint, which names the preset)."""
+    import av
+
+    with av.open(str(path)) as container:
+        return [bytes(packet) for packet in container.demux() if packet.size]
+
+
 @pytest.fixture
 def prompts_file(tmp_path):
     def write(text: str) -> Path:

@@ -220,7 +220,7 @@ def test_render_stops_on_a_contract_violation_before_loading(tiny_model, tmp_pat
     save_file({"proj_out.diff_b": torch.zeros(96)}, str(adapter))
     (tmp_path / "p.txt").write_text("a fox\n")
     result = h3gen("render", tmp_path / "p.txt", "-o", tmp_path / "out", "--model", tiny_model, "--preset", FAST,
-                   "--set", f'adapter.paths=["{adapter}"]', "--set", "sampler.steps=9",
+                   "--set", "model.needs=any", "--set", f'adapter.paths=["{adapter}"]', "--set", "sampler.steps=9",
                    "--set", "sampler.sigma_positions=[]", check_code=2)
     assert "requires 4 DiT forwards" in result.stderr and "asks for 8 DiT forwards" in result.stderr
     assert "loaded on" not in result.stderr and not list((tmp_path / "out").glob("*.mp4"))
@@ -234,7 +234,7 @@ def test_render_fuses_the_adapter_into_a_quantized_dit(tiny_model, tmp_path, dit
     adapter = tmp_path / "loud.safetensors"
     save_file({"audio_proj_out.diff_b": torch.full((32,), 25.0)}, str(adapter))
     (tmp_path / "p.txt").write_text('{"id": "fox", "prompt": "a fox"}\n')
-    h3gen("render", tmp_path / "p.txt", "-o", tmp_path, "--model", tiny_model, "--set", "quant.use=fp8-rowwise",
+    h3gen("render", tmp_path / "p.txt", "-o", tmp_path, "--model", tiny_model, "--preset", "tiny", "--set", "quant.use=fp8-rowwise",
           "--set", f'sampler.dit="{dit}"',
           "--set", f'adapter.paths=["{adapter}"]', "--set", "adapter.scale=2", "--save-latents", check_code=0)
     latents = load_file(str(tmp_path / "fox.latents.safetensors"))

@@ -1,7 +1,10 @@
 """The command itself: fast help, a current man page, the tiny command."""
 
+import json
 import subprocess
 import sys
+
+import pytest
 
 from conftest import ROOT, h3gen
 
@@ -33,3 +36,55 @@ def test_tiny_writes_the_model_where_asked(tmp_path):
 
 def test_version():
     assert h3gen("--version", check_code=0).stdout.startswith("h3gen ")
+
+
+def test_dash_h_is_help():
+    assert "--dry-run" in h3gen("render", "-h", check_code=0).stdout
+    assert "presets" in h3gen("-h", check_code=0).stdout
+
+
+def test_small_things_read_right(tmp_path, prompts_file):
+    """An id ending in .mp4 is the file name; a stage without keys says so; validate --json; a missing file is a
+    usage error."""
+    from h3gen.errors import UsageError
+    from h3gen.inputs.request import Request
+    from h3gen.run.render import clip_name
+    from h3gen.config.stage_config import build_config
+    from h3gen.stages.base import NoConfig
+
+    assert clip_name(Request(0, "x", 0, 32, 32, 124, id="x.mp4"), "tiny") == "x.mp4"
+    assert clip_name(Request(0, "x", 0, 32, 32, 124, id="x"), "tiny") == "x.mp4"
+    with pytest.raises(UsageError) as refused:
+        build_config(NoConfig, {"crf": 1}, "preset p [vae]")
+    assert "this stage takes no keys" in str(refused.value) and "none" not in str(refused.value)
+    bad = tmp_path / "bad.mp4"
+    bad.write_bytes(b"not a video")
+    checked = h3gen("validate", "--json", bad, check_code=1)
+    [record] = map(json.loads, checked.stdout.splitlines())
+    assert record["path"] == str(bad) and record["ok"] is False and record["problems"]
+    missing = h3gen("validate", tmp_path / "nope.mp4", check_code=2)
+    assert "nope.mp4 does not exist" in missing.stderr
+
+
+def complete(words: str) -> list[str]:
+    """What bash completion offers for the last word of `words`."""
+    result = h3gen(env={"_H3GEN_COMPLETE": "complete_bash", "COMP_WORDS": words,
+                        "COMP_CWORD": str(len(words.split()) - (0 if words.endswith(" ") else 1))}, check_code=0)
+    return result.stdout.split()
+
+
+def test_completion_knows_presets_set_keys_and_stage_names():
+    assert {"h3-base", "h3-base-fp8"} <= set(complete("h3gen render p.txt --preset h3-b"))
+    assert "sampler.steps=" in complete("h3gen render p.txt --set sampler.st")
+    assert "adapter.paths=" in complete("h3gen render p.txt --preset fasth3 --set adapter.pa")
+    assert set(complete("h3gen render p.txt --set vae.use=")) >= {"vae.use=fast", "vae.use=reference"}
+    assert "sampler.steps=" in complete("h3gen presets show h3-base --set sampler.st")
+
+
+def test_every_command_has_an_example_and_plain_metavars():
+    for command in (["render"], ["validate"], ["presets", "list"], ["presets", "show"], ["plugins"], ["tiny"],
+                    ["bench"], ["compare"]):
+        text = h3gen(*command, "--help", check_code=0).stdout
+        assert "Example" in text and f"h3gen {' '.join(command)}" in text.split("Example", 1)[1], command
+    render = h3gen("render", "--help", check_code=0).stdout
+    assert "--set SECTION.KEY=VALUE" in render and "repeatable" in render and "<list[str]>" not in render

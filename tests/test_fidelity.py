@@ -3,7 +3,7 @@
 import torch
 from diffusers import ModularPipeline
 
-from conftest import h3gen
+from conftest import h3gen, media
 
 # fp32 on the CPU with the same ops in the same order: the latents should agree to rounding noise.
 MAX_RELATIVE_ERROR = 1e-5
@@ -25,7 +25,7 @@ def test_final_latents_match_diffusers_modular_pipeline(tiny_model, prompts_file
 
     prompt = "a red fox runs through fresh snow at dawn"
     prompts = prompts_file(f'{{"id": "fox", "prompt": "{prompt}", "seed": 1101}}\n')
-    h3gen("render", prompts, "-o", tmp_path / "out", "--model", tiny_model, "--save-latents",
+    h3gen("render", prompts, "-o", tmp_path / "out", "--model", tiny_model, "--preset", "tiny", "--save-latents",
           "--set", "sampler.steps=5", check_code=0)
     ours = load_file(str(tmp_path / "out" / "fox.latents.safetensors"))
     reference = diffusers_latents(tiny_model, prompt, seed=1101, frames=124, steps=5)
@@ -49,11 +49,11 @@ def test_explicit_sigma_positions_are_shifted_per_modality():
 def test_reference_preset_writes_the_same_mp4_as_the_diffusers_baseline(tiny_model, prompts_file, tmp_path):
     """The whole clip, not just the latents: h3gen's stages and diffusers' blocks give the same bytes."""
     prompts = prompts_file('{"id": "clip", "prompt": "rain on a tin roof", "seed": 42}\n')
-    h3gen("render", prompts, "-o", tmp_path / "ours", "--model", tiny_model, check_code=0)
+    h3gen("render", prompts, "-o", tmp_path / "ours", "--model", tiny_model, "--preset", "tiny", check_code=0)
     h3gen("render", prompts, "-o", tmp_path / "diffusers", "--model", tiny_model, "--preset", "diffusers",
-          "--set", "request.width=32", "--set", "request.height=32", "--set", 'runtime.dtype="float32"',
+          "--set", "model.needs=any", "--set", "request.width=32", "--set", "request.height=32", "--set", 'runtime.dtype="float32"',
           "--set", "sampler.steps=4", check_code=0)
-    assert (tmp_path / "ours/clip.mp4").read_bytes() == (tmp_path / "diffusers/clip.mp4").read_bytes()
+    assert media(tmp_path / "ours/clip.mp4") == media(tmp_path / "diffusers/clip.mp4")
 
 
 def test_h3gen_dit_render_matches_the_reference_render(tiny_model, prompts_file, tmp_path):
@@ -63,7 +63,7 @@ def test_h3gen_dit_render_matches_the_reference_render(tiny_model, prompts_file,
     prompts = prompts_file('{"id": "clip", "prompt": "a kite over a beach", "seed": 9}\n')
     for name, dit, exact_norms in (("reference", "diffusers", "false"), ("fast", "h3gen", "false"),
                                    ("exact", "h3gen", "true")):
-        h3gen("render", prompts, "-o", tmp_path / name, "--model", tiny_model, "--save-latents",
+        h3gen("render", prompts, "-o", tmp_path / name, "--model", tiny_model, "--preset", "tiny", "--save-latents",
               "--set", f'sampler.dit="{dit}"', "--set", f"sampler.exact_norms={exact_norms}", check_code=0)
     reference = load_file(str(tmp_path / "reference" / "clip.latents.safetensors"))
     for name in ("fast", "exact"):
@@ -77,8 +77,8 @@ def test_exact_preset_writes_the_same_mp4_as_the_reference_preset(tiny_model, pr
     `h3-reference` (diffusers' transformer and decode), both in bf16: the same bytes. On the CPU the kernels run as
     their torch references; on an H200 the full-size parity is bench/dit_gpu_check.py's and vae_gpu_check.py's."""
     prompts = prompts_file('{"id": "clip", "prompt": "rain on a tin roof", "seed": 42}\n')
-    small = ["--set", "request.width=32", "--set", "request.height=32", "--set", "sampler.steps=4"]
+    small = ["--set", "model.needs=any", "--set", "request.width=32", "--set", "request.height=32", "--set", "sampler.steps=4"]
     for preset in ("h3-exact", "h3-reference"):
         h3gen("render", prompts, "-o", tmp_path / preset, "--model", tiny_model, "--preset", preset, *small,
               check_code=0)
-    assert (tmp_path / "h3-exact/clip.mp4").read_bytes() == (tmp_path / "h3-reference/clip.mp4").read_bytes()
+    assert media(tmp_path / "h3-exact/clip.mp4") == media(tmp_path / "h3-reference/clip.mp4")

@@ -30,14 +30,14 @@ def test_a_group_reports_each_clip_once_from_its_first_rank(prompts_file, tmp_pa
                                                                       ("ok", "ok")]
     assert len({line["pid"] for line in lines}) == 1  # written by one rank
     records = [json.loads(line) for line in result.stdout.splitlines()]
-    assert sorted((r["id"], r["ok"], r["skipped"]) for r in records) == [("held", True, True), ("long", False, False),
-                                                                         ("ok", True, False)]
+    assert sorted((r["id"], r["ok"], r["status"]) for r in records) == [("held", True, "busy"),
+                                                                        ("long", False, "failed"), ("ok", True, "ok")]
     assert sorted(p.name for p in out.glob("*.mp4")) == ["ok.mp4"]
 
 
 def test_workers_with_a_sampler_that_cannot_split_render_whole_clips_and_say_why(prompts_file, tmp_path):
     result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--cpu-workers", 4,
-                   "--preset", "diffusers", "--set", "request.width=32", "--set", "request.height=32",
+                   "--preset", "diffusers", "--set", "model.needs=any", "--set", "request.width=32", "--set", "request.height=32",
                    "--set", "sampler.steps=3", env=ENV, check_code=0)
     assert ("h3gen: layout 4 group(s) x 1 CPU worker: data parallel, 4 clip(s) at a time (no Ulysses: the sampler "
             "stage 'diffusers' renders a clip on one rank)") in result.stderr

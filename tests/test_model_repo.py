@@ -61,7 +61,7 @@ def test_garbage_safetensors_names_the_file(repo_copy):
 def test_shapes_that_do_not_match_the_config_exit_2(repo_copy, prompts_file, tmp_path):
     config = repo_copy / "transformer" / "config.json"
     config.write_text(config.read_text().replace('"hidden_size": 64', '"hidden_size": 96'))
-    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--model", repo_copy)
+    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--model", repo_copy, "--preset", "tiny")
     assert result.returncode == 2
     assert "cannot load transformer" in result.stderr and result.stderr.strip().count("\n") <= 2
     assert not list((tmp_path / "out").glob("*.mp4"))

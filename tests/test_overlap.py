@@ -70,7 +70,7 @@ def test_overlapping_runs_on_one_directory_never_write_the_same_clip(prompts_fil
         assert run.returncode == 0, stderr[-2000:]
     events = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
     for name in "abc":
-        statuses = sorted(e["status"] for e in events if e["file"] == f"{name}.mp4")
+        statuses = sorted(e["status"] for e in events if e["path"] == str(out / f"{name}.mp4"))
         assert statuses.count("ok") == 1, (name, statuses)  # written once; the other run skipped it
         assert len(statuses) == 2 and set(statuses) <= {"ok", "busy", "skipped"}
         assert validate_clip(out / f"{name}.mp4", expected_frames=124) == []

@@ -1,5 +1,7 @@
 """Presets: versioned TOML naming registered stages, overrides with --set, provenance of every value."""
 
+import shutil
+
 import pytest
 
 from conftest import h3gen
@@ -83,3 +85,21 @@ def test_presets_cli_list_and_show():
 def test_presets_show_bad_value_exits_2():
     result = h3gen("presets", "show", "tiny", "--set", "sampler.nope=1")
     assert result.returncode == 2 and "unknown key 'nope'" in result.stderr
+
+
+def test_a_preset_runs_only_on_the_model_it_is_made_for(prompts_file, tiny_model, tmp_path):
+    prompts, out = prompts_file("a fox\n"), tmp_path / "out"
+    real = h3gen("render", prompts, "-o", out, "--preset", "h3-base", check_code=2)
+    assert "preset h3-base needs a MiniMax-H3 repository, and the embedded tiny model was given" in real.stderr
+    assert "--set model.needs=any" in real.stderr and "loaded on" not in real.stderr
+    # --model without --preset is h3-base: refused on the tiny model for the same reason
+    picked = h3gen("render", prompts, "-o", out, "--model", tiny_model, check_code=2)
+    assert "preset h3-base needs a MiniMax-H3 repository" in picked.stderr
+    looks_real = tmp_path / "model"
+    shutil.copytree(tiny_model, looks_real)
+    config = looks_real / "transformer" / "config.json"
+    config.write_text(config.read_text().replace('"hidden_size": 64', '"hidden_size": 5120'))
+    tiny = h3gen("render", prompts, "-o", out, "--model", looks_real, "--preset", "tiny", check_code=2)
+    assert f"preset tiny is made for the tiny smoke-test model, and {looks_real} is a MiniMax-H3" in tiny.stderr
+    assert "loaded on" not in tiny.stderr and not out.exists() or not list(out.glob("*.mp4"))
+    assert "h3-base with --model" in " ".join(h3gen("render", "--help", check_code=0).stdout.split())

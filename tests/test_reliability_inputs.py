@@ -77,7 +77,7 @@ def test_prompts_file_that_is_a_directory(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     (lambda t: t.replace("steps = 4", "steps = 4 4"), "is not valid TOML: Expected newline or end of document "
-                                                      "after a statement (at line 18, column 11)"),
+                                                      "after a statement (at line 21, column 11)"),
     (lambda t: t.replace("[sampler]\n", "[sampler]\nwobble = 1\n"), "unknown key 'wobble' in preset bad [sampler]"),
     (lambda t: t.replace('use = "euler"', 'use = "fancy"'), "unknown sampler stage 'fancy' (registered sampler stages:"),
     (lambda t: t.replace("steps = 4", "steps = 4.5"), "preset bad [sampler].steps must be int, got 4.5"),
@@ -170,6 +170,6 @@ def test_pickles_and_remote_code_in_the_model_directory_are_never_run(model_copy
         config_path.write_text(json.dumps({**config, "auto_map": auto_map, "trust_remote_code": True}))
         (config_path.parent / "bait.py").write_text(bait)
     out = tmp_path / "out"
-    h3gen("render", prompts_file("x\n"), "-o", out, "--model", model_copy, check_code=0)
+    h3gen("render", prompts_file("x\n"), "-o", out, "--model", model_copy, "--preset", "tiny", check_code=0)
     assert not marker.exists(), marker.read_text()
     assert len(list(out.glob("*.mp4"))) == 1

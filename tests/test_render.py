@@ -1,6 +1,10 @@
 """`h3gen render` end to end on the embedded tiny model, the way a user runs it."""
 
 import json
+import os
+import re
+import subprocess
+import sys
 
 from conftest import h3gen
 from h3gen.run.validate import validate_clip
@@ -54,12 +58,40 @@ def test_failed_clip_exits_1_and_the_others_are_written(prompts_file, tmp_path):
     assert [p.name for p in (tmp_path / "out").glob("*.mp4")] == [first["path"].rsplit("/", 1)[1]]
 
 
-def test_plain_lines_when_stderr_is_not_a_terminal(prompts_file, tmp_path):
-    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", check_code=0)
-    lines = result.stderr.splitlines()
-    assert any(line.startswith("[1/1] sampler ") for line in lines)
-    assert any("wrote" in line and "RTF" in line for line in lines)
-    assert result.stdout == ""
+LONG = "a red fox trots through fresh snow at dawn while crows call from the bare trees of the valley"
+FORGED = LONG + "\nh3gen: error: forged \x1b[31mred"
+
+
+def test_plain_lines_read_in_a_log(prompts_file, tmp_path):
+    """stderr to a file: timestamped lines, a heartbeat in the sampler, full names and escaped prompts, a plain
+    aligned summary with the wall time, and no third-party progress bar (the tiny model is written by this run)."""
+    prompts = prompts_file(json.dumps({"prompt": FORGED}) + "\n")
+    with open(tmp_path / "log", "w+") as log:
+        run = subprocess.run([sys.executable, "-m", "h3gen.cli.main", "render", str(prompts), "-o", str(tmp_path / "out")],
+                             stderr=log, stdout=subprocess.PIPE, env={**os.environ, "H3GEN_HEARTBEAT_S": "0",
+                                                                      "XDG_CACHE_HOME": str(tmp_path / "cache")})
+        log.seek(0)
+        text = log.read()
+    assert run.returncode == 0, text[-3000:]
+    lines = text.splitlines()
+    stamp = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (.*)$")
+    assert all(stamp.match(line) for line in lines), text
+    said = [stamp.match(line).group(1) for line in lines]
+    assert any(re.fullmatch(r"\[1/1\] sampler step 1/3, \d+s, ETA \d+s", line) for line in said), text
+    assert any(line.startswith("[1/1] sampler ") and line.endswith("s") for line in said)
+    assert any("wrote" in line and "RTF" in line for line in said)
+    name = next((tmp_path / "out").glob("*.mp4")).name
+    assert any(line.startswith(f"{name}  ok") for line in said), text  # the summary: plain, with the full name
+    assert LONG + "\\nh3gen: error: forged \\x1b[31mred" in text
+    assert "\x1b" not in text and "\r" not in text and not any(line.startswith("h3gen: error") for line in said)
+    assert re.search(r"1 of 1 clips written \(\d+s in all\)$", said[-1])
+    assert not any(c in text for c in "┏┃│└")
+
+
+def test_shown_escapes_what_a_terminal_would_act_on():
+    from h3gen.text import shown
+
+    assert shown("a\nb\r\x00\x1b[2J\u2028c é 日本") == "a\\nb\\r\\x00\\x1b[2J\\u2028c é 日本"
 
 
 def test_validate_command_reports_bad_files(tmp_path):

@@ -96,7 +96,7 @@ def prompts_for(media, cases) -> str:
 def rendered(media, tiny_model, tmp_path_factory):
     """Every case in one run of the reference path: its output folder and its --json records by id."""
     out = tmp_path_factory.mktemp("tasks")
-    result = h3gen("render", prompts_for(media, CASES), "-o", out, "--model", tiny_model, "--save-latents", "--json",
+    result = h3gen("render", prompts_for(media, CASES), "-o", out, "--model", tiny_model, "--preset", "tiny", "--save-latents", "--json",
                    "--set", f"sampler.steps={STEPS}", check_code=0)
     return out, {record["id"]: record for record in map(json.loads, result.stdout.splitlines())}
 
@@ -157,7 +157,7 @@ def test_fast_dit_runs_both_conditioned_layouts(rendered, media, tiny_model, tmp
     from safetensors.torch import load_file
 
     cases = ["fl2va-both", "ref2va-mixed"]
-    h3gen("render", prompts_for(media, cases), "-o", tmp_path, "--model", tiny_model, "--save-latents",
+    h3gen("render", prompts_for(media, cases), "-o", tmp_path, "--model", tiny_model, "--preset", "tiny", "--save-latents",
           "--set", f"sampler.steps={STEPS}", "--set", 'sampler.dit="h3gen"', check_code=0)
     for name in cases:
         fast, reference = (load_file(str(folder / f"{name}.latents.safetensors")) for folder in (tmp_path, rendered[0]))

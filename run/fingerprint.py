@@ -1,0 +1,141 @@
+"""A clip's render fingerprint: everything that decides its bytes, as named fields and one digest of them.
+
+It is stored in the MP4 (its `comment` tag) and in the manifest, so a rerun skips a clip only when the clip on disk
+was rendered from the same model, resolved preset, request and stage versions, and otherwise says which field
+differs. The machine is not part of it (device, CPU threads): a clip's settings are, where it ran is not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import cache
+from pathlib import Path
+
+# Bumped by a change to h3gen that changes the bytes of a clip rendered with the same settings, so reruns redo them.
+RENDER_VERSION = 1
+# Resolved preset values that change how a run goes, never what a clip holds (streamed blocks: tests/test_streaming.py;
+# a memory budget only picks how many).
+NOT_IN_OUTPUT = ("version", "request.", "runtime.device", "runtime.vram_gib", "parallel.", "model.", "mux.workers",
+                 "encode.cache", "sampler.stream_blocks")
+TAG = "comment"  # the MP4 metadata key; ffmpeg's mp4 muxer keeps only the standard ones
+
+
+def digest(fields: dict) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def plain(value):
+    """A JSON value for a config value (paths and tuples as JSON has them)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def run_fields(preset, registry, repo) -> dict:
+    """The fields every clip of a run shares: h3gen's render version, the model, the preset and its stages."""
+    from h3gen.config.preset import describe
+
+    fields = {"h3gen": RENDER_VERSION, "model": model_identity(str(repo.root)), "preset": preset.name}
+    for key, value, _ in describe(preset):
+        if not key.startswith(NOT_IN_OUTPUT):
+            fields[key] = plain(value)
+    for kind, (name, _) in preset.stages.items():
+        stage = registry.stage(kind, name)
+        fields[f"{kind}.use"] = f"{name} {stage_version(stage)}"
+        # A stage may declare config keys that change how it runs, never what it writes (`output_neutral`).
+        for key in getattr(stage, "output_neutral", ()):
+            fields.pop(f"{kind}.{key}", None)
+    for index, path in enumerate(adapter_files(preset, repo.root)):
+        fields[f"adapter.file{index}"] = file_digest(path)
+    return fields
+
+
+def clip_fields(run: dict, request) -> dict:
+    """A clip's fields: the run's and its request's (the media files by their content)."""
+    fields = dict(run, **{"request.prompt": request.prompt, "request.seed": request.seed,
+                          "request.size": f"{request.width}x{request.height}", "request.frames": request.frames})
+    for key in ("first_frame", "last_frame"):
+        if getattr(request, key):
+            fields[f"request.{key}"] = file_digest(getattr(request, key))
+    if request.references:
+        fields["request.references"] = [f"{r.kind} {file_digest(r.path)}" for r in request.references]
+    return fields
+
+
+def stamp(fields: dict) -> str:
+    """What the MP4's tag holds: the digest and the fields, so a rerun can say what changed."""
+    return json.dumps({"h3gen_fingerprint": digest(fields), "fields": fields}, sort_keys=True, ensure_ascii=False)
+
+
+def read_stamp(path: Path) -> dict | None:
+    """The fields stored in an MP4 by `stamp`, or None for a clip without them."""
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            stored = json.loads(container.metadata.get(TAG, ""))
+        return stored["fields"] if isinstance(stored.get("fields"), dict) else None
+    except (av.FFmpegError, OSError, ValueError, AttributeError):
+        return None
+
+
+def differences(old: dict | None, new: dict) -> list[str]:
+    """`FIELD: OLD -> NEW` for each field that differs (a clip from before fingerprints: one line saying so)."""
+    if old is None:
+        return ["fingerprint: none -> " + digest(new)]
+    keys = sorted(set(old) | set(new))
+    return [f"{key}: {shown(old.get(key))} -> {shown(new.get(key))}" for key in keys if old.get(key) != new.get(key)]
+
+
+def shown(value) -> str:
+    from h3gen.text import shown as escaped
+
+    text = escaped("(none)" if value is None else value if isinstance(value, str) else json.dumps(value))
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def stage_version(stage: type) -> str:
+    """A stage's own `version` when it declares one; else its distribution's version (h3gen's render version for
+    the built-ins)."""
+    declared = getattr(stage, "version", None)
+    if declared is not None:
+        return str(declared)
+    top = stage.__module__.split(".")[0]
+    if top == "h3gen":
+        return f"h3gen/{RENDER_VERSION}"
+    from importlib.metadata import packages_distributions, version
+
+    names = packages_distributions().get(top, [])
+    return f"{names[0]}/{version(names[0])}" if names else f"{top}/unversioned"
+
+
+def adapter_files(preset, model_root) -> list[Path]:
+    from h3gen.config.contract import find_adapter
+
+    return [find_adapter(name, model_root).weights for name in preset.adapter.paths]
+
+
+@cache
+def model_identity(root: str) -> str:
+    """The repository's weights and configs without reading the weights: each file's path and size, the header of
+    each safetensors file, and the content of every other file up to 64 MiB."""
+    hashed = hashlib.sha256()
+    base = Path(root)
+    for path in sorted(p for p in base.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        hashed.update(f"{path.relative_to(base)}\0{path.stat().st_size}\0".encode())
+        hashed.update(file_summary(path))
+    return hashed.hexdigest()[:16]
+
+
+def file_summary(path: Path) -> bytes:
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        if path.suffix == ".safetensors":
+            length = f.read(8)
+            return length + f.read(min(int.from_bytes(length, "little"), 2**27))
+        return f.read() if size <= 2**26 else str(path.stat().st_mtime_ns).encode()
+
+
+def file_digest(path: Path) -> str:
+    """A file the request or preset names, by its content (a safetensors file by its summary)."""
+    path = Path(path)
+    return hashlib.sha256(file_summary(path) + str(path.stat().st_size).encode()).hexdigest()[:16]

@@ -1,0 +1,82 @@
+"""The render fingerprint: a rerun skips a clip only when what decides its bytes is what the clip was rendered with."""
+
+import dataclasses
+import json
+import re
+import shutil
+
+from conftest import h3gen
+from h3gen.run import fingerprint
+
+
+def conflicts(result) -> list[str]:
+    """The clip's own line (the summary repeats it)."""
+    return [line for line in result.stderr.splitlines()
+            if re.search(r"^\S+ \S+ \[1/1\] .*exists, rendered with different settings \(", line)]
+
+
+def test_a_rerun_skips_only_on_a_matching_fingerprint(prompts_file, tmp_path, tiny_model):
+    prompts = prompts_file('{"id": "c", "prompt": "a lighthouse at night", "seed": 3}\n')
+    out = tmp_path / "out"
+    first = h3gen("render", prompts, "-o", out, "--json", check_code=0)
+    clip = (out / "c.mp4").read_bytes()
+    written = json.loads(first.stdout)
+    with __import__("av").open(str(out / "c.mp4")) as container:
+        stored = json.loads(container.metadata["comment"])
+    assert stored["h3gen_fingerprint"] == written["fingerprint"] == fingerprint.digest(stored["fields"])
+
+    same = h3gen("render", prompts, "-o", out, "--json", check_code=0)
+    assert json.loads(same.stdout)["status"] == "skipped" and not conflicts(same)
+
+    other_model = tmp_path / "other-model"
+    shutil.copytree(tiny_model, other_model)
+    config = other_model / "transformer" / "config.json"
+    config.write_text(config.read_text().replace('"norm_eps": 1e-05', '"norm_eps": 1e-06'))
+    changed = {"preset value": (prompts, "--set", "sampler.steps=3"),
+               "request": (prompts_file('{"id": "c", "prompt": "a lighthouse at night", "seed": 4}\n'),),
+               "model": (prompts, "--model", other_model, "--preset", "tiny")}
+    for what, args in changed.items():
+        rerun = h3gen("render", args[0], "-o", out, "--json", *args[1:], check_code=1)
+        record = json.loads(rerun.stdout)
+        assert record["status"] == "conflict" and not record["ok"], what
+        [line] = conflicts(rerun)
+        assert "--force to redo, or -o elsewhere" in line, what
+        assert "there from other settings" in rerun.stderr, what
+    assert "sampler.steps: 4 -> 3" in record_error(out, 2)
+    assert "request.seed: 3 -> 4" in record_error(out, 3)
+    assert "model: " in record_error(out, 4)
+    manifest = [json.loads(line)["status"] for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert manifest == ["ok", "skipped", "conflict", "conflict", "conflict"]
+    assert (out / "c.mp4").read_bytes() == clip  # a conflict leaves the clip as it was
+
+
+def record_error(out, index: int) -> str:
+    return json.loads((out / "manifest.jsonl").read_text().splitlines()[index])["error"]
+
+
+def test_stage_versions_and_adapter_files_are_fields(tmp_path):
+    from h3gen.config.preset import resolve
+    from h3gen.plugins.manager import registry
+
+    class Versioned:
+        version = "2.1"
+
+    class Unversioned:
+        pass
+
+    Unversioned.__module__ = "h3gen.stages.somewhere"
+    assert fingerprint.stage_version(Versioned) == "2.1"
+    assert fingerprint.stage_version(Unversioned) == f"h3gen/{fingerprint.RENDER_VERSION}"
+
+    found = registry()
+    preset = resolve("tiny", found)
+    repo = type("Repo", (), {"root": tmp_path})()
+    base = fingerprint.run_fields(preset, found, repo)
+    adapter = tmp_path / "style.safetensors"
+    adapter.write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+    with_adapter = dataclasses.replace(preset, adapter=dataclasses.replace(preset.adapter, paths=[str(adapter)]))
+    first = fingerprint.run_fields(with_adapter, found, repo)
+    adapter.write_bytes(b"\x03\x00\x00\x00\x00\x00\x00\x00{} ")
+    second = fingerprint.run_fields(with_adapter, found, repo)
+    assert len({fingerprint.digest(f) for f in (base, first, second)}) == 3
+    assert fingerprint.differences(first, second)[0].startswith("adapter.file0: ")

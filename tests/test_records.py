@@ -1,0 +1,60 @@
+"""One record shape: --json lines and manifest lines share their fields, in every layout, with paths as given."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import h3gen
+
+PROMPTS = 'a fox in the snow\n{"id": "waves", "prompt": "waves on rocks", "seed": 5}\n'
+TIMINGS = ("seconds", "end_to_end_s", "rtf")
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def without(record: dict, *keys) -> dict:
+    return {k: v for k, v in record.items() if k not in keys}
+
+
+def test_one_process_and_cpu_workers_print_the_same_records_but_for_timings(prompts_file, tmp_path):
+    prompts = prompts_file(PROMPTS)
+    runs = {}
+    for out, layout in (("one", ()), ("workers", ("--cpu-workers", 2))):
+        result = h3gen("render", prompts.name, "-o", out, "--json", *layout, cwd=tmp_path, env=ENV, check_code=0)
+        runs[out] = sorted(map(json.loads, result.stdout.splitlines()), key=lambda r: r["line"])
+    for one, workers in zip(runs["one"], runs["workers"]):
+        assert one["path"].startswith("one/") and workers["path"] == one["path"].replace("one/", "workers/", 1)
+        assert without(one, "path", *TIMINGS) == without(workers, "path", *TIMINGS)
+        assert one["status"] == "ok" and one["peak_gib"] is None and one["end_to_end_s"] > 0  # CPU: not measured
+    manifest = [json.loads(line) for line in (tmp_path / "one" / "manifest.jsonl").read_text().splitlines()]
+    assert [without(line, "time", "pid") for line in manifest] == runs["one"]
+
+    again = h3gen("render", prompts.name, "-o", "one", "--json", cwd=tmp_path, env=ENV, check_code=0)
+    for record in map(json.loads, again.stdout.splitlines()):
+        assert record["status"] == "skipped" and record["ok"]
+        assert [record[k] for k in ("end_to_end_s", "rtf", "forwards", "peak_gib")] == [None] * 4
+    assert "smoke-test model" not in again.stderr  # nothing renders: no note about the model that would
+
+    (tmp_path / "more.txt").write_text(PROMPTS + "a third prompt\n")
+    dry = h3gen("render", "more.txt", "-o", "one", "--dry-run", "--set", "mux.crf=20", cwd=tmp_path, check_code=0)
+    first, second, third = dry.stdout.splitlines()
+    assert first.startswith("conflict one/h3-") and "mux.crf: 18 -> 20" in first
+    assert second.startswith("conflict one/waves.mp4: exists, rendered with different settings")
+    assert third.startswith("render   one/h3-") and "loaded on" not in dry.stderr
+    planned = h3gen("render", "more.txt", "-o", "one", "--dry-run", "--json", cwd=tmp_path, check_code=0)
+    assert [json.loads(line)["action"] for line in planned.stdout.splitlines()] == ["skip", "skip", "render"]
+    assert len(list((tmp_path / "one").glob("*.mp4"))) == 2
+
+
+def test_a_closed_stdout_ends_the_run_as_sigpipe_does(prompts_file, tmp_path):
+    out = tmp_path / "out"
+    run = subprocess.Popen([sys.executable, "-m", "h3gen.cli.main", "render", str(prompts_file(PROMPTS)), "-o",
+                            str(out), "--json", "--set", "mux.workers=0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, **ENV})
+    run.stdout.close()  # `| head -0`: the reader is gone before the first record (muxes in line: in order)
+    stderr = run.stderr.read()
+    assert run.wait(timeout=300) == 141, stderr[-2000:]
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr and "BrokenPipe" not in stderr
+    assert "1 of 2 clips written" in stderr and "stopped by SIGPIPE" in stderr
+    assert len(list(out.glob("*.mp4"))) == 1 and not list(out.glob(".*"))
+    assert [json.loads(line)["status"] for line in (out / "manifest.jsonl").read_text().splitlines()] == ["ok"]
