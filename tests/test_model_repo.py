@@ -80,7 +80,8 @@ def test_a_config_that_does_not_match_its_weights_names_the_file(repo_copy, prom
     fields = json.loads(config.read_text())
     fields["num_layers"] += 1
     config.write_text(json.dumps(fields))
-    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--model", repo_copy)
+    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--model", repo_copy,
+                   "--preset", "tiny")
     assert result.returncode == 2, result.stderr[-2000:]
     error = result.stderr.strip().splitlines()[-1]
     assert error.startswith("h3gen: error: ") and str(config) in error, error
