@@ -174,7 +174,8 @@ def test_sigterm_with_workers_counts_every_clip_written(tmp_path):
     run.send_signal(signal.SIGTERM)
     stdout, stderr = run.communicate(timeout=120)
     assert run.returncode == 143, stderr[-3000:]
-    in_manifest = [r["path"].rsplit("/", 1)[-1] for r in map(json.loads, manifest.read_text().splitlines()) if r["status"] == "ok"]
+    in_manifest = [r["path"].rsplit("/", 1)[-1] for r in map(json.loads, manifest.read_text().splitlines())
+                   if r["status"] == "ok"]
     in_json = [r["path"].rsplit("/", 1)[-1] for r in map(json.loads, stdout.splitlines()) if r["ok"]]
     on_disk = sorted(p.name for p in out.glob("*.mp4"))
     assert sorted(in_manifest) == sorted(in_json) == on_disk, (in_manifest, in_json, on_disk)
