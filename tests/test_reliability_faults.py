@@ -425,7 +425,7 @@ def test_a_full_output_disk_fails_every_clip_cleanly(full_disk, prompts_file, ti
     """No space for an MP4, a manifest line or a claim: each clip fails with one line, the run ends with its
     summary and exit 1, no traceback, nothing partial."""
     result = h3gen("render", prompts_file("a fox\nwaves\n"), "-o", full_disk, "--json", "--save-latents",
-                   "--model", tiny_model)
+                   "--model", tiny_model, "--preset", "tiny")
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "Error" not in result.stderr.replace("error", ""), result.stderr[-3000:]
     lines = [json.loads(line) for line in result.stdout.splitlines()]
@@ -437,7 +437,7 @@ def test_a_full_output_disk_fails_every_clip_cleanly(full_disk, prompts_file, ti
 def test_a_full_cache_disk_costs_only_the_cache(full_disk, prompts_file, tiny_model, tmp_path):
     """The embedding cache lives on another disk; when that one is full, clips render as without a cache."""
     out = tmp_path / "out"
-    result = h3gen("render", prompts_file("a fox\n"), "-o", out, "--json", "--model", tiny_model,
+    result = h3gen("render", prompts_file("a fox\n"), "-o", out, "--json", "--model", tiny_model, "--preset", "tiny",
                    env={"XDG_CACHE_HOME": str(full_disk)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert [json.loads(line)["ok"] for line in result.stdout.splitlines()] == [True]

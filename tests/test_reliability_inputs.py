@@ -143,7 +143,7 @@ def test_pickle_only_checkpoint_is_refused_and_never_unpickled(model_copy, promp
     weights.unlink()
     weights.with_suffix(".bin").write_bytes(pickle.dumps(PickleBait(marker)))
     out = tmp_path / "out"
-    result = h3gen("render", prompts_file("x\n"), "-o", out, "--model", model_copy)
+    result = h3gen("render", prompts_file("x\n"), "-o", out, "--model", model_copy, "--preset", "tiny")
     refused(result, "diffusion_pytorch_model.bin is a pickle checkpoint; h3gen loads safetensors only")
     assert not marker.exists() and not list(out.glob("*.mp4"))
 
