@@ -244,7 +244,8 @@ def _stage(kind: str, data: dict, registry, where: str, sources: dict, key: str 
         raise UsageError(f"{where}: [{key}] needs use = \"<registered name>\"",
                          f"registered {kind} stages: {', '.join(sorted(n for k, n in registry.stages if k == kind))}")
     stage = registry.stage(kind, name)
-    wraps = section.pop("wraps", None) if is_wrapper(registry, kind, name) else None
+    wrapping = is_wrapper(registry, kind, name)
+    wraps = section.pop("wraps", None) if wrapping else None
     if isinstance(wraps, dict):
         fields = {field.name for field in dataclasses.fields(stage.Config)}
         for unknown in (k for k in section if k not in fields):
@@ -252,7 +253,7 @@ def _stage(kind: str, data: dict, registry, where: str, sources: dict, key: str 
                              f"'{wraps.get('use')}', which may take it",
                              f"set the wrapped stage's keys under [{key}.wraps], or --set {key}.wraps.{unknown}=...")
     config = build_config(stage.Config, section, f"{where} [{key}]")
-    if wraps is not None or is_wrapper(registry, kind, name):
+    if wrapping:
         from h3gen.stages.base import Wrapped
 
         if wraps is None:
@@ -262,7 +263,7 @@ def _stage(kind: str, data: dict, registry, where: str, sources: dict, key: str 
         config.wraps = Wrapped(inner[0], registry.stage(kind, inner[0]), inner[1])
     sources.setdefault(f"{key}.use", where)
     for field in dataclasses.fields(config):
-        if field.name != "wraps" or wraps is None:
+        if not (wrapping and field.name == "wraps"):
             sources.setdefault(f"{key}.{field.name}",
                                where if field.name in section else f"default of {kind} '{name}'")
     return name, config

@@ -36,13 +36,20 @@ def _flash_attn_4():
     return functools.partial(_flash_attn_fwd, **FLASH_ATTN_4_OPTIONS)
 
 
+def optional(module: str, name: str = ""):
+    """An optional dependency's module (or one name in it); None when it is missing or its install is broken."""
+    import importlib
+
+    try:
+        found = importlib.import_module(module)
+        return getattr(found, name) if name else found
+    except Exception:  # a broken install counts as absent
+        return None
+
+
 @functools.cache
 def _fa3():
-    try:
-        from fa3_fwd_interface import flash_attn_func
-    except Exception:  # an optional dependency; a broken install counts as absent
-        return None
-    return flash_attn_func
+    return optional("fa3_fwd_interface", "flash_attn_func")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,11 +12,9 @@ SCALARS = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale
 
 @functools.cache
 def cudnn_module():
-    try:
-        import cudnn
-    except Exception:  # an optional dependency; a broken install counts as absent
-        return None
-    return cudnn
+    from h3gen.kernels.attention import optional
+
+    return optional("cudnn")
 
 
 class _FP8Graph:

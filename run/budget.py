@@ -109,16 +109,19 @@ def dit_sizes(preset, repo) -> DiTSizes:
     config = H3DiTConfig.from_dict(json.loads((repo.path("transformer") / "config.json").read_text()))
     quant_name, quant = preset.stages["quant"]
     fp8 = quant_name == "fp8-rowwise" and "dit" in quant.roles
-    element = 4 if preset.runtime["dtype"] == "float32" else 2
+    element = element_bytes(preset)
     return DiTSizes.of(config, 1 if fp8 else element, 2 * forwards(preset.stages["sampler"][1]) + 2, element)
+
+
+def element_bytes(preset) -> int:
+    return 4 if preset.runtime["dtype"] == "float32" else 2
 
 
 def activations(preset, requests, repo) -> int:
     from h3gen.run.memory import DiTShape, peak_bytes
 
     shape = DiTShape.from_config(repo.path("transformer") / "config.json")
-    element = 4 if preset.runtime["dtype"] == "float32" else 2
-    return max(peak_bytes(request, shape, 0, element) for request in requests)
+    return max(peak_bytes(request, shape, 0, element_bytes(preset)) for request in requests)
 
 
 def check_host(plan: MemoryPlan) -> MemoryPlan:

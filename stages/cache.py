@@ -31,7 +31,6 @@ class StepCache:
         self.first_blocks, self.last_blocks = policy.config.first_blocks, policy.config.last_blocks
         self.step, self.streak, self.reused = -1, 0, 0
         self.head = self.middle = None
-        self.distances: list[tuple[float, float]] = []  # (video, audio) per forward that measured one
 
     def next_forward(self) -> None:
         self.step += 1
@@ -66,7 +65,6 @@ class StepCache:
 
             dist.all_reduce(sums, group=self.group)
         video, audio = (float(sums[i] / sums[i + 1].clamp_min(1e-12)) for i in (0, 2))
-        self.distances.append((video, audio))
         return video, audio
 
 
@@ -131,13 +129,14 @@ class ScheduleConfig:
     last_blocks: int = 0
 
 
-class ScheduleCache(ResidualCache):
+class ScheduleCache(NoCache):
     name = "schedule"
     Config = ScheduleConfig
     description = "the forwards listed in `steps` computed in full, the others reuse the middle blocks' residual"
+    reuses = True
 
     def __init__(self, config, runtime):
-        Stage.__init__(self, config, runtime)
+        super().__init__(config, runtime)
         if config.first_blocks < 1 or config.last_blocks < 0 or any(step < 0 for step in config.steps):
             raise UsageError("cache schedule: first_blocks >= 1, last_blocks >= 0, steps counted from 0",
                              "fix the [cache] values")

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from conftest import h3gen
+from h3gen.run.report import SilentReporter
 from h3gen.run.validate import validate_clip
 
 THREE = '{"id": "a", "prompt": "a fox"}\n{"id": "b", "prompt": "waves"}\n{"id": "c", "prompt": "rain on a roof"}\n'
@@ -77,7 +78,7 @@ def test_overlapping_runs_on_one_directory_never_write_the_same_clip(prompts_fil
     assert not list(out.glob(".*"))  # no claims or partial files left behind
 
 
-class EventLog:
+class EventLog(SilentReporter):
     """A reporter that keeps what the run said and when each clip started, in order."""
 
     def __init__(self):
@@ -86,26 +87,8 @@ class EventLog:
     def say(self, text):
         self.events.append(("say", text))
 
-    def start(self):
-        return self
-
-    def stop(self):
-        pass
-
     def clip_started(self, clip):
         self.events.append(("started", clip.request.index))
-
-    def stage_done(self, clip, kind, seconds):
-        pass
-
-    def step(self, clip, step, steps):
-        pass
-
-    def clip_done(self, result):
-        pass
-
-    def summary(self, results, total=None):
-        pass
 
 
 def test_a_long_batch_starts_rendering_after_its_first_chunk_of_prompts(tiny_model, tmp_path, monkeypatch):
