@@ -53,21 +53,19 @@ def batch_requests(plan: BenchPlan, seconds: float, clips: int, warmup: int = 0)
 
 
 def run_batch(plan: BenchPlan, registry, source, random_weights: str | None, clips: int, say=print) -> list[dict]:
-    from h3gen.config.preset import resolve
-
     names = ([(plan.baseline, True)] if plan.baseline else []) + [(name, False) for name in plan.presets]
     records = []
     with tempfile.TemporaryDirectory(prefix="h3gen-batch-") as workdir:
         for seconds in plan.durations:
             for name, baseline in names:
-                preset = resolve(name, registry)
+                preset = plan.preset(name, baseline, registry)
                 full_forwards = preset_forwards(preset)
                 cache_dir = Path(workdir) / f"cache-{name}-{seconds:g}" if plan.warm_cache else None
-                overrides = (forward_overrides(preset, plan.forwards) + cache_overrides(preset, cache_dir)
+                overrides = (forward_overrides(preset, plan.forwards, registry) + cache_overrides(preset, cache_dir)
                              + adapter_overrides(random_weights))
                 if baseline:  # the baseline renders clip by clip: nothing in the background
                     overrides.append("mux.workers=0")
-                preset = resolve(name, registry, overrides)
+                preset = plan.preset(name, baseline, registry, *overrides)
                 count = (plan.baseline_clips or clips) if baseline else clips
                 for run in ("cold", "warm") if plan.warm_cache else (None,):
                     say(f"bench: batch of {count} x {seconds:g} s clips with {name}"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from h3gen import __version__
 
-TABLE_STAGES = ("encode", "dit", "vae_video", "vae_audio", "transfer", "mux", "e2e")
+TABLE_STAGES = ("encode", "dit", "cache_check", "vae_video", "vae_audio", "transfer", "mux", "e2e")
 CHART_STAGES = ("encode", "dit", "vae_video", "vae_audio", "transfer", "mux")
 
 

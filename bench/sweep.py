@@ -13,18 +13,19 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from h3gen.inputs.request import AUDIO_CHANNELS, Request
+from h3gen.inputs.request import AUDIO_CHANNELS, FPS, MAX_SECONDS, Request
 from h3gen.stages.clip import PIPELINE, Clip
 from h3gen.run.render import Runtime, pick_device
 from h3gen.run.timing import StageTimer
 
 SAMPLES_PER_AUDIO_LATENT = 800
-RECORD_STAGES = ("encode", "dit", "vae_video", "vae_audio", "transfer", "mux", "e2e")
+RECORD_STAGES = ("encode", "dit", "cache_check", "vae_video", "vae_audio", "transfer", "mux", "e2e")
 
 
 def bench_frames(seconds: float) -> int:
-    """5 / 10 / 15 s -> 124 / 243 / 362 frames: the nearest 17n+5."""
-    return 17 * round((seconds * 24 - 5) / 17) + 5
+    """5 / 10 / 15 s -> 124 / 243 / 345 frames: the nearest 17n+5 within H3's 15 s (as `h3gen render` caps it)."""
+    frames = 17 * round((seconds * FPS - 5) / 17) + 5
+    return frames - 17 if frames > MAX_SECONDS * FPS else frames
 
 
 @dataclasses.dataclass
@@ -42,11 +43,19 @@ class BenchPlan:
     seed: int = 1101
     warm_cache: bool = False  # --batch: each batch twice over one fresh embedding cache, cold then warm
     baseline_clips: int | None = None  # --batch: the baseline's clip count, when not the batch's
+    overrides: list[str] = dataclasses.field(default_factory=list)  # --set, on every preset but the baseline
+
+    def preset(self, name: str, baseline: bool, registry, *more: str):
+        """The preset as measured: the plan's overrides (not on the baseline), then `more`."""
+        from h3gen.config.preset import resolve
+
+        return resolve(name, registry, ([] if baseline else self.overrides) + list(more))
 
 
-def forward_overrides(preset, forwards: int | None) -> list[str]:
-    """Overrides that make the sampler run `forwards` forwards (per-forward time does not depend on sigma)."""
-    if not forwards:
+def forward_overrides(preset, forwards: int | None, registry) -> list[str]:
+    """Overrides that make the sampler run `forwards` forwards (per-forward time does not depend on sigma). A preset
+    whose step cache reuses runs all its forwards: a reused forward costs less than a computed one."""
+    if not forwards or reuses_forwards(preset, registry):
         return []
     overrides = [f"sampler.steps={forwards + 1}"]
     if hasattr(preset.stages["sampler"][1], "sigma_positions"):
@@ -68,6 +77,11 @@ def adapter_overrides(random_weights: str | None) -> list[str]:
     return ["adapter.paths=[]"] if random_weights else []
 
 
+def reuses_forwards(preset, registry) -> bool:
+    name = preset.stages.get("cache", ("none", None))[0]
+    return registry.stage("cache", name).reuses
+
+
 def preset_forwards(preset) -> int:
     from h3gen.stages.sampler import forwards
 
@@ -86,11 +100,11 @@ class StageBench:
         self.runtime = Runtime(device, getattr(torch, preset.runtime["dtype"]), StageTimer(device))
         self.stages = {kind: registry.stage(kind, name)(config, self.runtime)
                        for kind, (name, config) in preset.stages.items()}
-        self.runtime.quant = self.stages["quant"]
+        self.runtime.quant, self.runtime.cache = self.stages["quant"], self.stages["cache"]
         self.stages["quant"].load(source)
         self.clip = Clip(request=request, path=workdir / "bench.mp4", preset=preset.name)
         self.peaks: dict[str, float] = {}
-        self.forwards_run = 0
+        self.forwards_run = self.forwards_reused = 0
 
     def run(self) -> list[dict[str, float]]:
         """Per repeat, the seconds of every stage and part of a stage that ran."""
@@ -121,6 +135,7 @@ class StageBench:
                 timed.append(clip.seconds)
             self.clip = clip
             self.forwards_run = clip.forwards or self.forwards_run
+            self.forwards_reused = clip.forwards_reused or self.forwards_reused
             self.peaks[kind] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
         finally:
             stage.unload()
@@ -158,7 +173,7 @@ def summarize(values: list[float]) -> tuple[float, float]:
 
 
 def records_for(name, baseline, request, runs, forwards_run, full_forwards, peaks, common, attention,
-                dit_rel_err=None) -> list[dict]:
+                dit_rel_err=None, forwards_reused=0) -> list[dict]:
     duration = request.duration
     per_stage: dict[str, list[float]] = {}
     for seconds in runs:
@@ -180,17 +195,21 @@ def records_for(name, baseline, request, runs, forwards_run, full_forwards, peak
                                                 "transfer": "vae"}.get(stage, stage), 0.0), 3),
                       rtf=round(median / duration, 4) if stage == "e2e" else None, dit_rel_err=None)
         if stage == "dit":
+            timed = (f"{forwards_run} forwards timed ({forwards_run - forwards_reused} computed in full, "
+                     f"{forwards_reused} reused)" if forwards_reused else f"{forwards_run} forwards timed")
+            if forwards_run != full_forwards:
+                timed += f", scaled to {full_forwards}"
             record.update(per_forward_s=round(median / full_forwards, 4), forwards=full_forwards,
-                          notes=f"{forwards_run} forwards timed, scaled to {full_forwards}; attention {attention}")
+                          notes=f"{timed}; attention {attention}")
             if dit_rel_err is not None:  # the output video latents against the baseline's (bench.velocity_error)
                 record.update(dit_rel_err=round(dit_rel_err, 5))
+        if stage == "cache_check":  # the step cache's own work (copies, residuals, the metric) over every forward
+            record.update(per_forward_s=round(median / forwards_run, 5), forwards=forwards_run)
         records.append(record)
     return records
 
 
 def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say=print) -> list[dict]:
-    from h3gen.config.preset import resolve
-
     common = dict(gpus=1, layout="single", random_weights=random_weights, notes="")
     names = [(plan.baseline, True)] if plan.baseline else []
     names += [(name, False) for name in plan.presets]
@@ -202,11 +221,10 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
                               frames=bench_frames(seconds), id="bench")
             reference = None  # the baseline's output video latents, for each preset's dit_rel_err
             for name, baseline in names:
-                preset = resolve(name, registry)
+                preset = plan.preset(name, baseline, registry)
                 full_forwards = preset_forwards(preset)
-                overrides = (forward_overrides(preset, plan.forwards) + cache_overrides(preset)
-                             + adapter_overrides(random_weights))
-                preset = resolve(name, registry, overrides)
+                preset = plan.preset(name, baseline, registry, *forward_overrides(preset, plan.forwards, registry),
+                                     *cache_overrides(preset), *adapter_overrides(random_weights))
                 say(f"bench: {name} at {seconds:g} s ({request.frames} frames, {plan.width}x{plan.height})")
                 try:
                     bench = StageBench(preset, registry, source, plan, request, Path(workdir))
@@ -219,8 +237,13 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
                                         peak_gib=None, rtf=None, dit_rel_err=None, notes=f"failed: {type(e).__name__}: {e}"[:500]))
                     continue
                 error, reference = output_error(plan, request, bench.clip, baseline, reference)
-                records += records_for(preset.name, baseline, request, runs, bench.forwards_run, full_forwards,
-                                       bench.peaks, common, bench.clip.attention or "-", error)
+                measured = records_for(preset.name, baseline, request, runs, bench.forwards_run, full_forwards,
+                                       bench.peaks, common, bench.clip.attention or "-", error,
+                                       bench.forwards_reused)
+                if plan.overrides and not baseline:
+                    for record in measured:
+                        record["notes"] = "; ".join(filter(None, [record["notes"], "--set " + " ".join(plan.overrides)]))
+                records += measured
     add_ratios(records)
     return records
 

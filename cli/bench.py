@@ -41,7 +41,7 @@ def weights_source(random_weights, model):
 
 
 def run_bench_command(presets, baseline, durations, size, repeat, warmup, random_weights, model, stages, forwards,
-                      text_tokens, output, batch=None, warm_cache=False, baseline_clips=None):
+                      text_tokens, output, batch=None, warm_cache=False, baseline_clips=None, sets=()):
     import sys
 
     from h3gen.bench.sweep import run_bench
@@ -54,10 +54,12 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
         option = "--warm-cache" if warm_cache else "--baseline-clips"
         raise UsageError(f"{option} belongs to a batch benchmark", "add --batch N")
     plan = parse_plan(presets, baseline, durations, size, repeat, warmup, stages, forwards, text_tokens)
-    plan.warm_cache, plan.baseline_clips = warm_cache, baseline_clips
+    plan.warm_cache, plan.baseline_clips, plan.overrides = warm_cache, baseline_clips, list(sets)
     found = registry()
-    for name in plan.presets + ([plan.baseline] if plan.baseline else []):
-        resolve(name, found)  # a typo fails now, not after the first preset's minutes
+    for name in plan.presets:
+        resolve(name, found, plan.overrides)  # a typo fails now, not after the first preset's minutes
+    if plan.baseline:
+        resolve(plan.baseline, found)
     quiet_libraries()
     source = weights_source(random_weights, model)
 

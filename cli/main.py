@@ -148,6 +148,8 @@ def bench(
                                                                   "fresh embedding cache, cold then warm.")] = False,
     baseline_clips: Annotated[Optional[int], typer.Option("--baseline-clips", min=1, help="With --batch: clips the "
                                                           "baseline renders (default: the batch's N).")] = None,
+    sets: Annotated[Optional[list[str]], typer.Option("--set", metavar="KEY=VALUE", help="Override a preset value "
+                                                      "in every measured preset, not the baseline (repeatable).")] = None,
     tracebacks: Annotated[bool, typer.Option("--traceback", help=TRACEBACK_HELP)] = False,
 ):
     """Time presets against the diffusers baseline, stage by stage; write JSON, a markdown table and a chart.
@@ -163,7 +165,7 @@ def bench(
     show_tracebacks(tracebacks)
     try:
         run_bench_command(presets or ["h3-base"], baseline, durations, size, repeat, warmup, random_weights, model,
-                          stages, forwards, text_tokens, output, batch, warm_cache, baseline_clips)
+                          stages, forwards, text_tokens, output, batch, warm_cache, baseline_clips, sets or [])
     except H3genError as e:
         fail(e)
 
@@ -246,8 +248,9 @@ def presets_list():
     from h3gen.config.preset import load_toml
 
     found = registry()
+    width = max(map(len, found.presets), default=0)
     for name, path in sorted(found.presets.items()):
-        typer.echo(f"{name:12s} {load_toml(path).get('description', '')}")
+        typer.echo(f"{name:{width}s} {load_toml(path).get('description', '')}")
     report_failed_plugins(found)
 
 

@@ -15,6 +15,7 @@ the decision, so every rank takes the same branch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import ClassVar
 
@@ -26,11 +27,18 @@ from h3gen.stages.base import Stage
 class StepCache:
     """One clip's cache: what the first blocks added last time, what the middle blocks added, and the counts."""
 
-    def __init__(self, policy, forwards: int, group=None):
-        self.policy, self.forwards, self.group = policy, forwards, group
+    def __init__(self, policy, forwards: int, group=None, timer=None):
+        self.policy, self.forwards, self.group, self.timer = policy, forwards, group, timer
         self.first_blocks, self.last_blocks = policy.config.first_blocks, policy.config.last_blocks
         self.step, self.streak, self.reused = -1, 0, 0
         self.head = self.middle = None
+        self.seconds: dict[str, float] = {}  # "cache_check": the bookkeeping and the metric, every forward together
+
+    def checking(self):
+        """Times what the cache adds to a forward (the copies, residuals and the metric), when given a timer."""
+        if self.timer is None:
+            return contextlib.nullcontext()
+        return self.timer.measure(self, "cache_check", report=False)
 
     def next_forward(self) -> None:
         self.step += 1
@@ -79,8 +87,9 @@ class NoCache(Stage):
     description = "every forward computed in full"
     reuses: ClassVar[bool] = False  # whether the policy ever skips blocks (the sampler must then take a cache)
 
-    def session(self, forwards: int, group=None) -> StepCache | None:
-        """A clip's cache, or None when nothing is ever reused."""
+    def session(self, forwards: int, group=None, timer=None) -> StepCache | None:
+        """A clip's cache, or None when nothing is ever reused; `timer` (h3gen.run.timing.StageTimer) times the
+        cache's own work."""
         return None
 
 
@@ -107,8 +116,8 @@ class ResidualCache(NoCache):
             raise UsageError(f"cache {self.name}: first_blocks >= 1, last_blocks, max_reuse and threshold >= 0",
                              "fix the [cache] values")
 
-    def session(self, forwards: int, group=None) -> StepCache:
-        return StepCache(self, forwards, group)
+    def session(self, forwards: int, group=None, timer=None) -> StepCache:
+        return StepCache(self, forwards, group, timer)
 
     def may_reuse(self, cache: StepCache) -> bool:
         config = self.config
@@ -144,8 +153,8 @@ class ScheduleCache(NoCache):
             raise UsageError("cache schedule: steps must include 0 (the first forward has nothing to reuse)",
                              "add 0 to cache.steps")
 
-    def session(self, forwards: int, group=None) -> StepCache | None:
-        return StepCache(self, forwards, group) if self.config.steps else None
+    def session(self, forwards: int, group=None, timer=None) -> StepCache | None:
+        return StepCache(self, forwards, group, timer) if self.config.steps else None
 
     def may_reuse(self, cache: StepCache) -> bool:
         return cache.step not in self.config.steps

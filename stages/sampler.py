@@ -268,7 +268,8 @@ class EulerSampler(Stage):
         steps = len(video_schedule.timesteps)
         held_video, held_audio = layout["condition_video_rows"], layout["condition_audio_rows"]
         prompt_embeds = clip.prompt_embeds.to(self.runtime.device)  # encoded for every prompt first, kept on the host
-        step_cache = self.runtime.cache.session(steps, self.group) if self.runtime.cache is not None else None
+        cache = self.runtime.cache
+        step_cache = cache.session(steps, self.group, self.runtime.timer) if cache is not None else None
         reuse = {"step_cache": step_cache} if step_cache is not None else {}
         # Both DiTs return the (video, audio) velocities first: diffusers' as an output tuple, h3gen's as a pair.
         for i, (t, audio_t) in enumerate(zip(video_schedule.timesteps, audio_schedule.timesteps)):
@@ -290,6 +291,8 @@ class EulerSampler(Stage):
             self.runtime.on_step(clip, i + 1, steps)
         clip.forwards, clip.attention = steps, self.attention_backend
         clip.forwards_reused = step_cache.reused if step_cache is not None else 0
+        if step_cache is not None:
+            clip.seconds.update(step_cache.seconds)
         return video_rows, audio_rows
 
     def unpack(self, layout, video_rows, audio_rows):

@@ -260,14 +260,24 @@ class FastH3Transformer(nn.Module):
         if step_cache is None:
             return run(range(len(blocks)), packed)
         first, last = step_cache.first_blocks, len(blocks) - step_cache.last_blocks
-        entry = packed.clone()  # the blocks may write their input in place
+        if first >= last:
+            from h3gen.errors import UsageError
+
+            raise UsageError(f"cache.first_blocks + cache.last_blocks ({first + step_cache.last_blocks}) leave no "
+                             f"middle block of this DiT's {len(blocks)} to reuse", "lower them in the [cache] section")
+        with step_cache.checking():
+            entry = packed.clone()  # the blocks may write their input in place
         packed = run(range(first), packed)
-        if step_cache.reuse(packed - entry, token_tags):
-            packed = packed + step_cache.middle
-        else:
-            middle_entry = packed.clone()
+        with step_cache.checking():
+            reuse = step_cache.reuse(packed - entry, token_tags)
+            if reuse:
+                packed = packed + step_cache.middle
+            else:
+                middle_entry = packed.clone()
+        if not reuse:
             packed = run(range(first, last), packed)
-            step_cache.keep(packed - middle_entry)
+            with step_cache.checking():
+                step_cache.keep(packed - middle_entry)
         return run(range(last, len(blocks)), packed)
 
     def stream_blocks(self, count: int) -> None:
