@@ -219,7 +219,7 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
         for seconds in plan.durations:
             request = Request(index=0, prompt=prompt, seed=plan.seed, width=plan.width, height=plan.height,
                               frames=bench_frames(seconds), id="bench")
-            reference = None  # the baseline's output video latents, for each preset's dit_rel_err
+            reference = None  # the baseline's output video latents and forwards, for each preset's dit_rel_err
             for name, baseline in names:
                 preset = plan.preset(name, baseline, registry)
                 full_forwards = preset_forwards(preset)
@@ -249,18 +249,18 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
 
 
 def output_error(plan: BenchPlan, request: Request, clip, baseline: bool, reference):
-    """(this preset's dit_rel_err or None, the reference latents from here on): the baseline's DiT output is the
-    reference; each preset after it on the same weights and inputs is measured against it."""
+    """(this preset's dit_rel_err or None, the reference from here on): the baseline's DiT output and its forward
+    count; each preset after it that ran as many forwards on the same weights and inputs is measured against it."""
     from h3gen.bench.velocity_error import latent_step_error, starting_noise
 
     if "dit" not in plan.stages or clip.video_latents is None or request.task != "t2va":
         return None, reference
     latents = clip.video_latents.float().cpu()
     if baseline:
-        return None, latents
-    if reference is None:
-        return None, None
-    return latent_step_error(latents, reference, starting_noise(request, plan.seed)), reference
+        return None, (latents, clip.forwards)
+    if reference is None or reference[1] != clip.forwards:  # latents after other step counts do not compare
+        return None, reference
+    return latent_step_error(latents, reference[0], starting_noise(request, plan.seed)), reference
 
 
 def add_ratios(records: list[dict]) -> None:
