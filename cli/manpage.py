@@ -9,6 +9,7 @@ import click
 import typer.main
 
 from h3gen import __version__
+from h3gen.cli.help import help_records
 from h3gen.cli.main import app
 
 
@@ -38,23 +39,26 @@ def commands(group, prefix: str):
             yield f"{prefix}{name}", command
 
 
+def described(command, ctx) -> list[str]:
+    """A command's arguments and options as its `--help` lists them."""
+    arguments, options = help_records(command, ctx)
+    return [line for name, text in arguments + options for line in (".TP", ".B " + roff(name), roff(text))]
+
+
 def page() -> str:
     root = typer.main.get_command(app)
-    ctx = click.Context(root, info_name="h3gen")
+    ctx = click.Context(root, info_name="h3gen", **root.context_settings)  # -h besides --help
     lines = [f'.TH H3GEN 1 "" "h3gen {__version__}" "User Commands"', ".SH NAME",
              roff("h3gen - batch renderer for MiniMax-H3 text-to-video with a stereo soundtrack"),
              ".SH SYNOPSIS", roff("h3gen COMMAND [OPTIONS] [ARGS]..."), ".SH DESCRIPTION", roff(root.help or ""),
-             ".SH COMMANDS"]
+             ".SH OPTIONS", *described(root, ctx), ".SH COMMANDS"]
     for name, command in commands(root, ""):
         sub = click.Context(command, info_name=f"h3gen {name}", parent=ctx)
         text, _, example = (command.help or "").partition("\b\n")  # click's mark: the lines after it as written
         lines += [".SS " + roff(f"h3gen {name} " + " ".join(command.collect_usage_pieces(sub))), roff(text.strip())]
         if example.strip():
             lines += [".PP", ".nf", roff(example.rstrip()), ".fi"]
-        for param in command.get_params(sub):
-            record = param.get_help_record(sub)
-            if record:
-                lines += [".TP", ".B " + roff(record[0]), roff(record[1] or "")]
+        lines += described(command, sub)
     lines += [".SH ENVIRONMENT", ".TP", ".B H3GEN_MODEL", roff("Model directory used when --model is not given."),
               ".TP", ".B H3GEN_LOAD_PLUGINS", roff("Comma-separated plugin names to load (default: all)."),
               ".TP", ".B H3GEN_STRICT_PLUGINS", roff("Set to 1 to stop when a plugin fails (as --strict-plugins)."),

@@ -88,3 +88,50 @@ def test_every_command_has_an_example_and_plain_metavars():
         assert "Example" in text and f"h3gen {' '.join(command)}" in text.split("Example", 1)[1], command
     render = h3gen("render", "--help", check_code=0).stdout
     assert "--set SECTION.KEY=VALUE" in render and "repeatable" in render and "<list[str]>" not in render
+
+
+def help_texts() -> dict[str, str]:
+    """`-h` of h3gen and of every command and group under it, by command path ("" for h3gen itself)."""
+    from typer.main import get_command
+    from typer.testing import CliRunner
+
+    from h3gen.cli.main import app
+
+    def paths(group, path):
+        yield path
+        for name, command in group.commands.items():
+            yield from paths(command, path + [name]) if hasattr(command, "commands") else [path + [name]]
+
+    runner = CliRunner()
+    return {" ".join(path): runner.invoke(app, [*path, "-h"], prog_name="h3gen").output
+            for path in paths(get_command(app), [])}
+
+
+def test_help_shows_plain_metavars_and_says_repeatable():
+    from typer.main import get_command
+
+    from h3gen.cli.main import app
+
+    texts = help_texts()
+    assert {"", "render", "validate", "compare", "bench", "plugins", "tiny", "presets", "presets list",
+            "presets show"} <= set(texts)
+    for command, text in texts.items():
+        assert text.startswith(f"Usage: h3gen {command}".rstrip()), (command, text)
+        for label in ("{", "<list", "list[", "<int", "<path", "<str", "<float"):
+            assert label not in text, (command, label, text)
+    usage = {command: text.splitlines()[0] for command, text in texts.items()}
+    assert usage["render"] == "Usage: h3gen render [OPTIONS] PROMPTS"
+    assert usage["validate"] == "Usage: h3gen validate [OPTIONS] FILE..."
+    assert usage["compare"] == "Usage: h3gen compare [OPTIONS] A B"
+    assert usage["tiny"] == "Usage: h3gen tiny [OPTIONS] [DIR]"
+    assert usage["presets show"] == "Usage: h3gen presets show [OPTIONS] NAME|FILE"
+    assert "--gpus N " in texts["render"]
+    assert "--set SECTION.KEY=VALUE" in texts["bench"] and "--size WxH" in texts["bench"]
+    root = get_command(app)
+    for command in ("render", "bench", "presets show"):
+        found = root
+        for name in command.split():
+            found = found.commands[name]
+        repeatable = [param for param in found.params if getattr(param, "multiple", False)]
+        assert repeatable and texts[command].count("(repeatable)") == len(repeatable), command
+
