@@ -15,12 +15,28 @@ from typing import Annotated, Optional
 import typer
 
 from h3gen import __version__
-from h3gen.cli.complete import preset_names, set_keys
+from h3gen.cli.complete import SHELL_OPTIONS, complete_for, named_shell, preset_names, set_keys
 from h3gen.cli.help import PlainCommand, PlainGroup
 from h3gen.errors import H3genError
 
 
-app = typer.Typer(cls=PlainGroup, add_completion=True, no_args_is_help=True, rich_markup_mode=None,
+class Root(PlainGroup):
+    """`h3gen` itself: `--install-completion SHELL` and `--show-completion SHELL` act for the shell named."""
+
+    def parse_args(self, ctx, args):
+        asked = named_shell(args)
+        if asked and not ctx.resilient_parsing:
+            complete_for(ctx, *asked)
+        return super().parse_args(ctx, args)
+
+    def get_params(self, ctx):
+        for param in self.params:  # typer adds them after the group is made
+            if param.opts and param.opts[0] in SHELL_OPTIONS:
+                param.metavar, param.help = "[SHELL]", SHELL_OPTIONS[param.opts[0]]
+        return super().get_params(ctx)
+
+
+app = typer.Typer(cls=Root, add_completion=True, no_args_is_help=True, rich_markup_mode=None,
                   pretty_exceptions_enable=False, context_settings={"help_option_names": ["-h", "--help"]},
                   help="Render MiniMax-H3 clips (video with a stereo soundtrack) from a prompts file.")
 presets_app = typer.Typer(cls=PlainGroup, no_args_is_help=True, help="List and inspect presets.")

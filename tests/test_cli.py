@@ -125,7 +125,7 @@ def test_help_shows_plain_metavars_and_says_repeatable():
     assert usage["compare"] == "Usage: h3gen compare [OPTIONS] A B"
     assert usage["tiny"] == "Usage: h3gen tiny [OPTIONS] [DIR]"
     assert usage["presets show"] == "Usage: h3gen presets show [OPTIONS] NAME|FILE"
-    assert "--gpus N " in texts["render"]
+    assert "--install-completion [SHELL]" in texts[""] and "--gpus N " in texts["render"]
     assert "--set SECTION.KEY=VALUE" in texts["bench"] and "--size WxH" in texts["bench"]
     root = get_command(app)
     for command in ("render", "bench", "presets show"):
@@ -135,3 +135,29 @@ def test_help_shows_plain_metavars_and_says_repeatable():
         repeatable = [param for param in found.params if getattr(param, "multiple", False)]
         assert repeatable and texts[command].count("(repeatable)") == len(repeatable), command
 
+
+
+@pytest.mark.parametrize("shell, script, rc_file", [("zsh", ".zfunc/_h3gen", ".zshrc"),
+                                                    ("fish", ".config/fish/completions/h3gen.fish", None),
+                                                    ("bash", ".bash_completions/h3gen.sh", ".bashrc")])
+def test_install_completion_installs_the_shell_asked_for(tmp_path, shell, script, rc_file):
+    """Whatever shell h3gen runs under (SHELL, the process tree), the one named after the option is the one set up."""
+    env = {"HOME": str(tmp_path), "SHELL": "/bin/zsh" if shell == "bash" else "/bin/bash"}
+    installed = h3gen("--install-completion", shell, env=env, check_code=0)
+    assert f"{shell} completion installed in {tmp_path / script}" in installed.stdout
+    written = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*") if path.is_file())
+    assert written == sorted([script] + ([rc_file] if rc_file else []))
+    shown = h3gen("--show-completion", shell, env=env, check_code=0).stdout
+    assert (tmp_path / script).read_text().strip() == shown.strip()
+    assert {"zsh": "#compdef h3gen", "fish": "complete --command h3gen",
+            "bash": "complete -o default -F _h3gen_completion h3gen"}[shell] in shown
+    if shell == "zsh":
+        assert "fpath+=~/.zfunc; autoload -Uz compinit; compinit" in (tmp_path / ".zshrc").read_text()
+    if shell == "bash":
+        assert f"source '{tmp_path / script}'" in (tmp_path / ".bashrc").read_text()
+
+
+def test_install_completion_refuses_a_shell_it_does_not_know(tmp_path):
+    refused = h3gen("--install-completion", "tcsh", env={"HOME": str(tmp_path)}, check_code=2)
+    assert "--install-completion tcsh: not a shell h3gen completes in" in refused.stderr
+    assert not list(tmp_path.iterdir())
