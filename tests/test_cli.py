@@ -24,7 +24,114 @@ def test_man_page_is_current_and_renders():
     shown = subprocess.run(["man", "-l", str(ROOT / "man" / "h3gen.1")], capture_output=True, text=True,
                            env={"MANWIDTH": "80", "MANPAGER": "cat", "PAGER": "cat", "PATH": "/usr/bin:/bin"})
     assert shown.returncode == 0, shown.stderr
-    assert "h3gen render" in shown.stdout and "EXIT STATUS" in shown.stdout
+    assert "h3gen render" in shown.stdout and all(f"\n{title}\n" in shown.stdout for title in SECTIONS)
+
+
+SECTIONS = ("NAME", "SYNOPSIS", "DESCRIPTION", "OPTIONS", "COMMANDS", "PROMPTS FILE", "PRESET KEYS", "PLUGINS",
+            "ENVIRONMENT", "FILES", "EXIT STATUS", "EXAMPLES", "SEE ALSO")
+
+
+def man_section(page: str, heading: str) -> str:
+    """The lines under `heading` (".SH TITLE" or ".SS TITLE"), up to the next heading of its level or above."""
+    start = page.index(f"{heading}\n") + len(heading) + 1
+    ends = (".SH ",) if heading.startswith(".SH") else (".SH ", ".SS ")
+    found = [page.find(f"\n{end}", start) for end in ends]
+    return page[start:min([i for i in found if i >= 0], default=len(page))]
+
+
+def test_man_page_has_the_reference_sections_and_every_preset_key():
+    """Each built-in stage's Config fields, each section's keys and each prompts-file field are in the page: none
+    can be added without it."""
+    import dataclasses
+
+    from h3gen.cli.manpage import argument, page
+    from h3gen.config.contract import AdapterConfig
+    from h3gen.config.preset import MODEL_DEFAULTS, PARALLEL_DEFAULTS, REQUEST_DEFAULTS, RUNTIME_DEFAULTS
+    from h3gen.inputs.prompts import FIELDS
+    from h3gen.plugins.manager import registry
+    from h3gen.stages.base import BUILTIN
+
+    text = page()
+    assert [line[4:] for line in text.splitlines() if line.startswith(".SH ")] == list(SECTIONS)
+    keys = man_section(text, ".SH PRESET KEYS")
+    tables = [(f"[{name}]", list(defaults)) for name, defaults in (
+        ("request", REQUEST_DEFAULTS), ("runtime", RUNTIME_DEFAULTS), ("parallel", PARALLEL_DEFAULTS),
+        ("model", MODEL_DEFAULTS))] + [("[adapter]", [f.name for f in dataclasses.fields(AdapterConfig)])]
+    stages = [entry for entry in registry().stages.values() if entry.origin == BUILTIN]
+    assert len(stages) >= 14
+    tables += [(f'[{entry.kind}] use = "{entry.name}"', [f.name for f in dataclasses.fields(entry.stage.Config)])
+               for entry in stages]
+    for title, fields in tables:
+        section = man_section(keys, ".SS " + argument(title))
+        for field in fields:
+            assert f"\n.B {argument(field)} = " in f"\n{section}", (title, field)
+        if not fields:
+            assert "No other keys." in section, title
+    prompts = man_section(text, ".SH PROMPTS FILE")
+    terms = {name for line in prompts.splitlines() if line.startswith(".B ") for name in line[3:].split(", ")}
+    assert set(FIELDS) <= terms
+
+
+def test_man_page_names_every_exit_status_and_environment_variable_the_code_has():
+    import re
+    import signal
+
+    from h3gen.cli.manpage import page
+    from h3gen.errors import ClipError, ModelError, UsageError, WriteError
+    from h3gen.run.loop import STOP_SIGNALS, Interrupted
+    from h3gen.stages.base import StageFailed
+
+    text = page()
+    codes = {code for line in man_section(text, ".SH EXIT STATUS").splitlines() if line.startswith(".B ")
+             for code in line[3:].split(", ")}
+    stops = {str(Interrupted(signum).exit_code) for signum in (*STOP_SIGNALS, signal.SIGPIPE)}
+    assert codes == {"0", *(str(e.exit_code) for e in (ClipError, ModelError, UsageError, WriteError, StageFailed)),
+                     *stops}
+    documented = {line[3:] for line in man_section(text, ".SH ENVIRONMENT").splitlines() if line.startswith(".B ")}
+    read = set()
+    for path in ROOT.rglob("*.py"):
+        if not {".venv", "tests", "examples"} & set(path.relative_to(ROOT).parts):
+            read |= set(re.findall(r"""(?:environ(?:\.get|\.setdefault)?[(\[]|getenv\(|envvar=)\s*["']([A-Z0-9_]+)""",
+                                   path.read_text()))
+    set_by_others = {"LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",  # torchrun, for each worker
+                     "TORCHELASTIC_ERROR_FILE",  # torchrun too
+                     "TRITON_INTERPRET",  # Triton's interpreter, which the kernels' tests run
+                     "OUT"}  # the folder the GPU check scripts in bench/ write to
+    assert {"H3GEN_MODEL", "H3GEN_DEBUG", "OMP_NUM_THREADS"} <= read
+    assert read - set_by_others <= documented, read - set_by_others - documented
+    assert "XDG_CACHE_HOME" in documented
+
+
+def test_man_page_is_the_same_on_every_machine_and_its_examples_parse():
+    """No path of the machine that wrote it (the cache directory is written as $XDG_CACHE_HOME/h3gen), and every
+    example is a command line h3gen takes."""
+    import os
+    import shlex
+    from pathlib import Path
+
+    from platformdirs import user_cache_dir
+    from typer.main import get_command
+
+    from h3gen.cli.main import app
+    from h3gen.cli.manpage import page
+    from h3gen.cli.reference import EXAMPLES
+
+    text = page()
+    for local in (user_cache_dir("h3gen"), os.environ["XDG_CACHE_HOME"], str(Path.home()), str(ROOT)):
+        assert local not in text.replace("\\-", "-"), local
+    assert "$XDG_CACHE_HOME/h3gen/embeddings/" in text.replace("\\-", "-")
+    root = get_command(app)
+    for example in EXAMPLES:
+        words = shlex.split(example.command)
+        assert words[0] == "h3gen"
+        command, path, args = root, ["h3gen"], words[1:]
+        while hasattr(command, "commands") and args and args[0] in command.commands:
+            path.append(args[0])
+            command = command.commands[args.pop(0)]
+        if command is root:  # h3gen's own options act as they parse: only checked to be there
+            assert args[0] in {opt for param in root.params for opt in param.opts}, example
+        else:
+            command.make_context(" ".join(path), args)  # raises on an option or argument it does not take
 
 
 def test_tiny_writes_the_model_where_asked(tmp_path):
