@@ -1,4 +1,5 @@
-"""Shell completion of what only h3gen knows: preset names, `--set` keys and the registered stage names."""
+"""Shell completion of what only h3gen knows (preset names, `--set` keys and the registered stage names), and
+its installation for the shell asked for."""
 
 from __future__ import annotations
 
@@ -28,3 +29,42 @@ def set_keys(ctx, incomplete: str) -> list[str]:
         preset = resolve("tiny", found)
     keys = [f"{key}=" for key, _, _ in describe(preset) if key != "version"]
     return [key for key in keys if key.startswith(incomplete)]
+
+
+SHELLS = ("bash", "zsh", "fish", "powershell", "pwsh")
+SHELL_OPTIONS = {  # typer's two options, as h3gen reads them: with the shell to act for after them
+    "--install-completion": "Install completion for SHELL (bash, zsh, fish, powershell or pwsh; default: the "
+                            "current shell).",
+    "--show-completion": "Print the completion script for SHELL (default: the current shell), to copy it or "
+                         "customize the installation.",
+}
+
+
+def named_shell(args: list[str]) -> tuple[str, str] | None:
+    """(option, shell) when the options before the command are `--install-completion SHELL` or
+    `--show-completion SHELL`. typer's options take no value: alone they act for the shell they detect, and the
+    name after them would be read as a command."""
+    for option, following in zip(args, args[1:]):
+        if not option.startswith("-"):
+            return None
+        if option in SHELL_OPTIONS and not following.startswith("-"):
+            return option, following
+    return None
+
+
+def complete_for(ctx, option: str, shell: str) -> None:
+    """Install or print the completion script of `shell`, as typer's options do for the detected one; exits."""
+    import typer
+    from typer.completion import get_completion_script, install
+
+    if shell not in SHELLS:
+        ctx.fail(f"{option} {shell}: not a shell h3gen completes in (use {', '.join(SHELLS)})")
+    prog_name = ctx.info_name
+    complete_var = f"_{prog_name.replace('-', '_').upper()}_COMPLETE"
+    if option == "--install-completion":
+        shell, path = install(shell=shell, prog_name=prog_name, complete_var=complete_var)
+        typer.secho(f"{shell} completion installed in {path}", fg="green")
+        typer.echo("Completion will take effect once you restart the terminal")
+    else:
+        typer.echo(get_completion_script(prog_name=prog_name, complete_var=complete_var, shell=shell))
+    raise typer.Exit(0)

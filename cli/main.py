@@ -15,13 +15,31 @@ from typing import Annotated, Optional
 import typer
 
 from h3gen import __version__
-from h3gen.cli.complete import preset_names, set_keys
+from h3gen.cli.complete import SHELL_OPTIONS, complete_for, named_shell, preset_names, set_keys
+from h3gen.cli.help import PlainCommand, PlainGroup
 from h3gen.errors import H3genError
 
-app = typer.Typer(add_completion=True, no_args_is_help=True, rich_markup_mode=None, pretty_exceptions_enable=False,
-                  context_settings={"help_option_names": ["-h", "--help"]},
+
+class Root(PlainGroup):
+    """`h3gen` itself: `--install-completion SHELL` and `--show-completion SHELL` act for the shell named."""
+
+    def parse_args(self, ctx, args):
+        asked = named_shell(args)
+        if asked and not ctx.resilient_parsing:
+            complete_for(ctx, *asked)
+        return super().parse_args(ctx, args)
+
+    def get_params(self, ctx):
+        for param in self.params:  # typer adds them after the group is made
+            if param.opts and param.opts[0] in SHELL_OPTIONS:
+                param.metavar, param.help = "[SHELL]", SHELL_OPTIONS[param.opts[0]]
+        return super().get_params(ctx)
+
+
+app = typer.Typer(cls=Root, add_completion=True, no_args_is_help=True, rich_markup_mode=None,
+                  pretty_exceptions_enable=False, context_settings={"help_option_names": ["-h", "--help"]},
                   help="Render MiniMax-H3 clips (video with a stereo soundtrack) from a prompts file.")
-presets_app = typer.Typer(no_args_is_help=True, help="List and inspect presets.")
+presets_app = typer.Typer(cls=PlainGroup, no_args_is_help=True, help="List and inspect presets.")
 app.add_typer(presets_app, name="presets")
 
 
@@ -56,7 +74,7 @@ def main_options(version: Annotated[bool, typer.Option("--version", callback=ver
     """Render MiniMax-H3 clips (video with a stereo soundtrack) from a prompts file."""
 
 
-@app.command()
+@app.command(cls=PlainCommand)
 def render(
     prompts: Annotated[Path, typer.Argument(metavar="PROMPTS",
                                             help="Prompts file: one prompt per line, or JSON Lines.")],
@@ -70,7 +88,7 @@ def render(
     seed: Annotated[int, typer.Option("--seed", metavar="N",
                                       help="Base seed; a clip's seed is this plus its index.")] = 0,
     overrides: Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE", autocompletion=set_keys,
-                                                           help="Override a preset value (repeatable).")] = None,
+                                                           help="Override a preset value.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per finished clip on stdout.")] = False,
     save_latents: Annotated[bool, typer.Option("--save-latents", help="Also write each clip's final latents.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each prompt's output file and whether it would "
@@ -83,21 +101,25 @@ def render(
                                                  help="Render only shard I of N (0-based): the prompts whose place "
                                                       "in the file (0-based, comments and blank lines not counted) "
                                                       "is I modulo N. For independent runs splitting one file.")] = None,
-    gpus: Annotated[Optional[int], typer.Option("--gpus", help="Render with N GPU workers (torchrun, NCCL), "
-                                                               "each on its own GPU.")] = None,
-    cpu_workers: Annotated[Optional[int], typer.Option("--cpu-workers", help="Render with N CPU worker processes "
-                                                                             "(torchrun, gloo).")] = None,
-    ulysses: Annotated[Optional[int], typer.Option("--ulysses", help="Ranks per clip (Ulysses sequence "
-                                                                     "parallelism); default: chosen from the "
-                                                                     "worker and prompt counts.")] = None,
-    nnodes: Annotated[Optional[int], typer.Option("--nnodes", help="Machines in a multi-node run "
-                                                                   "(torchrun --nnodes).")] = None,
-    node_rank: Annotated[Optional[int], typer.Option("--node-rank", help="This machine's number, 0 to nnodes-1 "
-                                                                         "(static rendezvous; omit for c10d).")] = None,
+    gpus: Annotated[Optional[int], typer.Option("--gpus", metavar="N",
+                                                help="Render with N GPU workers (torchrun, NCCL), each on its own "
+                                                     "GPU.")] = None,
+    cpu_workers: Annotated[Optional[int], typer.Option("--cpu-workers", metavar="N",
+                                                       help="Render with N CPU worker processes (torchrun, "
+                                                            "gloo).")] = None,
+    ulysses: Annotated[Optional[int], typer.Option("--ulysses", metavar="K",
+                                                   help="Ranks per clip (Ulysses sequence parallelism); default: "
+                                                        "chosen from the worker and prompt counts.")] = None,
+    nnodes: Annotated[Optional[int], typer.Option("--nnodes", metavar="M",
+                                                  help="Machines in a multi-node run (torchrun --nnodes).")] = None,
+    node_rank: Annotated[Optional[int], typer.Option("--node-rank", metavar="R",
+                                                     help="This machine's number, 0 to nnodes-1 (static rendezvous; "
+                                                          "omit for c10d).")] = None,
     rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint", metavar="HOST:PORT",
                                                          help="Where the machines of a multi-node run meet.")] = None,
-    rdzv_id: Annotated[Optional[str], typer.Option("--rdzv-id", help="Job id shared by the machines of one "
-                                                                     "multi-node run.")] = None,
+    rdzv_id: Annotated[Optional[str], typer.Option("--rdzv-id", metavar="ID",
+                                                   help="Job id shared by the machines of one multi-node "
+                                                        "run.")] = None,
     tracebacks: Annotated[bool, typer.Option("--traceback", help=TRACEBACK_HELP)] = False,
 ):
     """Render one MP4 per prompt.
@@ -125,31 +147,41 @@ def render(
     raise typer.Exit(code)
 
 
-@app.command()
+@app.command(cls=PlainCommand)
 def bench(
-    presets: Annotated[Optional[list[str]], typer.Option("--preset", help="Preset to measure (repeatable).")] = None,
-    baseline: Annotated[str, typer.Option("--baseline", help="Baseline preset; 'none' for no baseline.")] = "diffusers",
-    durations: Annotated[str, typer.Option("--durations", help="Media seconds, comma-separated (5, 10, 15).")] = "10",
-    size: Annotated[str, typer.Option("--size", help="WIDTHxHEIGHT.")] = "1344x768",
-    repeat: Annotated[int, typer.Option("--repeat", min=1, help="Timed runs per stage.")] = 3,
-    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed runs per stage first (with --batch: "
-                                                                "untimed clips).")] = 1,
-    random_weights: Annotated[Optional[str], typer.Option("--random-weights",
+    presets: Annotated[Optional[list[str]], typer.Option("--preset", metavar="NAME|FILE",
+                                                         help="Preset to measure; h3-base when none is given.")] = None,
+    baseline: Annotated[str, typer.Option("--baseline", metavar="NAME",
+                                          help="Baseline preset; 'none' for no baseline.")] = "diffusers",
+    durations: Annotated[str, typer.Option("--durations", metavar="S,...",
+                                           help="Media seconds, comma-separated (5, 10, 15).")] = "10",
+    size: Annotated[str, typer.Option("--size", metavar="WxH", help="WIDTHxHEIGHT.")] = "1344x768",
+    repeat: Annotated[int, typer.Option("--repeat", metavar="N", min=1, help="Timed runs per stage.")] = 3,
+    warmup: Annotated[int, typer.Option("--warmup", metavar="N", min=0, help="Untimed runs per stage first (with "
+                                                                             "--batch: untimed clips).")] = 1,
+    random_weights: Annotated[Optional[str], typer.Option("--random-weights", metavar="full|tiny",
                                                           help="full (real sizes, random) or tiny.")] = None,
-    model: Annotated[Optional[Path], typer.Option("--model", envvar="H3GEN_MODEL", help="Model directory.")] = None,
-    stages: Annotated[str, typer.Option("--stages", help="Stages to time: encode,dit,vae,mux.")] = "encode,dit,vae,mux",
-    forwards: Annotated[Optional[int], typer.Option("--forwards", min=1,
+    model: Annotated[Optional[Path], typer.Option("--model", envvar="H3GEN_MODEL", metavar="DIR",
+                                                  help="Model directory.")] = None,
+    stages: Annotated[str, typer.Option("--stages", metavar="STAGE,...",
+                                        help="Stages to time: encode,dit,vae,mux.")] = "encode,dit,vae,mux",
+    forwards: Annotated[Optional[int], typer.Option("--forwards", metavar="K", min=1,
                                                     help="Time K DiT forwards and scale to the preset's count.")] = None,
-    text_tokens: Annotated[int, typer.Option("--text-tokens", min=1, help="Prompt length in tokens.")] = 256,
-    output: Annotated[Path, typer.Option("-o", "--output", help="Results directory.")] = Path("bench/results"),
-    batch: Annotated[Optional[int], typer.Option("--batch", min=1, help="Render N clips per preset as `render` "
-                                                                        "does and time the batch instead.")] = None,
+    text_tokens: Annotated[int, typer.Option("--text-tokens", metavar="N", min=1,
+                                             help="Prompt length in tokens.")] = 256,
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="DIR",
+                                         help="Results directory.")] = Path("bench/results"),
+    batch: Annotated[Optional[int], typer.Option("--batch", metavar="N", min=1,
+                                                 help="Render N clips per preset as `render` does and time the batch "
+                                                      "instead.")] = None,
     warm_cache: Annotated[bool, typer.Option("--warm-cache", help="With --batch: run each batch twice over one "
                                                                   "fresh embedding cache, cold then warm.")] = False,
-    baseline_clips: Annotated[Optional[int], typer.Option("--baseline-clips", min=1, help="With --batch: clips the "
-                                                          "baseline renders (default: the batch's N).")] = None,
-    sets: Annotated[Optional[list[str]], typer.Option("--set", metavar="KEY=VALUE", help="Override a preset value "
-                                                      "in every measured preset, not the baseline (repeatable).")] = None,
+    baseline_clips: Annotated[Optional[int], typer.Option("--baseline-clips", metavar="N", min=1,
+                                                          help="With --batch: clips the baseline renders (default: "
+                                                               "the batch's N).")] = None,
+    sets: Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE", autocompletion=set_keys,
+                                                      help="Override a preset value in every measured preset, not "
+                                                           "the baseline.")] = None,
     tracebacks: Annotated[bool, typer.Option("--traceback", help=TRACEBACK_HELP)] = False,
 ):
     """Time presets against the diffusers baseline, stage by stage; write JSON, a markdown table and a chart.
@@ -170,10 +202,10 @@ def bench(
         fail(e)
 
 
-@app.command()
+@app.command(cls=PlainCommand)
 def validate(
     files: Annotated[list[Path], typer.Argument(metavar="FILE", help="MP4 files to check.")],
-    frames: Annotated[Optional[int], typer.Option("--frames", min=1, help="Expected frame count.")] = None,
+    frames: Annotated[Optional[int], typer.Option("--frames", metavar="N", min=1, help="Expected frame count.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per file on stdout: path, ok, "
                                                           "problems.")] = False,
 ):
@@ -206,10 +238,12 @@ def validate(
     raise typer.Exit(1 if bad else 0)
 
 
-@app.command()
+@app.command(cls=PlainCommand)
 def compare(
-    a: Annotated[Path, typer.Argument(help="An MP4, or a directory of them (say, rendered with a fast preset).")],
-    b: Annotated[Path, typer.Argument(help="The reference: an MP4, or a directory matched to A by file name.")],
+    a: Annotated[Path, typer.Argument(metavar="A", help="An MP4, or a directory of them (say, rendered with a fast "
+                                                        "preset).")],
+    b: Annotated[Path, typer.Argument(metavar="B", help="The reference: an MP4, or a directory matched to A by file "
+                                                        "name.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per pair of clips on stdout.")] = False,
 ):
     """How far clip A is from clip B: video PSNR and SSIM (mean and worst frame), audio SNR and log-mel distance.
@@ -236,7 +270,7 @@ def compare(
                                    for k, v in record.items()}))
 
 
-@presets_app.command("list")
+@presets_app.command("list", cls=PlainCommand)
 def presets_list():
     """List the presets every plugin registered.
 
@@ -254,12 +288,12 @@ def presets_list():
     report_failed_plugins(found)
 
 
-@presets_app.command("show")
+@presets_app.command("show", cls=PlainCommand)
 def presets_show(
     name: Annotated[str, typer.Argument(metavar="NAME|FILE", autocompletion=preset_names,
                                         help="Preset name or TOML file.")],
     overrides: Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE", autocompletion=set_keys,
-                                                           help="Override a value (repeatable).")] = None,
+                                                           help="Override a value.")] = None,
     as_toml: Annotated[bool, typer.Option("--toml", help="Print the resolved preset as TOML that resolves back to "
                                                         "the same values: a start for a preset of your own.")] = False,
 ):
@@ -285,7 +319,7 @@ def presets_show(
         typer.echo(f"{key:26s} = {toml_value(value):40s} # {source}")
 
 
-@app.command()
+@app.command(cls=PlainCommand)
 def plugins():
     """List every registered stage with its kind and the plugin it came from.
 
@@ -307,8 +341,9 @@ def report_failed_plugins(found) -> None:
         typer.echo(f"h3gen: plugin '{name}' {why} (skipped)", err=True)
 
 
-@app.command()
-def tiny(directory: Annotated[Optional[Path], typer.Argument(help="Where to write it (default: user cache).")] = None):
+@app.command(cls=PlainCommand)
+def tiny(directory: Annotated[Optional[Path], typer.Argument(metavar="DIR", help="Where to write it (default: user "
+                                                                                 "cache).")] = None):
     """Write the embedded tiny random-weight model and print where it is.
 
     \b

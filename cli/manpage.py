@@ -1,4 +1,5 @@
-"""man/h3gen.1, generated from the command tree itself so it cannot drift from `--help`.
+"""man/h3gen.1, generated from the command tree, the presets' sections and the built-in stages' configs themselves, so
+it cannot drift from `--help` or from the keys a preset takes.
 
 Run `python -m h3gen.cli.manpage > man/h3gen.1`; a test checks the committed page is current.
 """
@@ -9,7 +10,11 @@ import click
 import typer.main
 
 from h3gen import __version__
+from h3gen.cli import reference
+from h3gen.cli.help import help_records
 from h3gen.cli.main import app
+from h3gen.cli.preset_keys import preset_keys
+from h3gen.plugins.manager import registry
 
 
 PLUGINS = """A plugin is a package with an entry point in the h3gen group whose module implements the hooks
@@ -29,6 +34,24 @@ def roff(text: str) -> str:
     return "\n".join(("\\&" + line) if line.startswith((".", "'")) else line for line in text.splitlines())
 
 
+def argument(text: str) -> str:
+    """`text` as a macro's argument (.B, .SS), where a double quote would be read as the argument's delimiter."""
+    return roff(text).replace('"', "\\(dq")
+
+
+def items(entries) -> list[str]:
+    """A section's paragraphs, terms and examples (h3gen.cli.reference)."""
+    lines = []
+    for entry in entries:
+        if isinstance(entry, str):
+            lines += [".PP", roff(entry)]
+        elif isinstance(entry, reference.Example):
+            lines += [".PP", roff(entry.text), ".RS", ".nf", roff(entry.command), ".fi", ".RE"]
+        else:
+            lines += [".TP", ".B " + argument(entry[0]), roff(entry[1])]
+    return lines
+
+
 def commands(group, prefix: str):
     for name in sorted(group.commands):
         command = group.commands[name]
@@ -38,32 +61,32 @@ def commands(group, prefix: str):
             yield f"{prefix}{name}", command
 
 
+def described(command, ctx) -> list[str]:
+    """A command's arguments and options as its `--help` lists them."""
+    arguments, options = help_records(command, ctx)
+    return items(arguments + options)
+
+
 def page() -> str:
     root = typer.main.get_command(app)
-    ctx = click.Context(root, info_name="h3gen")
+    ctx = click.Context(root, info_name="h3gen", **root.context_settings)  # -h besides --help
     lines = [f'.TH H3GEN 1 "" "h3gen {__version__}" "User Commands"', ".SH NAME",
              roff("h3gen - batch renderer for MiniMax-H3 text-to-video with a stereo soundtrack"),
              ".SH SYNOPSIS", roff("h3gen COMMAND [OPTIONS] [ARGS]..."), ".SH DESCRIPTION", roff(root.help or ""),
-             ".SH COMMANDS"]
+             ".SH OPTIONS", *described(root, ctx), ".SH COMMANDS"]
     for name, command in commands(root, ""):
         sub = click.Context(command, info_name=f"h3gen {name}", parent=ctx)
         text, _, example = (command.help or "").partition("\b\n")  # click's mark: the lines after it as written
         lines += [".SS " + roff(f"h3gen {name} " + " ".join(command.collect_usage_pieces(sub))), roff(text.strip())]
         if example.strip():
             lines += [".PP", ".nf", roff(example.rstrip()), ".fi"]
-        for param in command.get_params(sub):
-            record = param.get_help_record(sub)
-            if record:
-                lines += [".TP", ".B " + roff(record[0]), roff(record[1] or "")]
-    lines += [".SH ENVIRONMENT", ".TP", ".B H3GEN_MODEL", roff("Model directory used when --model is not given."),
-              ".TP", ".B H3GEN_LOAD_PLUGINS", roff("Comma-separated plugin names to load (default: all)."),
-              ".TP", ".B H3GEN_STRICT_PLUGINS", roff("Set to 1 to stop when a plugin fails (as --strict-plugins)."),
-              ".TP", ".B H3GEN_DEBUG",
-              roff("Set to 1 to print a failure's traceback besides its line (as --traceback)."),
-              ".SH PLUGINS", roff(PLUGINS),
-              ".SH EXIT STATUS", roff("0 when every clip was written or already there, 1 when some clips failed or "
-                                      "are there from other settings, 2 on usage errors, 130, 143 or 129 when stopped "
-                                      "by SIGINT, SIGTERM or SIGHUP, 141 when stdout's reader has gone."),
+        lines += described(command, sub)
+    lines += [".SH PROMPTS FILE", *items(reference.PROMPTS_FILE), ".SH PRESET KEYS"]
+    for title, entries in preset_keys(registry()):
+        lines += ([".SS " + argument(title)] if title else []) + items(entries)
+    lines += [".SH PLUGINS", roff(PLUGINS), ".SH ENVIRONMENT", *items(reference.ENVIRONMENT),
+              ".SH FILES", *items(reference.FILES), ".SH EXIT STATUS", *items(reference.EXIT_STATUS),
+              ".SH EXAMPLES", *items(reference.EXAMPLES),
               ".SH SEE ALSO", roff("README.md and docs/plugins.md of the h3gen repository.")]
     return "\n".join(lines) + "\n"
 

@@ -29,11 +29,11 @@ class AdapterConfig:
     paths: list[str] = dataclasses.field(default_factory=list)  # .safetensors files or PEFT adapter folders
     scale: float = 1.0  # multiplies every adapter's delta (LoRA and full-rank alike)
     scales: list[float] = dataclasses.field(default_factory=list)  # one per path, times `scale`; empty: all 1
-    forwards: int = 0
-    sigma_positions: list[float] = dataclasses.field(default_factory=list)
-    video_shift: float = 0.0
-    audio_shift: float = 0.0
-    tasks: list[str] = dataclasses.field(default_factory=list)
+    forwards: int = 0  # the DiT forwards the adapters were distilled for (contract; 0: any)
+    sigma_positions: list[float] = dataclasses.field(default_factory=list)  # their sigma grid (contract; empty: any)
+    video_shift: float = 0.0  # their video shift (contract; 0: any)
+    audio_shift: float = 0.0  # their audio shift (contract; 0: any)
+    tasks: list[str] = dataclasses.field(default_factory=list)  # the tasks they render (contract; empty: any)
     cache: bool = False  # the adapter allows a step cache (h3gen.stages.cache) to reuse some of its forwards
 
     def __post_init__(self):

@@ -134,8 +134,8 @@ class ResidualCache(NoCache):
 @dataclasses.dataclass
 class ScheduleConfig:
     steps: list[int] = dataclasses.field(default_factory=list)  # forwards computed in full, from 0; [] means all
-    first_blocks: int = 1
-    last_blocks: int = 0
+    first_blocks: int = 1  # computed every forward, before the reused middle
+    last_blocks: int = 0  # computed every forward after the reused middle
 
 
 class ScheduleCache(NoCache):

@@ -48,7 +48,7 @@ class DiffusersEncode(Stage):
 
 @dataclasses.dataclass
 class DiffusersSamplerConfig:
-    steps: int = 50
+    steps: int = 50  # diffusers' num_inference_steps
     sdpa_backend: str = "default"  # default (PyTorch picks), flash, cudnn, efficient, math
 
 

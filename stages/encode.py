@@ -17,8 +17,8 @@ from h3gen.stages.base import Stage
 
 @dataclasses.dataclass
 class Qwen3VLConfig:
-    layer: int = 50
-    max_tokens: int = 1024
+    layer: int = 50  # the hidden state H3 reads; the encoder runs one layer past it
+    max_tokens: int = 1024  # a prompt of more tokens fails its clip
     cache: bool = True  # prompt embeddings on disk: a rerun over the same prompts never loads the encoder
     cache_dir: str = ""  # where they go; empty: the user cache directory (h3gen/embeddings in it)
 

@@ -130,8 +130,8 @@ def _fsync(path: Path) -> None:
 
 @dataclasses.dataclass
 class PyAVMuxConfig:
-    crf: int = 18
-    x264_preset: str = "veryfast"
+    crf: int = 18  # x264's constant rate factor: lower keeps more detail, in a bigger file
+    x264_preset: str = "veryfast"  # x264's speed preset: a slower one makes a smaller file of the same quality
     # A fixed count, not "auto": x264's output depends on its thread count, so a fixed one keeps the same clip
     # byte-identical on every machine.
     x264_threads: int = 8

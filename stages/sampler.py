@@ -26,8 +26,8 @@ PARTITIONS = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transfor
 class EulerConfig:
     steps: int = 50  # sigma grid points, terminal 0 included: 50 points = 49 forwards
     sigma_positions: list[float] = dataclasses.field(default_factory=list)  # explicit grid before the shift
-    video_shift: float = 12.0
-    audio_shift: float = 3.0
+    video_shift: float = 12.0  # the shift of the video latents' sigma schedule
+    audio_shift: float = 3.0  # the shift of the audio latents' sigma schedule
     dit: str = "h3gen"  # "h3gen": h3gen's DiT (fused kernels, AdaLN tables); "diffusers": the reference transformer
     triton: bool = True  # h3gen DiT: Triton kernels for norm/modulate, QK-norm + RoPE, SwiGLU, gated residual
     adaln_table: bool = True  # h3gen DiT: modulation rows precomputed for the schedule, adaln_proj dropped

@@ -24,7 +24,114 @@ def test_man_page_is_current_and_renders():
     shown = subprocess.run(["man", "-l", str(ROOT / "man" / "h3gen.1")], capture_output=True, text=True,
                            env={"MANWIDTH": "80", "MANPAGER": "cat", "PAGER": "cat", "PATH": "/usr/bin:/bin"})
     assert shown.returncode == 0, shown.stderr
-    assert "h3gen render" in shown.stdout and "EXIT STATUS" in shown.stdout
+    assert "h3gen render" in shown.stdout and all(f"\n{title}\n" in shown.stdout for title in SECTIONS)
+
+
+SECTIONS = ("NAME", "SYNOPSIS", "DESCRIPTION", "OPTIONS", "COMMANDS", "PROMPTS FILE", "PRESET KEYS", "PLUGINS",
+            "ENVIRONMENT", "FILES", "EXIT STATUS", "EXAMPLES", "SEE ALSO")
+
+
+def man_section(page: str, heading: str) -> str:
+    """The lines under `heading` (".SH TITLE" or ".SS TITLE"), up to the next heading of its level or above."""
+    start = page.index(f"{heading}\n") + len(heading) + 1
+    ends = (".SH ",) if heading.startswith(".SH") else (".SH ", ".SS ")
+    found = [page.find(f"\n{end}", start) for end in ends]
+    return page[start:min([i for i in found if i >= 0], default=len(page))]
+
+
+def test_man_page_has_the_reference_sections_and_every_preset_key():
+    """Each built-in stage's Config fields, each section's keys and each prompts-file field are in the page: none
+    can be added without it."""
+    import dataclasses
+
+    from h3gen.cli.manpage import argument, page
+    from h3gen.config.contract import AdapterConfig
+    from h3gen.config.preset import MODEL_DEFAULTS, PARALLEL_DEFAULTS, REQUEST_DEFAULTS, RUNTIME_DEFAULTS
+    from h3gen.inputs.prompts import FIELDS
+    from h3gen.plugins.manager import registry
+    from h3gen.stages.base import BUILTIN
+
+    text = page()
+    assert [line[4:] for line in text.splitlines() if line.startswith(".SH ")] == list(SECTIONS)
+    keys = man_section(text, ".SH PRESET KEYS")
+    tables = [(f"[{name}]", list(defaults)) for name, defaults in (
+        ("request", REQUEST_DEFAULTS), ("runtime", RUNTIME_DEFAULTS), ("parallel", PARALLEL_DEFAULTS),
+        ("model", MODEL_DEFAULTS))] + [("[adapter]", [f.name for f in dataclasses.fields(AdapterConfig)])]
+    stages = [entry for entry in registry().stages.values() if entry.origin == BUILTIN]
+    assert len(stages) >= 14
+    tables += [(f'[{entry.kind}] use = "{entry.name}"', [f.name for f in dataclasses.fields(entry.stage.Config)])
+               for entry in stages]
+    for title, fields in tables:
+        section = man_section(keys, ".SS " + argument(title))
+        for field in fields:
+            assert f"\n.B {argument(field)} = " in f"\n{section}", (title, field)
+        if not fields:
+            assert "No other keys." in section, title
+    prompts = man_section(text, ".SH PROMPTS FILE")
+    terms = {name for line in prompts.splitlines() if line.startswith(".B ") for name in line[3:].split(", ")}
+    assert set(FIELDS) <= terms
+
+
+def test_man_page_names_every_exit_status_and_environment_variable_the_code_has():
+    import re
+    import signal
+
+    from h3gen.cli.manpage import page
+    from h3gen.errors import ClipError, ModelError, UsageError, WriteError
+    from h3gen.run.loop import STOP_SIGNALS, Interrupted
+    from h3gen.stages.base import StageFailed
+
+    text = page()
+    codes = {code for line in man_section(text, ".SH EXIT STATUS").splitlines() if line.startswith(".B ")
+             for code in line[3:].split(", ")}
+    stops = {str(Interrupted(signum).exit_code) for signum in (*STOP_SIGNALS, signal.SIGPIPE)}
+    assert codes == {"0", *(str(e.exit_code) for e in (ClipError, ModelError, UsageError, WriteError, StageFailed)),
+                     *stops}
+    documented = {line[3:] for line in man_section(text, ".SH ENVIRONMENT").splitlines() if line.startswith(".B ")}
+    read = set()
+    for path in ROOT.rglob("*.py"):
+        if not {".venv", "tests", "examples"} & set(path.relative_to(ROOT).parts):
+            read |= set(re.findall(r"""(?:environ(?:\.get|\.setdefault)?[(\[]|getenv\(|envvar=)\s*["']([A-Z0-9_]+)""",
+                                   path.read_text()))
+    set_by_others = {"LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",  # torchrun, for each worker
+                     "TORCHELASTIC_ERROR_FILE",  # torchrun too
+                     "TRITON_INTERPRET",  # Triton's interpreter, which the kernels' tests run
+                     "OUT"}  # the folder the GPU check scripts in bench/ write to
+    assert {"H3GEN_MODEL", "H3GEN_DEBUG", "OMP_NUM_THREADS"} <= read
+    assert read - set_by_others <= documented, read - set_by_others - documented
+    assert "XDG_CACHE_HOME" in documented
+
+
+def test_man_page_is_the_same_on_every_machine_and_its_examples_parse():
+    """No path of the machine that wrote it (the cache directory is written as $XDG_CACHE_HOME/h3gen), and every
+    example is a command line h3gen takes."""
+    import os
+    import shlex
+    from pathlib import Path
+
+    from platformdirs import user_cache_dir
+    from typer.main import get_command
+
+    from h3gen.cli.main import app
+    from h3gen.cli.manpage import page
+    from h3gen.cli.reference import EXAMPLES
+
+    text = page()
+    for local in (user_cache_dir("h3gen"), os.environ["XDG_CACHE_HOME"], str(Path.home()), str(ROOT)):
+        assert local not in text.replace("\\-", "-"), local
+    assert "$XDG_CACHE_HOME/h3gen/embeddings/" in text.replace("\\-", "-")
+    root = get_command(app)
+    for example in EXAMPLES:
+        words = shlex.split(example.command)
+        assert words[0] == "h3gen"
+        command, path, args = root, ["h3gen"], words[1:]
+        while hasattr(command, "commands") and args and args[0] in command.commands:
+            path.append(args[0])
+            command = command.commands[args.pop(0)]
+        if command is root:  # h3gen's own options act as they parse: only checked to be there
+            assert args[0] in {opt for param in root.params for opt in param.opts}, example
+        else:
+            command.make_context(" ".join(path), args)  # raises on an option or argument it does not take
 
 
 def test_tiny_writes_the_model_where_asked(tmp_path):
@@ -88,3 +195,76 @@ def test_every_command_has_an_example_and_plain_metavars():
         assert "Example" in text and f"h3gen {' '.join(command)}" in text.split("Example", 1)[1], command
     render = h3gen("render", "--help", check_code=0).stdout
     assert "--set SECTION.KEY=VALUE" in render and "repeatable" in render and "<list[str]>" not in render
+
+
+def help_texts() -> dict[str, str]:
+    """`-h` of h3gen and of every command and group under it, by command path ("" for h3gen itself)."""
+    from typer.main import get_command
+    from typer.testing import CliRunner
+
+    from h3gen.cli.main import app
+
+    def paths(group, path):
+        yield path
+        for name, command in group.commands.items():
+            yield from paths(command, path + [name]) if hasattr(command, "commands") else [path + [name]]
+
+    runner = CliRunner()
+    return {" ".join(path): runner.invoke(app, [*path, "-h"], prog_name="h3gen").output
+            for path in paths(get_command(app), [])}
+
+
+def test_help_shows_plain_metavars_and_says_repeatable():
+    from typer.main import get_command
+
+    from h3gen.cli.main import app
+
+    texts = help_texts()
+    assert {"", "render", "validate", "compare", "bench", "plugins", "tiny", "presets", "presets list",
+            "presets show"} <= set(texts)
+    for command, text in texts.items():
+        assert text.startswith(f"Usage: h3gen {command}".rstrip()), (command, text)
+        for label in ("{", "<list", "list[", "<int", "<path", "<str", "<float"):
+            assert label not in text, (command, label, text)
+    usage = {command: text.splitlines()[0] for command, text in texts.items()}
+    assert usage["render"] == "Usage: h3gen render [OPTIONS] PROMPTS"
+    assert usage["validate"] == "Usage: h3gen validate [OPTIONS] FILE..."
+    assert usage["compare"] == "Usage: h3gen compare [OPTIONS] A B"
+    assert usage["tiny"] == "Usage: h3gen tiny [OPTIONS] [DIR]"
+    assert usage["presets show"] == "Usage: h3gen presets show [OPTIONS] NAME|FILE"
+    assert "--install-completion [SHELL]" in texts[""] and "--gpus N " in texts["render"]
+    assert "--set SECTION.KEY=VALUE" in texts["bench"] and "--size WxH" in texts["bench"]
+    root = get_command(app)
+    for command in ("render", "bench", "presets show"):
+        found = root
+        for name in command.split():
+            found = found.commands[name]
+        repeatable = [param for param in found.params if getattr(param, "multiple", False)]
+        assert repeatable and texts[command].count("(repeatable)") == len(repeatable), command
+
+
+
+@pytest.mark.parametrize("shell, script, rc_file", [("zsh", ".zfunc/_h3gen", ".zshrc"),
+                                                    ("fish", ".config/fish/completions/h3gen.fish", None),
+                                                    ("bash", ".bash_completions/h3gen.sh", ".bashrc")])
+def test_install_completion_installs_the_shell_asked_for(tmp_path, shell, script, rc_file):
+    """Whatever shell h3gen runs under (SHELL, the process tree), the one named after the option is the one set up."""
+    env = {"HOME": str(tmp_path), "SHELL": "/bin/zsh" if shell == "bash" else "/bin/bash"}
+    installed = h3gen("--install-completion", shell, env=env, check_code=0)
+    assert f"{shell} completion installed in {tmp_path / script}" in installed.stdout
+    written = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*") if path.is_file())
+    assert written == sorted([script] + ([rc_file] if rc_file else []))
+    shown = h3gen("--show-completion", shell, env=env, check_code=0).stdout
+    assert (tmp_path / script).read_text().strip() == shown.strip()
+    assert {"zsh": "#compdef h3gen", "fish": "complete --command h3gen",
+            "bash": "complete -o default -F _h3gen_completion h3gen"}[shell] in shown
+    if shell == "zsh":
+        assert "fpath+=~/.zfunc; autoload -Uz compinit; compinit" in (tmp_path / ".zshrc").read_text()
+    if shell == "bash":
+        assert f"source '{tmp_path / script}'" in (tmp_path / ".bashrc").read_text()
+
+
+def test_install_completion_refuses_a_shell_it_does_not_know(tmp_path):
+    refused = h3gen("--install-completion", "tcsh", env={"HOME": str(tmp_path)}, check_code=2)
+    assert "--install-completion tcsh: not a shell h3gen completes in" in refused.stderr
+    assert not list(tmp_path.iterdir())

@@ -1,0 +1,79 @@
+"""Help in plain words: a value is shown by its metavar (PROMPTS, FILE..., N, SECTION.KEY=VALUE), never by typer's
+type labels ({PROMPTS}, <list[Path]>, <int>), and an option that can be given more than once says so.
+
+The commands' `--help` and the man page (h3gen.cli.manpage) both read their lines from here.
+"""
+
+from __future__ import annotations
+
+from typer.core import TyperCommand, TyperGroup
+
+REPEATABLE = "(repeatable)"
+
+
+def value_name(param) -> str:
+    """A parameter's value as help shows it: its metavar, else its name in capitals; `...` after an argument that
+    takes several."""
+    name = param.metavar or param.name.upper()
+    return f"{name}..." if is_argument(param) and param.nargs != 1 else name
+
+
+def is_argument(param) -> bool:
+    return param.param_type_name == "argument"
+
+
+def usage_piece(argument) -> str:
+    name = value_name(argument)
+    return name if argument.required else f"[{name}]"
+
+
+def with_repeatable(text: str) -> str:
+    return f"{text[:-1]} {REPEATABLE}." if text.endswith(".") else f"{text} {REPEATABLE}".strip()
+
+
+def help_record(param, ctx) -> tuple[str, str] | None:
+    """(what to type, what it does) for one parameter; None when it is hidden."""
+    record = param.get_help_record(ctx)
+    if record is None:
+        return None
+    text = param.help or ""
+    extra = record[1][len(text):].strip()  # typer's "[default: ...; required]" after the help text
+    if getattr(param, "multiple", False):
+        text = with_repeatable(text)
+    if is_argument(param):
+        name = value_name(param)
+    else:
+        name = ", ".join(sorted(param.opts, key=lambda opt: opt.startswith("--")))
+        if not param.is_flag or param.metavar:
+            name += f" {value_name(param)}"
+    return name, f"{text}  {extra}".strip()
+
+
+def help_records(command, ctx) -> tuple[list, list]:
+    """The (arguments, options) rows of `command`'s help."""
+    rows = [(param, help_record(param, ctx)) for param in command.get_params(ctx)]
+    return ([row for param, row in rows if row and is_argument(param)],
+            [row for param, row in rows if row and not is_argument(param)])
+
+
+def write_params(command, ctx, formatter) -> None:
+    arguments, options = help_records(command, ctx)
+    for title, rows in (("Arguments", arguments), ("Options", options)):
+        if rows:
+            with formatter.section(title):
+                formatter.write_dl(rows)
+
+
+class PlainCommand(TyperCommand):
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        return pieces + [usage_piece(param) for param in self.get_params(ctx) if is_argument(param)]
+
+    def format_options(self, ctx, formatter) -> None:
+        write_params(self, ctx, formatter)
+
+
+class PlainGroup(TyperGroup):
+    def format_options(self, ctx, formatter) -> None:
+        write_params(self, ctx, formatter)
+        self.format_commands(ctx, formatter)

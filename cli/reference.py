@@ -1,0 +1,151 @@
+"""The man page's reference sections in words: the prompts file, the environment, the files a run writes, the exit
+status, examples. Each says what the code does, with the code's own numbers where it has them.
+
+Each section is a list of paragraphs (str), terms with what they are ((term, text)) and examples (Example).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from h3gen.cli.ui import HEARTBEAT_S
+from h3gen.inputs.media import MIN_VIDEO_FRAMES
+from h3gen.inputs.prompts import MAX_CLIP_BYTES
+from h3gen.inputs.request import FPS, MAX_SECONDS, MIN_SECONDS, SAMPLE_RATE, frames_for_duration
+from h3gen.models.tiny import TINY_VERSION
+from h3gen.run.outputs import MANIFEST
+
+CACHE = "$XDG_CACHE_HOME/h3gen"
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    command: str
+    text: str
+
+
+def seconds(value: float) -> str:
+    return f"{value:g} s"
+
+
+PROMPTS_FILE = [
+    "The PROMPTS file of h3gen render, read as UTF-8 (a byte-order mark at its start is dropped; bytes that are not "
+    "UTF-8 stop the run, naming the line). Lines end at a line feed, a carriage return before it is dropped, and "
+    "U+2028 and the other Unicode separators are text inside a line, so every line number is the one an editor "
+    "shows. Each line is trimmed of the whitespace around it; a line that is then empty, or starts with #, is "
+    "skipped. A line that starts with { or [ is JSON and must be one object (a prompt that itself starts with a "
+    'bracket goes in {"prompt": "..."}); any other line is a prompt as it stands. Both kinds mix in one file.',
+    "A JSON line has these fields, each of the JSON type given (true and false are no number); any other field, "
+    "or another type, stops the run.",
+    ("prompt", "string, required: the text, trimmed of the whitespace around it, not empty. A JSON string can hold "
+               "any character, line breaks and control characters included, written as JSON escapes."),
+    ("id", "string: the clip's file name, ID.mp4 (ID itself when it ends in .mp4): letters, digits, '.', '_' and "
+           "'-', starting with a letter or digit, at most 128 characters, each id once in the file. Without one, "
+           "the name is h3-HASH.mp4, HASH 12 hex digits of a SHA-256 of the preset's name, the seed, the prompt and "
+           "the media paths: a rerun finds the same file."),
+    ("seed", "integer, 0 to 2**63 - 1: the noise seed. Default: --seed plus the prompt's index, its place among "
+             "the prompts from 0 (blank lines and comments not counted)."),
+    ("duration", f"number, {seconds(MIN_SECONDS)} to {seconds(MAX_SECONDS)}: the clip gets the fewest frames of "
+                 f"the form 17n+5 (the video VAE's) at {FPS} fps that last that long, at most {seconds(MAX_SECONDS)} "
+                 f"({frames_for_duration(MIN_SECONDS)} frames for {seconds(MIN_SECONDS)}, "
+                 f"{frames_for_duration(MAX_SECONDS)} for {seconds(MAX_SECONDS)}). Default: the preset's "
+                 "request.duration."),
+    ("width, height", "integers: pixels, multiples of 32 (at least 32), width over height between 1:4 and 4:1. "
+                      "Default: the preset's request.width and request.height; with keyframes, give both or "
+                      "neither: without them the first keyframe's (else the last's) aspect ratio sets the size, at "
+                      "the preset's short edge and area. A size whose estimated peak device memory is more than "
+                      f"{MAX_CLIP_BYTES // 2**30} GiB (8 GPUs of 288 GiB) is refused."),
+    ("first_frame, last_frame", "strings: fl2va, the image the video starts from, ends on, or both: a file PIL "
+                                "reads (PNG, JPEG, WebP), its EXIF orientation applied, its aspect ratio between "
+                                "1:4 and 4:1. Not with references."),
+    ("references", "array of strings: ref2va, image, video and audio files in the order the model reads them, each "
+                   "known by what it holds (an image PIL reads, else the streams PyAV finds; a video brings its "
+                   "soundtrack): at most 9 images, 3 videos and 3 audio files, 12 in all (the limits of diffusers' "
+                   "MiniMaxH3Ref2VASetupStep), never audio alone. A video needs a frame rate, an aspect ratio "
+                   f"between 1:4 and 4:1 and {MIN_VIDEO_FRAMES} frames at {FPS} fps ({MIN_VIDEO_FRAMES / FPS:.2f} s); "
+                   f"audio must be mono or stereo, at {SAMPLE_RATE} Hz unless torchaudio is installed to resample "
+                   "it."),
+    "Media paths are absolute, or relative to the prompts file's folder (~ is expanded). The task follows from the "
+    "fields: none of them, t2va; keyframes, fl2va; references, ref2va (which runs the repository's "
+    "transformer_ref/ partition). A preset's adapter contract can restrict the tasks. Every line is checked before "
+    "any weight loads: a bad line, or a file without prompts, stops the run with exit status 2, naming the file "
+    "and line. --shard I/N keeps the prompts whose index is I modulo N.",
+]
+
+ENVIRONMENT = [
+    ("H3GEN_MODEL", "The model directory when --model is not given (render, bench)."),
+    ("H3GEN_LOAD_PLUGINS", "Comma-separated names of the installed plugins (entry points of the h3gen group) to "
+                           "load; unset: all. h3gen's own stages and presets are always there; a name no installed "
+                           "plugin has is reported as a failed plugin."),
+    ("H3GEN_STRICT_PLUGINS", "1 (or true, yes, on) stops the command when a plugin fails to load, as "
+                             "--strict-plugins; otherwise it is reported and skipped."),
+    ("H3GEN_DEBUG", "Anything but empty or 0 prints a failure's traceback besides its one line, as --traceback "
+                    "(which sets it, for the workers too)."),
+    ("H3GEN_HEARTBEAT_S", f"Seconds between two lines of a clip's sampler progress when stderr is not a terminal "
+                          f"(default {HEARTBEAT_S:g})."),
+    ("H3GEN_COMMIT", "The commit h3gen bench writes into its results (default: git rev-parse HEAD in h3gen's "
+                     "source folder)."),
+    ("XDG_CACHE_HOME", "Where the user cache directory is (FILES)."),
+    ("OMP_NUM_THREADS", "CPU threads per process. On the CPU a clip's bytes depend on it (MKL and ATen split their "
+                        "sums by thread): one process with the same value renders the same clip. Unset, each "
+                        "worker of --cpu-workers or --gpus gets the machine's cores divided by the workers per "
+                        "machine."),
+    ("MKL_CBWR", "Set to AUTO when unset (MKL's conditional numerical reproducibility), so one seed renders one "
+                 "clip whatever ran before in the process."),
+]
+
+FILES = [
+    "OUT is the -o directory of h3gen render, NAME a clip's file name (PROMPTS FILE).",
+    ("OUT/NAME.mp4", f"A clip: H.264 at {FPS} fps and AAC stereo at {SAMPLE_RATE} Hz, its render fingerprint in "
+                     "the comment tag. Written as OUT/.NAME.mp4.partial.mp4 and renamed when complete, so a "
+                     "stopped run never leaves a partial MP4; a later run removes the partial files a killed one "
+                     "left."),
+    ("OUT/NAME.latents.safetensors", "With --save-latents: the clip's final video and audio latents (float32), "
+                                     "written as OUT/.NAME.latents.safetensors.partial and renamed."),
+    (f"OUT/{MANIFEST}", "One JSON line per clip and event of every run, appended whole under a lock: the record "
+                        "--json prints, plus time (Unix seconds) and pid."),
+    ("OUT/.NAME.mp4.lock", "The claim of the run rendering NAME.mp4: a lock the kernel drops when that process "
+                           "ends, removed when the clip is done. A clip another run holds is left to it (busy)."),
+    (f"{CACHE}/embeddings/", "The embedding cache: KEY[0:2]/KEY.safetensors per prompt, KEY a SHA-256 of the text "
+                             "encoder's and tokenizer's files, the encode settings (layer, dtype, quant stage, "
+                             "device kind) and the prompt; a damaged entry is written again. --set "
+                             "encode.cache=false turns it off, --set encode.cache_dir=DIR puts it in DIR."),
+    (f"{CACHE}/tiny-v{TINY_VERSION}/", "The embedded tiny model, written on first use (h3gen tiny DIR writes it to "
+                                       "DIR)."),
+    ("bench/results/", "h3gen bench's -o directory (this one, in the current directory, by default): STAMP.json "
+                       "(the records, the device, the versions and the commit), STAMP.md (the table) and STAMP.png "
+                       "(the chart); with --batch, STAMP-batch.json and STAMP-batch.md. STAMP is the UTC time they "
+                       "are written, as 2026-01-31T120000Z."),
+    f"{CACHE} is the user cache directory (platformdirs' user_cache_dir): ~/.cache/h3gen when XDG_CACHE_HOME is "
+    "unset, ~/Library/Caches/h3gen on macOS.",
+]
+
+EXIT_STATUS = [
+    ("0", "Every clip was written, or was already there (render); every file is valid (validate)."),
+    ("1", "Some clips failed or are there from other settings, the others written, the summary listing each with "
+          "its reason (render); a write the run cannot do without failed, a worker failed, or h3gen hit a bug; a "
+          "file is not valid (validate)."),
+    ("2", "A usage error: bad options, prompts file, preset, model directory or output directory; a file to "
+          "validate that does not exist; clips to compare that are not MP4s of the same shape."),
+    ("130, 143, 129", "Stopped by SIGINT, SIGTERM or SIGHUP: the clip in flight is discarded, the clips written "
+                      "are kept, and the same command resumes. A second signal ends the process at once."),
+    ("141", "stdout's reader has gone (h3gen render ... --json | head -1): the run ends at the next clip, as "
+            "SIGPIPE ends other tools, with the clips written so far counted and nothing partial left."),
+]
+
+EXAMPLES = [
+    Example("h3gen render prompts.txt -o out/", "Render every prompt on the embedded tiny model (noise, in seconds):"),
+    Example("h3gen render prompts.txt -o out/ --model ~/models/MiniMax-H3 --preset h3-base --json",
+            "Real clips, a JSON record per clip on stdout:"),
+    Example("h3gen render prompts.txt -o out/ --model ~/models/MiniMax-H3 --dry-run",
+            "What a run would render, skip or leave as a conflict, loading no weights:"),
+    Example("h3gen render prompts.txt -o out/ --model ~/models/MiniMax-H3 --gpus 8",
+            "Eight GPUs, the layout picked from the prompt count:"),
+    Example("h3gen render prompts.txt -o out/ --model ~/models/MiniMax-H3 --shard $SLURM_ARRAY_TASK_ID/4",
+            "One of four independent runs over one file (a Slurm array of 0-3):"),
+    Example("h3gen presets show h3-base --set sampler.steps=25 --toml",
+            "A preset of one's own, to save and pass as --preset FILE:"),
+    Example("h3gen validate out/*.mp4", "Check the clips:"),
+    Example("h3gen compare fast/ ref/ --json", "How far fast presets' clips are from the reference ones:"),
+    Example("h3gen --install-completion zsh", "Tab completion in zsh:"),
+]
