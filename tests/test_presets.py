@@ -70,7 +70,7 @@ def test_bad_presets(tmp_path, text, overrides, message):
 
 
 def test_unknown_preset_name_lists_the_available_ones():
-    with pytest.raises(UsageError, match="available: diffusers, fasth3, fasth3-fp8, h3-base, h3-base-fast, h3-base-fp8, h3-exact, h3-reference, tiny, turbo-8"):
+    with pytest.raises(UsageError, match="available: diffusers, fasth3, fasth3-fp8, h3-base, h3-base-fast, h3-base-fast-fixed, h3-base-fp8, h3-exact, h3-reference, tiny, turbo-8"):
         resolve("nope", registry())
 
 
