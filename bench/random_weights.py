@@ -75,8 +75,10 @@ class FullSizeRandom:
             from diffusers import MiniMaxH3Transformer3DModel
 
             device = kwargs.pop("device", device_map)
-            reference = self.load(component, MiniMaxH3Transformer3DModel, torch_dtype=dtype, device_map=device)
-            return cls.from_reference(reference, **kwargs)
+            # A DiT that streams blocks is one that does not fit the device: its reference is drawn in host memory.
+            built = "cpu" if kwargs.get("stream_blocks") else device
+            reference = self.load(component, MiniMaxH3Transformer3DModel, torch_dtype=dtype, device_map=built)
+            return cls.from_reference(reference, device=device, **kwargs)
         torch.manual_seed(self.seed)
         dtype = torch_dtype or dtype or torch.bfloat16
         with built_on(device_map, dtype):

@@ -130,17 +130,20 @@ def in_scope(name: str, scopes) -> bool:
     return any(f".{scope}." in f".{name}." for scope in scopes)
 
 
-def swap_linears(model: nn.Module, make, scopes, skip) -> list[str]:
+def swap_linears(model: nn.Module, make, scopes, skip, prefix: str = "") -> list[str]:
     """Replace every nn.Linear under `scopes` whose name has no part in `skip` by `make(linear)`; returns the names.
+    `model` may be a part of the whole one, at `prefix` (a block: "transformer_blocks.3"): names are matched and
+    returned as in the whole model.
 
     Only names are collected up front: each Linear is looked up, replaced and dropped before the next, so its
     full-precision weight is freed as soon as its quantized copy exists.
     """
     skip = set(skip)
     names = [name for name, module in model.named_modules()
-             if isinstance(module, nn.Linear) and in_scope(name, scopes) and not skip & set(name.split("."))]
+             if isinstance(module, nn.Linear) and in_scope(f"{prefix}.{name}", scopes)
+             and not skip & set(f"{prefix}.{name}".split("."))]
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child, make(getattr(parent, child)))
-    return names
+    return [f"{prefix}.{name}" if prefix else name for name in names]

@@ -35,6 +35,13 @@ class Runtime:
         """`module` as the preset's quant stage transforms it for `role`; as loaded for a stage built without one."""
         return self.quant.transform(role, module) if self.quant is not None else module
 
+    def quantize_part(self, role: str, module, prefix: str):
+        """A part of a model still loading (a block at `prefix`), quantized now when the quant stage takes parts;
+        `quantize` on the whole model follows either way."""
+        if self.quant is None or not self.quant.quantizes_parts:
+            return module
+        return self.quant.quantize(role, module, prefix)
+
 
 @dataclasses.dataclass
 class ClipResult:

@@ -11,6 +11,7 @@ quantized only when `roles` names 'vae': its frames then differ from diffusers' 
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from h3gen.errors import UsageError
 from h3gen.stages.base import Stage
@@ -64,6 +65,7 @@ class QuantStage(Stage):
 
     kind = "quant"
     Config = NoQuantConfig
+    quantizes_parts: ClassVar[bool] = False  # takes a model's blocks one by one as they load (`quantize`'s prefix)
 
     def load(self, repo):
         from h3gen.config.contract import AdapterConfig, find_adapter
@@ -75,7 +77,8 @@ class QuantStage(Stage):
             from h3gen.models.adapters import AdapterDeltas
 
             self.adapter_deltas = AdapterDeltas(adapters, [adapter.scale_of(i) for i in range(len(adapters))])
-        self.quantized: dict[str, list[str]] = {}
+        self.quantized: dict[str, list[str]] = {}  # role -> the linears swapped, named as in the whole model
+        self.parts: dict[str, list[str]] = {}  # role -> those swapped in parts of a model still loading
 
     def checkpoint_tensor(self, role: str, key: str, tensor):
         """For loaders that read the checkpoint themselves: `tensor` (checkpoint key `key`) with the adapters fused.
@@ -91,7 +94,9 @@ class QuantStage(Stage):
             self.adapter_deltas.fuse_into(module)
         return self.quantize(role, module)
 
-    def quantize(self, role: str, module):
+    def quantize(self, role: str, module, prefix: str = ""):
+        """`module` for `role` quantized; with `prefix`, a part of the model (a block at "transformer_blocks.3"),
+        given as it loads when the stage says `quantizes_parts`, the rest of the model following whole."""
         return module
 
     def run(self, clip):
@@ -105,14 +110,19 @@ class NoQuant(QuantStage):
 
 class _LinearSwap(QuantStage):
     Config = QuantConfig
+    quantizes_parts = True
 
-    def quantize(self, role: str, module):
+    def quantize(self, role: str, module, prefix: str = ""):
         if role not in self.config.roles:
             return module
         from h3gen.models.quant_linear import swap_linears
 
         keep = set(self.config.skip) | set(getattr(module, "_keep_in_fp32_modules", None) or ())
-        self.quantized[role] = swap_linears(module, self.make_linear, SCOPES[role], keep)
+        names = swap_linears(module, self.make_linear, SCOPES[role], keep, prefix)
+        if prefix:  # a part as it loads: the whole model's call follows and takes these names along
+            self.parts.setdefault(role, []).extend(names)
+        else:
+            self.quantized[role] = self.parts.pop(role, []) + names
         return module
 
     def make_linear(self, linear):

@@ -126,8 +126,6 @@ class EulerSampler(Stage):
             memory.release(self.runtime.device)
         dit = self.load_fast_dit(partition) if self.config.dit == "h3gen" else self.load_reference_dit(partition)
         self.dit = self.runtime.quantize("dit", dit.eval())
-        if self.config.stream_blocks:
-            self.dit.stream_blocks(self.config.stream_blocks)
         if self.group is not None:
             from h3gen.parallel.ulysses import apply_ulysses
 
@@ -180,6 +178,10 @@ class EulerSampler(Stage):
                              adaln_timesteps=timesteps, use_triton=config.triton, adaln_table=config.adaln_table,
                              compile_blocks=config.compile, attention_backend=config.attention,
                              ffn_chunk_rows=config.ffn_chunk_rows, exact_norms=config.exact_norms,
+                             # each block quantized as it loads, then (the last stream_blocks) moved to host memory
+                             place_block=lambda index, block: self.runtime.quantize_part(
+                                 "dit", block, f"transformer_blocks.{index}"),
+                             stream_blocks=config.stream_blocks,
                              # adapters are added per checkpoint tensor, before Q, K, V are fused and the AdaLN
                              # tables built
                              checkpoint_tensor=lambda key, tensor: quant.checkpoint_tensor("dit", key, tensor))

@@ -40,3 +40,19 @@ def test_a_clip_rendered_with_streamed_blocks_is_byte_identical(prompts_file, tm
               "--set", f"sampler.stream_blocks={count}", check_code=0)
     (a,), (b,) = (list((tmp_path / name).glob("*.mp4")) for name in ("resident", "streamed"))
     assert a.read_bytes() == b.read_bytes()
+
+
+def test_streamed_blocks_leave_for_host_memory_as_they_load(tiny_model, monkeypatch):
+    # Each block is placed (quantized) and, when it streams, moved to host memory before the next block is read:
+    # a DiT larger than the device loads one block at a time.
+    from h3gen.models.dit.streaming import BlockStreamer
+    from h3gen.models.dit.transformer import FastH3Transformer
+
+    events, take = [], BlockStreamer.take
+    monkeypatch.setattr(BlockStreamer, "take", lambda self, index: (events.append(("host", index)), take(self, index)))
+    dit = FastH3Transformer.from_pretrained(tiny_model / "transformer", dtype=torch.float32, adaln_timesteps=[0.5],
+                                            place_block=lambda index, block: events.append(("placed", index)),
+                                            stream_blocks=1)
+    assert events == [("placed", 0), ("placed", 1), ("host", 1)]
+    assert all(p.device.type == "cpu" and not p.is_meta for p in dit.transformer_blocks[1].parameters())
+    assert dit.transformer_blocks[1].adaln_table is not None and dit.streamer.slots

@@ -16,11 +16,12 @@ RESIDENT = ("adaln_table",)  # small, indexed every forward: never streamed
 
 
 def block_tensors(block) -> dict[str, torch.nn.Parameter | torch.Tensor]:
-    """The block's streamable tensors by name: parameters and buffers but the resident ones."""
+    """The block's streamable tensors by name: parameters and buffers but the resident ones, and but those still
+    without data (the AdaLN projection a loader builds its table from, then drops)."""
     tensors = dict(block.named_parameters())
     tensors.update((name, buffer) for name, buffer in block.named_buffers()
                    if buffer is not None and name.split(".")[-1] not in RESIDENT)
-    return tensors
+    return {name: tensor for name, tensor in tensors.items() if not tensor.is_meta}
 
 
 def set_tensor(block, name: str, value: torch.Tensor) -> None:
@@ -33,24 +34,29 @@ def set_tensor(block, name: str, value: torch.Tensor) -> None:
 
 
 class BlockStreamer:
+    """Streams `streamed` (block indices) of `blocks`; each moves to host memory when `take(index)` is called (as
+    soon as it is loaded, so the device never holds the streamed blocks together)."""
+
     def __init__(self, blocks, streamed: list[int], device):
         self.blocks, self.device = blocks, torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.streamed = sorted(streamed)
         self.host: dict[int, dict[str, torch.Tensor]] = {}
-        for index in self.streamed:
-            tensors = block_tensors(blocks[index])
-            self.host[index] = {name: self.to_host(tensor) for name, tensor in tensors.items()}
-            for name, tensor in self.host[index].items():
-                set_tensor(blocks[index], name, tensor)
-        first = self.host[self.streamed[0]] if self.streamed else {}
-        self.slots = [{name: torch.empty_like(tensor, device=self.device) for name, tensor in first.items()}
-                      for _ in range(2 if self.streamed else 0)]
+        self.slots: list[dict[str, torch.Tensor]] = []
         self.holds = [None, None]  # the block each slot holds (or is being filled with)
         self.running = None  # the streamed block whose weights the compute stream is using
         self.copied = [self.event(), self.event()]  # a slot's copy has landed
         self.free = [self.event(), self.event()]  # the block that used a slot last has run
         self.copies = torch.cuda.Stream(self.device) if self.cuda else None
+
+    def take(self, index: int) -> None:
+        """Move block `index`'s streamable tensors to pinned host memory; the two slots are shaped by the first."""
+        self.host[index] = {name: self.to_host(tensor) for name, tensor in block_tensors(self.blocks[index]).items()}
+        for name, tensor in self.host[index].items():
+            set_tensor(self.blocks[index], name, tensor)
+        if not self.slots:
+            self.slots = [{name: torch.empty_like(tensor, device=self.device)
+                           for name, tensor in self.host[index].items()} for _ in range(2)]
 
     def to_host(self, tensor):
         host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.cuda)

@@ -87,48 +87,75 @@ class FastH3Transformer(nn.Module):
 
     @classmethod
     def from_pretrained(cls, transformer_dir, dtype=torch.bfloat16, device="cpu", adaln_timesteps=None,
-                        checkpoint_tensor=None, **switches):
+                        checkpoint_tensor=None, place_block=None, stream_blocks=0, **switches):
         """Load a diffusers `transformer/` folder. With `adaln_timesteps`, the AdaLN tables are built block by block
         while loading and the `adaln_proj` weights never become resident. `checkpoint_tensor(key, tensor)` sees each
-        checkpoint tensor, under its diffusers key, before it is fused or used: adapters are added there."""
-        config = read_config(transformer_dir)
-        with torch.device("meta"):
-            model = cls(config, **switches)
+        checkpoint tensor, under its diffusers key, before it is fused or used: adapters are added there;
+        `place_block(index, block)` each block once it holds its weights (`_load`); the last `stream_blocks` blocks
+        then go to host memory one by one (`stream_blocks`), so a DiT larger than the device can load."""
         with SafetensorsCheckpoint(transformer_dir, device) as checkpoint:
             def read(key):
                 tensor = checkpoint.read(key).to(torch.float32 if is_fp32_key(key) else dtype)
                 return checkpoint_tensor(key, tensor) if checkpoint_tensor is not None else tensor
-            model._load(read, adaln_timesteps)
+            model = cls._assemble(read_config(transformer_dir), switches, device, read, adaln_timesteps, place_block,
+                                  stream_blocks)
             if checkpoint.unread:
                 raise ValueError(f"{transformer_dir} holds tensors this model does not use: {sorted(checkpoint.unread)}")
         return model
 
     @classmethod
-    def from_reference(cls, reference, adaln_timesteps=None, checkpoint_tensor=None, **switches):
+    def from_reference(cls, reference, adaln_timesteps=None, checkpoint_tensor=None, device=None, place_block=None,
+                       stream_blocks=0, **switches):
         """Take over an already-loaded diffusers `MiniMaxH3Transformer3DModel`. Its parameters are emptied as they are
-        fused, one block at a time, so memory never holds two full copies; the reference is unusable afterwards."""
-        config = H3DiTConfig.from_dict(dict(reference.config))
-        with torch.device("meta"):
-            model = cls(config, **switches)
+        fused, one block at a time, so memory never holds two full copies; the reference is unusable afterwards.
+        With `device`, each tensor moves there as it is taken (a reference built in host memory); `place_block`
+        and `stream_blocks` as for `from_pretrained`."""
         params = dict(reference.named_parameters())
+        device = torch.device(device) if device is not None else next(iter(params.values())).device
 
         def read(key):
             param = params[key]
-            tensor = param.data
+            tensor = param.data.to(device)
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
             return checkpoint_tensor(key, tensor) if checkpoint_tensor is not None else tensor
 
-        model._load(read, adaln_timesteps)
+        return cls._assemble(H3DiTConfig.from_dict(dict(reference.config)), switches, device, read, adaln_timesteps,
+                             place_block, stream_blocks)
+
+    @classmethod
+    def _assemble(cls, config, switches, device, read, adaln_timesteps, place_block, stream_blocks):
+        with torch.device("meta"):
+            model = cls(config, **switches)
+        model.stream_blocks(stream_blocks, device)
+        streamer = model.streamer
+
+        def place(index, block):
+            if place_block is not None:
+                place_block(index, block)
+            if streamer is not None and index in streamer.streamed:
+                streamer.take(index)
+
+        model._load(read, adaln_timesteps, place)
         return model
 
     @torch.no_grad()
-    def _load(self, read, adaln_timesteps):
+    def _load(self, read, adaln_timesteps, place_block=None):
+        """The weights through `read`, the blocks one at a time: `place_block(index, block)` sees each block as soon
+        as it holds its weights (to quantize it, or to move it to host memory) before the next one is read, so the
+        device never holds more than one block beyond what stays there."""
         skip_adaln = adaln_timesteps is not None
-        state = {}
-        for key in self.state_dict():
-            if not (skip_adaln and ".adaln_proj." in key):
-                state[key] = fuse(key, read)
-        self.load_state_dict(state, assign=True, strict=not skip_adaln)
+        wanted = [key for key in self.state_dict() if not (skip_adaln and ".adaln_proj." in key)]
+        outside = self.load_state_dict({key: fuse(key, read) for key in wanted
+                                        if not key.startswith("transformer_blocks.")}, assign=True, strict=False)
+        missing = [key for key in outside.missing_keys if not key.startswith("transformer_blocks.")]
+        if missing:
+            raise KeyError(f"no weights for {missing}")
+        for index, block in enumerate(self.transformer_blocks):
+            prefix = f"transformer_blocks.{index}."
+            block.load_state_dict({key[len(prefix):]: fuse(key, read) for key in wanted if key.startswith(prefix)},
+                                  assign=True, strict=not skip_adaln)
+            if place_block is not None:
+                place_block(index, block)
         self.requires_grad_(False)
         device = self.proj_in.weight.device
         self.register_buffer("rope_inv_freq", rotary_inv_freq(self.config.rope_freq_dim, self.config.rope_theta)
@@ -280,15 +307,19 @@ class FastH3Transformer(nn.Module):
                 step_cache.keep(packed - middle_entry)
         return run(range(last, len(blocks)), packed)
 
-    def stream_blocks(self, count: int) -> None:
+    def stream_blocks(self, count: int, device=None) -> None:
         """Keep the last `count` blocks' weights in host memory, each brought to the device only while it runs
-        (h3gen.models.dit.streaming); 0 keeps every block resident."""
+        (h3gen.models.dit.streaming); 0 keeps every block resident. Blocks already loaded move to host memory now;
+        while loading (`from_pretrained`'s `stream_blocks`), each moves as it arrives."""
         from h3gen.models.dit.streaming import BlockStreamer
 
         blocks = self.transformer_blocks
         count = max(0, min(count, len(blocks)))
-        self.streamer = BlockStreamer(blocks, list(range(len(blocks) - count, len(blocks))),
-                                      self.proj_in.weight.device) if count else None
+        device = device if device is not None else self.proj_in.weight.device
+        self.streamer = BlockStreamer(blocks, list(range(len(blocks) - count, len(blocks))), device) if count else None
+        if self.streamer is not None and self.proj_in.weight.device.type != "meta":
+            for index in self.streamer.streamed:
+                self.streamer.take(index)
 
     def attention_backend_name(self):
         """The backend the blocks run, with the reason when it is not the one asked for."""
