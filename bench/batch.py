@@ -97,11 +97,14 @@ def clips_per_hour(forwards: int, per_forward_s: float, extra_per_clip_s: float,
 
 
 def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards: int, baseline: bool, say) -> dict:
-    from h3gen.run.render import Renderer
+    from h3gen.run import budget
+    from h3gen.run.render import Renderer, pick_device
 
     reporter = BatchReporter(say)
     began = time.perf_counter()
-    renderer = Renderer(preset, registry, source, reporter)
+    memory_plan = budget.plan_for(preset, requests, source, pick_device(preset.runtime["device"]))
+    budget.follow(preset, memory_plan)
+    renderer = Renderer(preset, registry, source, reporter, memory_plan)
     loaded = time.perf_counter()
     results = []
     try:
@@ -138,7 +141,10 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
                 clips_per_hour=round(3600 * len(results) / (wall + encode), 1),
                 full_forwards=full_forwards,
                 clips_per_hour_full=round(clips_per_hour(full_forwards, per_forward, extra, encode / len(results)), 1),
-                notes=f"{forwards} forward(s) per clip timed; clips_per_hour_full uses {full_forwards}")
+                vram_gib=preset.runtime["vram_gib"] or None, peak_gib=max((r.peak_gib or 0.0 for r in results),
+                                                                         default=0.0) or None,
+                notes=f"{forwards} forward(s) per clip timed; clips_per_hour_full uses {full_forwards}"
+                      + (f"; {memory_plan.describe()}" if memory_plan is not None else ""))
 
 
 BATCH_COLUMNS = ("clips", "encode_s", "per_forward_s", "vae_s_per_clip", "mux_s_per_clip", "extra_per_clip_s",

@@ -44,6 +44,24 @@ class FullSizeRandom:
     def text_dim(self) -> int:
         return QWEN3VL_32B_TEXT["hidden_size"]
 
+    def transformer_config(self) -> dict:
+        """diffusers' MiniMaxH3Transformer3DModel defaults: the released DiT's shape."""
+        import torch
+        from diffusers import MiniMaxH3Transformer3DModel
+
+        with torch.device("meta"):
+            return dict(MiniMaxH3Transformer3DModel().config)
+
+    def weight_bytes(self, component: str) -> int:
+        """A component's bytes in bf16, from its parameter count (built on the meta device)."""
+        import torch
+        from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+
+        classes = {"vae": AutoencoderKLMiniMaxH3, "audio_vae": AutoencoderKLMiniMaxH3Audio}
+        with torch.device("meta"):
+            model = classes[component]()
+        return 2 * sum(p.numel() for p in model.parameters())
+
     def text_encoder_identity(self) -> str:
         """The embedding cache's key: the random encoder is fixed by its architecture, seed and tokenizer."""
         import hashlib

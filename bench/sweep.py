@@ -95,8 +95,13 @@ class StageBench:
     def __init__(self, preset, registry, source, plan: BenchPlan, request: Request, workdir: Path):
         import torch
 
+        from h3gen.run import budget
+
         self.plan, self.source, self.request = plan, source, request
         device = pick_device(preset.runtime["device"])
+        budget.hold_to(device, preset.runtime["vram_gib"])  # the process's cap is set for every preset anew
+        self.memory_plan = budget.plan_for(preset, [request], source, device)
+        budget.follow(preset, self.memory_plan)
         self.runtime = Runtime(device, getattr(torch, preset.runtime["dtype"]), StageTimer(device))
         self.stages = {kind: registry.stage(kind, name)(config, self.runtime)
                        for kind, (name, config) in preset.stages.items()}
@@ -234,15 +239,19 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
                     records.append(dict(common, preset=name, baseline=baseline, duration_s=request.duration,
                                         frames=request.frames, size=f"{plan.width}x{plan.height}", stage="e2e",
                                         median_s=None, p95_s=None, repeats=0, per_forward_s=None, forwards=None,
-                                        peak_gib=None, rtf=None, dit_rel_err=None, notes=f"failed: {type(e).__name__}: {e}"[:500]))
+                                        peak_gib=None, rtf=None, dit_rel_err=None, vram_gib=preset.runtime["vram_gib"] or None,
+                                        notes=f"failed: {type(e).__name__}: {e}"[:500]))
                     continue
                 error, reference = output_error(plan, request, bench.clip, baseline, reference)
                 measured = records_for(preset.name, baseline, request, runs, bench.forwards_run, full_forwards,
                                        bench.peaks, common, bench.clip.attention or "-", error,
                                        bench.forwards_reused)
-                if plan.overrides and not baseline:
-                    for record in measured:
-                        record["notes"] = "; ".join(filter(None, [record["notes"], "--set " + " ".join(plan.overrides)]))
+                for record in measured:
+                    record["vram_gib"] = preset.runtime["vram_gib"] or None
+                    record["notes"] = "; ".join(filter(None, [
+                        record["notes"], "--set " + " ".join(plan.overrides) if plan.overrides and not baseline else "",
+                        bench.memory_plan.describe() if bench.memory_plan is not None and record["stage"] == "dit"
+                        else ""]))
                 records += measured
     add_ratios(records)
     return records

@@ -59,6 +59,8 @@ def show_tracebacks(wanted: bool) -> None:
         os.environ["H3GEN_DEBUG"] = "1"
 
 
+VRAM_HELP = ("Device memory budget in GiB (default: what is free on the GPU as the run starts): DiT blocks beyond "
+             "it stream from pinned host memory, and the allocator is held to it.")
 TRACEBACK_HELP = "Print a failure's traceback besides its one line (also H3GEN_DEBUG=1)."
 
 
@@ -90,6 +92,7 @@ def render(
     overrides: Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE", autocompletion=set_keys,
                                                            help="Override a preset value.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per finished clip on stdout.")] = False,
+    vram: Annotated[Optional[float], typer.Option("--vram", metavar="GIB", min=0, help=VRAM_HELP)] = None,
     save_latents: Annotated[bool, typer.Option("--save-latents", help="Also write each clip's final latents.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each prompt's output file and whether it would "
                                                             "render, skip or conflict; render nothing.")] = False,
@@ -137,7 +140,8 @@ def render(
 
     try:
         preset = preset or ("h3-base" if model is not None else "tiny")
-        settings = RunSettings(prompts, output, preset, model, seed, tuple(overrides or ()), json_out, save_latents,
+        overrides = [*(overrides or ()), *([f"runtime.vram_gib={vram}"] if vram is not None else [])]
+        settings = RunSettings(prompts, output, preset, model, seed, tuple(overrides), json_out, save_latents,
                                force, strict_plugins, parse_shard(shard) if shard is not None else None,
                                Parallel(gpus, cpu_workers, ulysses, nnodes, node_rank, rdzv_endpoint, rdzv_id),
                                dry_run)
@@ -179,6 +183,8 @@ def bench(
     baseline_clips: Annotated[Optional[int], typer.Option("--baseline-clips", metavar="N", min=1,
                                                           help="With --batch: clips the baseline renders (default: "
                                                                "the batch's N).")] = None,
+    vram: Annotated[Optional[float], typer.Option("--vram", metavar="GIB", min=0, help=VRAM_HELP + " On the "
+                                                  "measured presets, not the baseline.")] = None,
     sets: Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE", autocompletion=set_keys,
                                                       help="Override a preset value in every measured preset, not "
                                                            "the baseline.")] = None,
@@ -197,7 +203,8 @@ def bench(
     show_tracebacks(tracebacks)
     try:
         run_bench_command(presets or ["h3-base"], baseline, durations, size, repeat, warmup, random_weights, model,
-                          stages, forwards, text_tokens, output, batch, warm_cache, baseline_clips, sets or [])
+                          stages, forwards, text_tokens, output, batch, warm_cache, baseline_clips,
+                          [*(sets or ()), *([f"runtime.vram_gib={vram}"] if vram is not None else [])])
     except H3genError as e:
         fail(e)
 

@@ -57,14 +57,21 @@ class ModelRepo:
             local_files_only=True, use_safetensors=True)
         return load_component(component, cls.from_pretrained, self.path(component), **safe, **kwargs)
 
+    def transformer_config(self) -> dict:
+        """The DiT's config.json, read before any weight loads."""
+        return json.loads((self.path("transformer") / "config.json").read_text())
+
     def text_dim(self) -> int:
-        return json.loads((self.path("transformer") / "config.json").read_text()).get("text_dim", 5120)
+        return self.transformer_config().get("text_dim", 5120)
 
     def kind(self) -> str:
         """"tiny" for a smoke-test model (the embedded one: a DiT a few dozen wide), else "MiniMax-H3"; read from the
         transformer's config, before any weight loads."""
-        config = json.loads((self.path("transformer") / "config.json").read_text())
-        return "tiny" if config.get("hidden_size", 0) < TINY_WIDTH_LIMIT else "MiniMax-H3"
+        return "tiny" if self.transformer_config().get("hidden_size", 0) < TINY_WIDTH_LIMIT else "MiniMax-H3"
+
+    def weight_bytes(self, component: str) -> int:
+        """The bytes of a component's weight files: what it holds in memory at the checkpoint's precision."""
+        return sum(path.stat().st_size for path in self.path(component).glob("*.safetensors"))
 
     def text_encoder_identity(self) -> str:
         """What the embedding cache keys on: a fingerprint of the text encoder's and the tokenizer's files."""

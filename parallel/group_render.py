@@ -17,10 +17,10 @@ GO, PASS = 0, 1  # the first rank's word on a clip: render it, or leave it (busy
 
 
 class GroupRenderer(Renderer):
-    def __init__(self, preset, registry, repo, reporter, group, leader: int):
+    def __init__(self, preset, registry, repo, reporter, group, leader: int, memory_plan=None):
         import torch.distributed as dist
 
-        super().__init__(preset, registry, repo, reporter)
+        super().__init__(preset, registry, repo, reporter, memory_plan)
         self.group, self.leader = group, leader
         self.leads = dist.get_rank() == leader
         for kind in DEVICE_STAGES:

@@ -92,12 +92,16 @@ class Worker:
         if self.batch is not None:
             preset, found, repo = self.batch.preset, self.batch.found, self.batch.repo
             preset.runtime["device"] = self.device
+            plan = self.batch.memory_plan
         else:
             from h3gen.models.tiny import ensure_tiny_model
+            from h3gen.run.budget import follow, plan_for
 
             preset, found = self.preset()
             repo = ModelRepo(self.settings.model or ensure_tiny_model())
-        results = render_pending(share, self.settings, preset, found, repo, reporter, group, leader)
+            plan = plan_for(preset, share, repo, self.device)  # each rank streams its own copy, on its own GPU
+            follow(preset, plan)
+        results = render_pending(share, self.settings, preset, found, repo, reporter, group, leader, plan)
         if group is not None:
             import torch.distributed as dist
 

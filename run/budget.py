@@ -12,6 +12,7 @@ but its share of two slots shaped like one block; activations come from the meas
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from h3gen.errors import UsageError
 
@@ -50,77 +51,99 @@ class MemoryPlan:
     streamed: int  # the last `streamed` blocks live in host memory
     peak_bytes: int  # estimated device peak of the DiT's forward
     host_bytes: int  # pinned host memory the streamed blocks need
+    asked: bool = True  # the budget was given (--vram, runtime.vram_gib), not the free memory found at the start
 
     def describe(self) -> str:
         where = ("every DiT block resident" if not self.streamed else
                  f"{self.blocks - self.streamed} of {self.blocks} DiT blocks resident, {self.streamed} streamed from "
                  f"pinned host memory ({self.host_bytes / GIB:.1f} GiB of host memory)")
-        return f"memory plan for {self.budget_bytes / GIB:.1f} GiB: {where}, estimated peak {self.peak_bytes / GIB:.1f} GiB"
+        budget = f"{self.budget_bytes / GIB:.1f} GiB" + ("" if self.asked else " (free on the GPU)")
+        return f"memory plan for {budget}: {where}, estimated peak {self.peak_bytes / GIB:.1f} GiB"
 
     def record(self) -> dict:
-        return {"vram_gib": round(self.budget_bytes / GIB, 3), "streamed_blocks": self.streamed,
+        return {"vram_gib": round(self.budget_bytes / GIB, 3), "asked": self.asked, "streamed_blocks": self.streamed,
                 "estimated_peak_gib": round(self.peak_bytes / GIB, 3), "host_gib": round(self.host_bytes / GIB, 3)}
 
 
-def plan_memory(budget_bytes: int, sizes: DiTSizes, activation_bytes: int) -> MemoryPlan:
-    """The fewest streamed blocks whose estimated peak fits the budget; one line naming the budget that would fit
-    when none does."""
-    fixed = sizes.other_bytes + sizes.blocks * sizes.table_bytes + activation_bytes
+def plan_memory(budget_bytes: int, sizes: DiTSizes, activation_bytes: int, other_bytes: int = 0,
+                asked: bool = True) -> MemoryPlan:
+    """The fewest streamed blocks whose estimated peak fits the budget (`other_bytes`: what stays resident beside the
+    DiT, the decoders' weights); one line naming the budget that would fit when none does."""
+    fixed = sizes.other_bytes + sizes.blocks * sizes.table_bytes + activation_bytes + other_bytes
     for streamed in range(sizes.blocks + 1):
         slots = 2 * sizes.block_bytes if streamed else 0
         peak = fixed + (sizes.blocks - streamed) * sizes.block_bytes + slots
         if peak <= budget_bytes:
-            return MemoryPlan(budget_bytes, sizes.blocks, streamed, peak, streamed * sizes.block_bytes)
+            return MemoryPlan(budget_bytes, sizes.blocks, streamed, peak, streamed * sizes.block_bytes, asked)
     smallest = fixed + 2 * sizes.block_bytes
-    raise UsageError(f"no plan fits the DiT in {budget_bytes / GIB:.1f} GiB: with every block streamed the largest "
-                     f"clip still needs about {smallest / GIB:.1f} GiB",
-                     f"give --vram {smallest / GIB:.0f} or more, an FP8 preset, or a shorter or smaller clip")
+    given = f"--vram {budget_bytes / GIB:.1f} GiB" if asked else f"the {budget_bytes / GIB:.1f} GiB free on the GPU"
+    raise UsageError(f"no plan fits the DiT in {given}: with every block streamed the largest clip still needs about "
+                     f"{smallest / GIB:.1f} GiB",
+                     f"give --vram {math.ceil(smallest / GIB)} or more on a GPU that has it, an FP8 preset, or a "
+                     "shorter or smaller clip")
 
 
 def plan_for(preset, requests, repo, device: str) -> MemoryPlan | None:
-    """The plan for a run of h3gen's DiT with `runtime.vram_gib` set; None when no budget is asked for or the sampler
-    cannot stream. Checked before any weight loads: a budget on a CPU run, above the device's memory, under any plan,
+    """The plan for a run of h3gen's DiT on a GPU: within `runtime.vram_gib` (--vram), or, without one, within what
+    is free on the device as the run starts; None on the CPU without a budget, or for a DiT that cannot stream
+    without one. Checked before any weight loads: a budget on a CPU run, above the device's memory, under any plan,
     or more host memory than the machine has, each stop the run with one line."""
     budget_gib = preset.runtime["vram_gib"]
-    if not budget_gib:
-        return None
     if not device.startswith("cuda"):
-        raise UsageError(f"a device memory budget (--vram {budget_gib:g}) on a run on the CPU",
-                         "drop --vram (runtime.vram_gib), or run on a GPU")
+        if budget_gib:
+            raise UsageError(f"a device memory budget (--vram {budget_gib:g}) on a run on the CPU",
+                             "drop --vram (runtime.vram_gib), or run on a GPU")
+        return None
     import torch
 
-    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-    budget = int(budget_gib * GIB)
-    if budget > total:
-        raise UsageError(f"--vram {budget_gib:g} is more than the GPU's {total / GIB:.1f} GiB",
-                         f"give at most {total / GIB:.0f}")
     name, sampler = preset.stages["sampler"]
-    if name != "euler" or sampler.dit != "h3gen":
-        raise UsageError("a device memory budget streams the blocks of h3gen's DiT", 'set sampler.dit = "h3gen"')
-    return check_host(plan_memory(budget, dit_sizes(preset, repo), activations(preset, requests, repo)))
+    streams = name == "euler" and sampler.dit == "h3gen"
+    if not streams:
+        if budget_gib:
+            raise UsageError("a device memory budget streams the blocks of h3gen's DiT", 'set sampler.dit = "h3gen"')
+        return None
+    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    if budget_gib:
+        budget = int(budget_gib * GIB)
+        if budget > total:
+            raise UsageError(f"--vram {budget_gib:g} is more than the GPU's {total / GIB:.1f} GiB",
+                             f"give at most {total / GIB:.0f}")
+    else:
+        from h3gen.run.memory import free_bytes
+
+        budget = free_bytes(device)
+    config = repo.transformer_config()
+    plan = plan_memory(budget, dit_sizes(preset, config), activations(preset, requests, config),
+                       decoder_bytes(preset, repo), asked=bool(budget_gib))
+    return check_host(plan)
 
 
-def dit_sizes(preset, repo) -> DiTSizes:
-    import json
-
+def dit_sizes(preset, config: dict) -> DiTSizes:
     from h3gen.models.dit.checkpoint import H3DiTConfig
     from h3gen.stages.sampler import forwards
 
-    config = H3DiTConfig.from_dict(json.loads((repo.path("transformer") / "config.json").read_text()))
     quant_name, quant = preset.stages["quant"]
     fp8 = quant_name == "fp8-rowwise" and "dit" in quant.roles
     element = element_bytes(preset)
-    return DiTSizes.of(config, 1 if fp8 else element, 2 * forwards(preset.stages["sampler"][1]) + 2, element)
+    return DiTSizes.of(H3DiTConfig.from_dict(config), 1 if fp8 else element,
+                       2 * forwards(preset.stages["sampler"][1]) + 2, element)
+
+
+def decoder_bytes(preset, repo) -> int:
+    """The video and audio decoders stay resident beside the DiT: their weights at the checkpoint's bytes (an
+    upper bound for an FP8 decoder), twice over in fp32."""
+    scale = 2 if preset.runtime["dtype"] == "float32" else 1
+    return scale * (repo.weight_bytes("vae") + repo.weight_bytes("audio_vae"))
 
 
 def element_bytes(preset) -> int:
     return 4 if preset.runtime["dtype"] == "float32" else 2
 
 
-def activations(preset, requests, repo) -> int:
+def activations(preset, requests, config: dict) -> int:
     from h3gen.run.memory import DiTShape, peak_bytes
 
-    shape = DiTShape.from_config(repo.path("transformer") / "config.json")
+    shape = DiTShape.from_dict(config)
     return max(peak_bytes(request, shape, 0, element_bytes(preset)) for request in requests)
 
 
@@ -133,3 +156,20 @@ def check_host(plan: MemoryPlan) -> MemoryPlan:
         raise UsageError(f"{plan.describe()}, and this machine has {available / GIB:.1f} GiB of host memory free",
                          "free host memory, give a larger --vram, or an FP8 preset (half the bytes to hold)")
     return plan
+
+
+def hold_to(device: str, vram_gib: float) -> None:
+    """Hold this process's allocator to the budget, as a card of that size would (the whole device without one)."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, vram_gib * GIB / total) if vram_gib else 1.0, device)
+
+
+def follow(preset, plan: MemoryPlan | None) -> None:
+    """The sampler streams what the plan says, or what the preset asks (`sampler.stream_blocks`) when that is more."""
+    if plan is not None:
+        sampler = preset.stages["sampler"][1]
+        sampler.stream_blocks = max(sampler.stream_blocks, plan.streamed)

@@ -77,6 +77,7 @@ class Batch:
     repo: object
     reporter: object
     run_fields: dict  # the fingerprint fields every clip shares (h3gen.run.fingerprint)
+    memory_plan: object = None  # h3gen.run.budget.MemoryPlan on a GPU, None on the CPU
 
 
 def silent(total: int, json_out: bool, preset: str) -> SilentReporter:
@@ -103,21 +104,22 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent) -> Batch
     check_model_kind(preset, repo, settings.model is None)
     check_adapters(preset, requests, repo.root)  # an adapter's step/shift/task contract, before any weight loads
     check_cache(preset, found)
-    plan_memory_budget(preset, requests, repo, reporter)
+    memory_plan = plan_memory_budget(preset, requests, repo, reporter)
     from h3gen.run.fingerprint import run_fields
 
-    return Batch(preset, found, requests, repo, reporter, run_fields(preset, found, repo))
+    return Batch(preset, found, requests, repo, reporter, run_fields(preset, found, repo), memory_plan)
 
 
 def plan_memory_budget(preset, requests, repo, reporter) -> None:
     """A device memory budget (runtime.vram_gib) becomes a plan the sampler follows, said once."""
-    from h3gen.run.budget import plan_for
+    from h3gen.run.budget import follow, plan_for
     from h3gen.run.render import pick_device
 
     plan = plan_for(preset, requests, repo, pick_device(preset.runtime["device"]))
+    follow(preset, plan)
     if plan is not None:
-        preset.stages["sampler"][1].stream_blocks = plan.streamed
         reporter.say(f"h3gen: {plan.describe()}")
+    return plan
 
 
 def check_writable(directory: Path) -> None:
@@ -248,7 +250,8 @@ def render_batch(settings: RunSettings, preset, found, make_reporter) -> int:
         note_tiny(settings, reporter)
         reporter.say(f"h3gen: {len(pending)} clip(s) to render, preset {preset.name}, model {batch.repo.root}")
         try:
-            results += render_pending(pending, settings, preset, found, batch.repo, reporter)
+            results += render_pending(pending, settings, preset, found, batch.repo, reporter,
+                                      memory_plan=batch.memory_plan)
         except Interrupted as stop:
             results += stop.results
             stopped = stop
@@ -271,7 +274,8 @@ def stopped_line(signal_name: str) -> str:
             "render the rest (clips already written are kept and skipped)")
 
 
-def render_pending(requests, settings: RunSettings, preset, found, repo, reporter, group=None, leader=0) -> list:
+def render_pending(requests, settings: RunSettings, preset, found, repo, reporter, group=None, leader=0,
+                   memory_plan=None) -> list:
     """Load the stages once and render every request; on a signal, `Interrupted.results` holds the finished ones.
 
     With `group` (a process group of two or more ranks rendering each clip together; `leader` is its first rank)
@@ -281,17 +285,17 @@ def render_pending(requests, settings: RunSettings, preset, found, repo, reporte
 
     quiet_libraries()
     if group is None:
-        renderer = Renderer(preset, found, repo, reporter)
+        renderer = Renderer(preset, found, repo, reporter, memory_plan)
     else:
         from h3gen.parallel.group_render import GroupRenderer
 
-        renderer = GroupRenderer(preset, found, repo, reporter, group, leader)
+        renderer = GroupRenderer(preset, found, repo, reporter, group, leader, memory_plan)
     notes = "".join(f", {note}" for note in (stage.load_note() for stage in renderer.stages.values()) if note)
     reporter.say(f"h3gen: loaded on {renderer.runtime.device} ({preset.runtime['dtype']}){notes}")
     if renderer.runtime.device.startswith("cuda"):
         from h3gen.run.memory import cuda_fit_warning
 
-        warning = cuda_fit_warning(requests, repo.path("transformer") / "config.json", renderer.runtime.dtype.itemsize)
+        warning = cuda_fit_warning(requests, repo.transformer_config(), renderer.runtime.dtype.itemsize)
         if warning:
             reporter.say(f"h3gen: {warning}")
     interrupted = False

@@ -29,8 +29,7 @@ class DiTShape:
     patch_size: tuple[int, int, int] = (1, 2, 2)
 
     @classmethod
-    def from_config(cls, path: Path) -> DiTShape:
-        config = json.loads(Path(path).read_text())
+    def from_dict(cls, config: dict) -> DiTShape:
         return cls(int(config.get("ffn_dim", cls.ffn_dim)), tuple(config.get("patch_size", cls.patch_size)))
 
 
@@ -62,14 +61,24 @@ def fit_warning(requests: list[Request], shape: DiTShape, resident_bytes: int, a
             f"{limit / GIB:.1f} GiB: expect out of memory (try an FP8 preset, fewer frames or a smaller size)")
 
 
-def cuda_fit_warning(requests: list[Request], transformer_config: Path, element_bytes: int) -> str | None:
+def free_bytes(device=None) -> int:
+    """What this process may still allocate on the CUDA device: the device's free memory plus what torch's allocator
+    holds unused, within the per-process cap a memory budget sets (runtime.vram_gib)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(device)
+    allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(device) if hasattr(
+        torch.cuda, "get_per_process_memory_fraction") else 1.0
+    return int(max(0, min(free + reserved - allocated, fraction * total - allocated)))
+
+
+def cuda_fit_warning(requests: list[Request], transformer_config: dict, element_bytes: int) -> str | None:
     """`fit_warning` with what the current CUDA device reports, weights already loaded."""
     import torch
 
-    free, _ = torch.cuda.mem_get_info()
-    resident = torch.cuda.memory_allocated()
-    cached = torch.cuda.memory_reserved() - resident  # held by torch's allocator, free to reuse
-    return fit_warning(requests, DiTShape.from_config(transformer_config), resident, free + cached, element_bytes)
+    return fit_warning(requests, DiTShape.from_dict(transformer_config), torch.cuda.memory_allocated(), free_bytes(),
+                       element_bytes)
 
 
 def release(device: str) -> None:

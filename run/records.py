@@ -17,4 +17,5 @@ def clip_record(result, preset: str) -> dict:
             "forwards": result.forwards if rendered else None,
             "forwards_reused": result.forwards_reused if rendered else None,
             "peak_gib": round(result.peak_gib, 3) if result.peak_gib is not None else None,
-            "attention": result.attention or None, "fingerprint": result.fingerprint or None}
+            "attention": result.attention or None, "fingerprint": result.fingerprint or None,
+            "memory_plan": result.memory_plan}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from h3gen.errors import ClipError, H3genError, ModelError
 from h3gen.inputs.request import Request
-from h3gen.run import fingerprint, memory, outputs
+from h3gen.run import budget, fingerprint, memory, outputs
 from h3gen.run.arriving import ArrivingMedia
 from h3gen.run.loop import signals_held
 from h3gen.run.timing import StageTimer
@@ -59,6 +59,7 @@ class ClipResult:
     attention: str = ""  # the attention backend the DiT ran on
     status: str = ""  # ok, failed, skipped, busy (another run has it) or conflict (there, other settings)
     fingerprint: str = ""  # the digest of what decided the clip's bytes (h3gen.run.fingerprint)
+    memory_plan: dict | None = None  # the run's memory plan (h3gen.run.budget.MemoryPlan.record), on a GPU
 
     def __post_init__(self):
         if not self.status:
@@ -109,17 +110,15 @@ def chunk_sizes(total: int) -> list[int]:
 
 
 class Renderer:
-    def __init__(self, preset, registry, repo, reporter):
+    def __init__(self, preset, registry, repo, reporter, memory_plan=None):
         import torch
 
         self.preset, self.reporter = preset, reporter
+        self.memory_plan = memory_plan.record() if memory_plan is not None else None
         device = pick_device(preset.runtime["device"])
         dtype = getattr(torch, preset.runtime["dtype"])
         self.runtime = Runtime(device, dtype, StageTimer(device, reporter.stage_done), on_step=reporter.step)
-        if preset.runtime["vram_gib"] and device.startswith("cuda"):
-            # The allocator itself holds the run to its budget, as a card of that size would.
-            total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, preset.runtime["vram_gib"] * 2**30 / total), device)
+        budget.hold_to(device, preset.runtime["vram_gib"])
         self.stages = {kind: build(registry.stage(kind, name), config, self.runtime)
                        for kind, (name, config) in preset.stages.items()}
         self.repo, self.encoder_unloaded = repo, False  # unloaded between chunks on a GPU: load it again first
@@ -296,7 +295,8 @@ class Renderer:
                             skipped=status in ("skipped", "busy", "conflict"),
                             note="another h3gen run is rendering it" if status == "busy" else "",
                             attention=clip.attention, status=status or ("ok" if ok else "failed"),
-                            fingerprint=fingerprint.digest(clip.fingerprint) if clip.fingerprint else "")
+                            fingerprint=fingerprint.digest(clip.fingerprint) if clip.fingerprint else "",
+                            memory_plan=self.memory_plan)
         unrecorded = outputs.record(self.out_dir, result, self.preset.name, result.status)
         if unrecorded and result.ok and not result.skipped:  # written, but the manifest does not say so
             result = dataclasses.replace(result, ok=False, error=unrecorded, status="failed")

@@ -257,14 +257,13 @@ class FastVAE(ReferenceVAE):
 
     def auto_tile_batch(self, plan) -> int:
         """The most tiles half the free device memory holds (the CPU gains nothing from more than a few)."""
-        import torch
-
         cap = self.config.max_tile_batch
         if not self.runtime.device.startswith("cuda"):
             return min(cap, 4)
-        free, _ = torch.cuda.mem_get_info()
-        free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # torch's cache is free to it
-        return max(1, min(cap, int(free * 0.5 // self.tile_bytes(plan))))
+        from h3gen.run.memory import free_bytes
+
+        # within the run's memory budget when it has one: the allocator's cap, not the device's free memory
+        return max(1, min(cap, int(free_bytes(self.runtime.device) * 0.5 // self.tile_bytes(plan))))
 
     def tile_bytes(self, plan) -> int:
         """Peak bytes one tile adds to a forward: about 80 bytes per token and model channel (float32 residual,

@@ -6,7 +6,7 @@ from conftest import h3gen
 
 RECORD_KEYS = {"preset", "baseline", "duration_s", "frames", "size", "stage", "median_s", "p95_s", "repeats",
                "per_forward_s", "forwards", "peak_gib", "rtf", "gpus", "layout", "random_weights", "notes",
-               "vs_baseline", "dit_rel_err"}
+               "vs_baseline", "dit_rel_err", "vram_gib"}
 
 
 def test_bench_tiny_writes_json_table_and_chart(tmp_path):

@@ -28,14 +28,24 @@ def test_the_plan_streams_the_fewest_blocks_that_fit():
 
 def test_a_budget_no_plan_meets_names_the_smallest_that_would():
     sizes = DiTSizes.of(H3DiTConfig(), weight_bytes=1, table_rows=50)
-    with pytest.raises(UsageError, match=r"no plan fits the DiT in 4.0 GiB.*give --vram \d+ or more"):
+    with pytest.raises(UsageError, match=r"no plan fits the DiT in --vram 4.0 GiB.*give --vram \d+ or more"):
         plan_memory(4 * GIB, sizes, 10 * GIB)
+    with pytest.raises(UsageError, match=r"no plan fits the DiT in the 4.0 GiB free on the GPU"):
+        plan_memory(4 * GIB, sizes, 10 * GIB, asked=False)
+
+
+def test_the_decoders_weights_count_against_the_budget():
+    sizes = DiTSizes.of(H3DiTConfig(), weight_bytes=1, table_rows=50)
+    alone = plan_memory(24 * GIB, sizes, 8 * GIB)
+    beside = plan_memory(24 * GIB, sizes, 8 * GIB, other_bytes=5 * GIB)
+    assert beside.streamed > alone.streamed and beside.peak_bytes <= 24 * GIB
+    found = plan_memory(140 * GIB, sizes, 8 * GIB, asked=False)
+    assert "140.0 GiB (free on the GPU)" in found.describe() and found.record()["asked"] is False
 
 
 def test_a_budget_on_a_cpu_run_is_refused_before_any_weight_loads(prompts_file, tmp_path):
     from conftest import h3gen
 
-    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--set", "runtime.vram_gib=8",
-                   check_code=2)
+    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--vram", "8", check_code=2)
     assert result.stderr.splitlines()[-1].startswith("h3gen: error: a device memory budget (--vram 8) on a run on the CPU")
     assert not (tmp_path / "out" / "manifest.jsonl").exists()

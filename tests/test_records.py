@@ -26,6 +26,7 @@ def test_one_process_and_cpu_workers_print_the_same_records_but_for_timings(prom
         assert one["path"].startswith("one/") and workers["path"] == one["path"].replace("one/", "workers/", 1)
         assert without(one, "path", *TIMINGS) == without(workers, "path", *TIMINGS)
         assert one["status"] == "ok" and one["peak_gib"] is None and one["end_to_end_s"] > 0  # CPU: not measured
+        assert one["memory_plan"] is None  # no device memory to plan on the CPU
     manifest = [json.loads(line) for line in (tmp_path / "one" / "manifest.jsonl").read_text().splitlines()]
     assert [without(line, "time", "pid") for line in manifest] == runs["one"]
 
