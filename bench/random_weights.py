@@ -59,7 +59,12 @@ class FullSizeRandom:
 
         classes = {"vae": AutoencoderKLMiniMaxH3, "audio_vae": AutoencoderKLMiniMaxH3Audio}
         with torch.device("meta"):
-            model = classes[component]()
+            if component == "text_encoder":
+                from transformers import Qwen3VLForConditionalGeneration
+
+                model = Qwen3VLForConditionalGeneration(self.text_encoder_config())
+            else:
+                model = classes[component]()
         return 2 * sum(p.numel() for p in model.parameters())
 
     def text_encoder_identity(self) -> str:

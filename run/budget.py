@@ -17,6 +17,7 @@ import math
 from h3gen.errors import UsageError
 
 GIB = 2**30
+ENCODER_ACTIVATIONS = GIB  # what a prompt's encoding needs beyond the weights: hidden states of ~1k tokens
 MODALITIES, MODULATIONS = 3, 6
 
 
@@ -50,31 +51,39 @@ class MemoryPlan:
     blocks: int
     streamed: int  # the last `streamed` blocks live in host memory
     peak_bytes: int  # estimated device peak of the DiT's forward
-    host_bytes: int  # pinned host memory the streamed blocks need
+    host_bytes: int  # host memory the streamed blocks (pinned) and a streamed text encoder need
     asked: bool = True  # the budget was given (--vram, runtime.vram_gib), not the free memory found at the start
+    stream_encoder: bool = False  # the text encoder's layers stream too: it does not fit beside the resident DiT
 
     def describe(self) -> str:
         where = ("every DiT block resident" if not self.streamed else
                  f"{self.blocks - self.streamed} of {self.blocks} DiT blocks resident, {self.streamed} streamed from "
-                 f"pinned host memory ({self.host_bytes / GIB:.1f} GiB of host memory)")
+                 "pinned host memory")
         budget = f"{self.budget_bytes / GIB:.1f} GiB" + ("" if self.asked else " (free on the GPU)")
-        return f"memory plan for {budget}: {where}, estimated peak {self.peak_bytes / GIB:.1f} GiB"
+        encoder = ", the text encoder streamed layer by layer" if self.stream_encoder else ""
+        host = f", {self.host_bytes / GIB:.1f} GiB of host memory" if self.host_bytes else ""
+        return f"memory plan for {budget}: {where}{encoder}, estimated peak {self.peak_bytes / GIB:.1f} GiB{host}"
 
     def record(self) -> dict:
         return {"vram_gib": round(self.budget_bytes / GIB, 3), "asked": self.asked, "streamed_blocks": self.streamed,
+                "stream_encoder": self.stream_encoder,
                 "estimated_peak_gib": round(self.peak_bytes / GIB, 3), "host_gib": round(self.host_bytes / GIB, 3)}
 
 
 def plan_memory(budget_bytes: int, sizes: DiTSizes, activation_bytes: int, other_bytes: int = 0,
-                asked: bool = True) -> MemoryPlan:
+                asked: bool = True, encoder_bytes: int = 0) -> MemoryPlan:
     """The fewest streamed blocks whose estimated peak fits the budget (`other_bytes`: what stays resident beside the
-    DiT, the decoders' weights); one line naming the budget that would fit when none does."""
+    DiT, the decoders' weights); one line naming the budget that would fit when none does. The text encoder runs
+    beside the resident DiT before its activations exist: it streams when its `encoder_bytes` (and a margin for its
+    own activations) exceed what the DiT leaves."""
     fixed = sizes.other_bytes + sizes.blocks * sizes.table_bytes + activation_bytes + other_bytes
     for streamed in range(sizes.blocks + 1):
         slots = 2 * sizes.block_bytes if streamed else 0
         peak = fixed + (sizes.blocks - streamed) * sizes.block_bytes + slots
         if peak <= budget_bytes:
-            return MemoryPlan(budget_bytes, sizes.blocks, streamed, peak, streamed * sizes.block_bytes, asked)
+            beside_encoder = budget_bytes - (peak - activation_bytes)
+            return MemoryPlan(budget_bytes, sizes.blocks, streamed, peak, streamed * sizes.block_bytes, asked,
+                              stream_encoder=encoder_bytes + ENCODER_ACTIVATIONS > beside_encoder)
     smallest = fixed + 2 * sizes.block_bytes
     given = f"--vram {budget_bytes / GIB:.1f} GiB" if asked else f"the {budget_bytes / GIB:.1f} GiB free on the GPU"
     raise UsageError(f"no plan fits the DiT in {given}: with every block streamed the largest clip still needs about "
@@ -114,7 +123,9 @@ def plan_for(preset, requests, repo, device: str) -> MemoryPlan | None:
         budget = free_bytes(device)
     config = repo.transformer_config()
     plan = plan_memory(budget, dit_sizes(preset, config), activations(preset, requests, config),
-                       decoder_bytes(preset, repo), asked=bool(budget_gib))
+                       decoder_bytes(preset, repo), asked=bool(budget_gib), encoder_bytes=encoder_bytes(preset, repo))
+    if plan.stream_encoder:  # it loads in host memory at the checkpoint's precision, then streams from there
+        plan = dataclasses.replace(plan, host_bytes=plan.host_bytes + encoder_bytes(preset, repo, on_device=False))
     return check_host(plan)
 
 
@@ -136,15 +147,36 @@ def decoder_bytes(preset, repo) -> int:
     return scale * (repo.weight_bytes("vae") + repo.weight_bytes("audio_vae"))
 
 
+def encoder_bytes(preset, repo, on_device: bool = True) -> int:
+    """The text encoder's weights: the layers H3 runs (one past the one it reads) of the checkpoint's; on the device
+    halved for FP8 linears (their embeddings and vision tower stay, so this errs low by their share)."""
+    name, encode = preset.stages["encode"]
+    if not hasattr(encode, "stream_layers"):
+        return 0
+    layers = repo.text_encoder_config().text_config.num_hidden_layers
+    used = min(1.0, (encode.layer + 1) / layers)
+    quant_name, quant = preset.stages["quant"]
+    scale = 0.5 if on_device and quant_name == "fp8-rowwise" and "text_encoder" in quant.roles else 1.0
+    return int(repo.weight_bytes("text_encoder") * used * scale * (2 if preset.runtime["dtype"] == "float32" else 1))
+
+
 def element_bytes(preset) -> int:
     return 4 if preset.runtime["dtype"] == "float32" else 2
 
 
 def activations(preset, requests, config: dict) -> int:
-    from h3gen.run.memory import DiTShape, peak_bytes
+    """The largest clip's activations at h3gen's DiT peak, as measured per packed row; or the decode's, when larger,
+    for a decoder that does not size its tile batch to the memory left (h3gen's `fast` does, down to one tile)."""
+    from h3gen.run import memory
 
-    shape = DiTShape.from_dict(config)
-    return max(peak_bytes(request, shape, 0, element_bytes(preset)) for request in requests)
+    shape = memory.DiTShape.from_dict(config)
+    chunked = preset.stages["sampler"][1].ffn_chunk_rows
+    values = memory.CHUNKED_FFN_VALUES_PER_ROW_PER_FFN if chunked else memory.FAST_DIT_VALUES_PER_ROW_PER_FFN
+    rows = max(memory.packed_rows(request, shape) for request in requests)
+    dit = int(rows * shape.ffn_dim * element_bytes(preset) * values)
+    if hasattr(preset.stages["vae"][1], "max_tile_batch"):
+        return dit
+    return max(dit, max(memory.peak_bytes(request, shape, 0, element_bytes(preset), values) for request in requests))
 
 
 def check_host(plan: MemoryPlan) -> MemoryPlan:
@@ -171,5 +203,7 @@ def hold_to(device: str, vram_gib: float) -> None:
 def follow(preset, plan: MemoryPlan | None) -> None:
     """The sampler streams what the plan says, or what the preset asks (`sampler.stream_blocks`) when that is more."""
     if plan is not None:
-        sampler = preset.stages["sampler"][1]
+        sampler, encode = preset.stages["sampler"][1], preset.stages["encode"][1]
         sampler.stream_blocks = max(sampler.stream_blocks, plan.streamed)
+        if plan.stream_encoder and hasattr(encode, "stream_layers"):
+            encode.stream_layers = True

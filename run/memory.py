@@ -20,6 +20,10 @@ TEXT_ROWS = 256  # prompts are tokenized only after the weights load; text rows 
 # Bytes per packed row at the DiT peak, in units of ffn_dim activation values: (74.8 - 62.4) GiB at 73,642 rows
 # and ffn_dim 14,336 in bf16 is 6.3 values of ffn width live per row (gate, up, their product, the residuals).
 DIT_VALUES_PER_ROW_PER_FFN = 6.3
+# h3gen's DiT, measured the same way on an H200 (bench/results/2026-12-02T011926Z.json, 012158Z.json): 47.3 GiB at
+# peak over 39.2 GiB of weights and tables in bf16 is 4.1; with the feed-forward in 16k-row passes
+# (ffn_chunk_rows), 26.7 over 20.6 GiB is 3.1.
+FAST_DIT_VALUES_PER_ROW_PER_FFN, CHUNKED_FFN_VALUES_PER_ROW_PER_FFN = 4.1, 3.1
 VAE_BYTES_PER_PIXEL = 36  # 8.4 GiB / (243 * 1344 * 768)
 
 
@@ -41,8 +45,9 @@ def packed_rows(request: Request, shape: DiTShape, text_rows: int = TEXT_ROWS) -
     return text_rows + request.audio_latent_shape[-1] * AUDIO_CHANNELS + video
 
 
-def peak_bytes(request: Request, shape: DiTShape, resident_bytes: int, element_bytes: int = 2) -> int:
-    dit = packed_rows(request, shape) * shape.ffn_dim * element_bytes * DIT_VALUES_PER_ROW_PER_FFN
+def peak_bytes(request: Request, shape: DiTShape, resident_bytes: int, element_bytes: int = 2,
+               values_per_row: float = DIT_VALUES_PER_ROW_PER_FFN) -> int:
+    dit = packed_rows(request, shape) * shape.ffn_dim * element_bytes * values_per_row
     vae = request.frames * request.width * request.height * VAE_BYTES_PER_PIXEL
     return int(resident_bytes + max(dit, vae))
 

@@ -21,6 +21,7 @@ class Qwen3VLConfig:
     max_tokens: int = 1024  # a prompt of more tokens fails its clip
     cache: bool = True  # prompt embeddings on disk: a rerun over the same prompts never loads the encoder
     cache_dir: str = ""  # where they go; empty: the user cache directory (h3gen/embeddings in it)
+    stream_layers: bool = False  # the language layers in host memory, each on the device only while it runs
 
 
 class Qwen3VLEncoder(Stage):
@@ -64,9 +65,15 @@ class Qwen3VLEncoder(Stage):
         # One layer past the one H3 reads: hidden_states[layer] is then still unnormalized.
         config.text_config.num_hidden_layers = self.config.layer + 1
         self.processor = repo.load("processor", Qwen3VLProcessor)
+        stream = self.config.stream_layers
         self.text_encoder = repo.load("text_encoder", Qwen3VLForConditionalGeneration, config=config,
-                                      dtype=self.runtime.dtype, device_map=self.runtime.device).eval()
-        self.text_encoder = self.runtime.quantize("text_encoder", self.text_encoder)
+                                      dtype=self.runtime.dtype, device_map="cpu" if stream else self.runtime.device).eval()
+        if stream:
+            from h3gen.models.offload import stream_text_encoder
+
+            self.text_encoder = stream_text_encoder(self.text_encoder, self.runtime)
+        else:
+            self.text_encoder = self.runtime.quantize("text_encoder", self.text_encoder)
 
     def prompt_tokens(self, prompt: str) -> list[int]:
         token_ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]

@@ -49,3 +49,18 @@ def test_a_budget_on_a_cpu_run_is_refused_before_any_weight_loads(prompts_file, 
     result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--vram", "8", check_code=2)
     assert result.stderr.splitlines()[-1].startswith("h3gen: error: a device memory budget (--vram 8) on a run on the CPU")
     assert not (tmp_path / "out" / "manifest.jsonl").exists()
+
+
+def test_the_text_encoder_streams_when_it_does_not_fit_beside_the_resident_dit():
+    from types import SimpleNamespace
+
+    from h3gen.run.budget import follow
+
+    sizes = DiTSizes.of(H3DiTConfig(), weight_bytes=1, table_rows=100)
+    roomy = plan_memory(140 * GIB, sizes, 6 * GIB, 5 * GIB, encoder_bytes=25 * GIB)
+    tight = plan_memory(24 * GIB, sizes, 6 * GIB, 5 * GIB, encoder_bytes=25 * GIB)
+    assert not roomy.stream_encoder and tight.stream_encoder and tight.streamed
+    assert "the text encoder streamed layer by layer" in tight.describe() and tight.record()["stream_encoder"]
+    sampler, encode = SimpleNamespace(stream_blocks=0), SimpleNamespace(stream_layers=False)
+    follow(SimpleNamespace(stages={"sampler": ("euler", sampler), "encode": ("qwen3vl", encode)}), tight)
+    assert sampler.stream_blocks == tight.streamed and encode.stream_layers

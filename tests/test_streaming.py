@@ -56,3 +56,31 @@ def test_streamed_blocks_leave_for_host_memory_as_they_load(tiny_model, monkeypa
     assert events == [("placed", 0), ("placed", 1), ("host", 1)]
     assert all(p.device.type == "cpu" and not p.is_meta for p in dit.transformer_blocks[1].parameters())
     assert dit.transformer_blocks[1].adaln_table is not None and dit.streamer.slots
+
+
+def test_a_streamed_text_encoder_gives_the_resident_embeddings_bit_for_bit(tiny_model):
+    # The layers pass through diffusers' group offloading, each quantized (FP8 here) as it is first placed.
+    from h3gen.config.preset import resolve
+    from h3gen.inputs.request import Request
+    from h3gen.models.repo import ModelRepo
+    from h3gen.plugins.manager import registry
+    from h3gen.run.render import Runtime
+    from h3gen.run.timing import StageTimer
+    from h3gen.stages.clip import Clip
+
+    found, repo, embeds = registry(), ModelRepo(tiny_model), {}
+    for stream in (False, True):
+        preset = resolve("tiny", found, ["quant.use=fp8-rowwise", "quant.roles=['text_encoder']", "encode.cache=false",
+                                         f"encode.stream_layers={str(stream).lower()}"])
+        runtime = Runtime("cpu", torch.float32, StageTimer("cpu"))
+        runtime.quant = found.stage("quant", "fp8-rowwise")(preset.stages["quant"][1], runtime)
+        runtime.quant.load(repo)
+        encode = found.stage("encode", "qwen3vl")(preset.stages["encode"][1], runtime)
+        encode.load(repo)
+        clip = Clip(request=Request(index=0, prompt="a red fox", seed=0, width=32, height=32, frames=124, id="f"),
+                    path=None, preset="tiny")
+        embeds[stream] = encode.run(clip).prompt_embeds
+        layers = encode.text_encoder.model.language_model.layers
+        assert len(runtime.quant.quantized["text_encoder"]) == 7 * len(layers)  # q, k, v, o, gate, up, down
+        assert hasattr(layers[0], "_diffusers_hook") == stream
+    assert torch.equal(embeds[False], embeds[True])
