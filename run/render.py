@@ -201,7 +201,7 @@ class Renderer:
             except Exception as e:  # a prompt or its media costs its clip, not the batch
                 failed.add(clip.request.index)
                 self.reporter.clip_started(clip)
-                yield self.finish(clip, clip_error(clip, e))
+                yield self.finish(clip, clip_error(clip, e, self.memory_plan))
         cached = sum(clip.encode_cached for clip in clips)
         where = f" ({first + 1}-{first + len(clips)} of {total})" if len(clips) < total else ""
         self.reporter.say(f"h3gen: encoded {len(clips) - len(failed)} prompt(s){where} in "
@@ -253,7 +253,7 @@ class Renderer:
             if not isinstance(e, Exception):
                 raise
             self.check_fatal(clip, e)
-            error = clip_error(clip, e)
+            error = clip_error(clip, e, self.memory_plan)
         self.done.append(self.finish(clip, error, claim=claim))
 
     def check_fatal(self, clip: Clip, error: Exception) -> None:
@@ -270,7 +270,7 @@ class Renderer:
                 job.result()
             except Exception as e:
                 remove_if_written(clip.path, before)
-                error = clip_error(clip, e)
+                error = clip_error(clip, e, self.memory_plan)
             self.muxing.pop(0)
             if not error:
                 self.reporter.stage_done(clip, "mux", clip.seconds.get("mux", 0.0))
@@ -379,15 +379,21 @@ def abandon(clip: Clip, job, error: BaseException) -> None:
     clip.path.unlink(missing_ok=True)
 
 
-def clip_error(clip: Clip, error: Exception) -> str:
-    """The one line a failed clip gets: what a stage said it was (out of memory, a write) before which stage."""
+def clip_error(clip: Clip, error: Exception, memory_plan: dict | None = None) -> str:
+    """The one line a failed clip gets: what a stage said it was (out of memory, a write) before which stage.
+    Out of memory names a budget that would fit: under the run's plan (`memory_plan`, its record), a quarter less
+    for the estimate, so more DiT blocks stream."""
     import torch
 
     cause = error.__cause__ if isinstance(error, StageFailed) and error.__cause__ is not None else error
     if debugging():
         traceback.print_exception(error, file=sys.stderr)
     if isinstance(cause, torch.OutOfMemoryError) or "out of memory" in str(cause).lower():
-        return OOM_HINT
+        if memory_plan is None:
+            return OOM_HINT
+        budget = memory_plan["vram_gib"]
+        return (f"out of GPU memory under the plan for {budget:.1f} GiB (try --vram {max(1, int(budget * 0.75))} "
+                "so more DiT blocks stream, an FP8 preset, fewer frames or a smaller size)")
     if isinstance(cause, OSError):
         return write_error(clip.path, cause)
     if isinstance(error, H3genError):
@@ -400,7 +406,7 @@ def debugging() -> bool:
     return os.environ.get("H3GEN_DEBUG", "") not in ("", "0")
 
 
-OOM_HINT = "out of GPU memory (try an FP8 preset, fewer frames or a smaller size)"
+OOM_HINT = "out of GPU memory (try --vram with less than the GPU has so DiT blocks stream, an FP8 preset, fewer frames or a smaller size)"
 # Generous for H.264 at the presets' CRF (real clips take well under a byte per pixel), plus the soundtrack.
 MP4_BYTES_PER_PIXEL, AUDIO_BYTES = 0.5, 2**20
 

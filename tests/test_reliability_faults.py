@@ -157,10 +157,24 @@ def test_out_of_memory_costs_one_clip_with_a_hint(faults, prompts_file, tmp_path
     assert result.returncode == 1, result.stderr[-2000:]
     clips = records(result)
     assert not clips["a"]["ok"] and clips["b"]["ok"]
-    assert clips["a"]["error"] == "out of GPU memory (try an FP8 preset, fewer frames or a smaller size)"
+    assert clips["a"]["error"] == ("out of GPU memory (try --vram with less than the GPU has so DiT blocks stream, "
+                                   "an FP8 preset, fewer frames or a smaller size)")
     assert "1 of 2 clips written, 1 failed" in result.stderr
-    assert "failed a.mp4 (line 1): out of GPU memory (try an FP8 preset" in result.stderr
+    assert "failed a.mp4 (line 1): out of GPU memory (try --vram" in result.stderr
     assert sorted(p.name for p in out.glob("*.mp4")) == ["b.mp4"]
+
+
+def test_out_of_memory_under_a_plan_names_a_smaller_budget(tmp_path):
+    import torch
+
+    from h3gen.inputs.request import Request
+    from h3gen.run.render import clip_error
+    from h3gen.stages.clip import Clip
+
+    clip = Clip(request=Request(index=0, prompt="a", seed=0, width=32, height=32, frames=124), path=tmp_path / "a.mp4",
+                preset="tiny")
+    error = clip_error(clip, torch.OutOfMemoryError("CUDA out of memory"), {"vram_gib": 24.0})
+    assert error.startswith("out of GPU memory under the plan for 24.0 GiB (try --vram 18 so more DiT blocks stream")
 
 
 def test_a_failed_clip_gives_its_memory_back_before_the_next(tiny_model, tmp_path):
