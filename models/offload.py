@@ -1,5 +1,7 @@
-"""A text encoder larger than the device's room for it: Qwen3-VL's language layers kept in host memory and brought
-to the device one at a time as they run, by diffusers' group offloading (block level, the copies on a side stream).
+"""diffusers' group offloading (block level, the copies on a side stream) where h3gen uses it.
+
+A text encoder larger than the device's room for it: Qwen3-VL's language layers kept in host memory and brought
+to the device one at a time as they run.
 
 The encoder runs once per prompt, before the DiT needs the memory its activations take, so its layers pass through
 what the DiT's forward leaves free. Each layer is quantized on the device as it is first placed, then goes back to
@@ -28,3 +30,14 @@ def stream_text_encoder(encoder, runtime):
                            offload_type="block_level", num_blocks_per_group=1, use_stream=device.type == "cuda",
                            block_modules=GROUPED)
     return encoder
+
+
+def group_offload_blocks(dit, device: str) -> None:
+    """h3gen's DiT with every block (and the rest of it) offloaded by group offloading instead of h3gen's own
+    streamer (`sampler.stream_with = "diffusers"`): the comparison the README's memory section reports."""
+    import torch
+    from diffusers.hooks import apply_group_offloading
+
+    device = torch.device(device)
+    apply_group_offloading(dit, onload_device=device, offload_device=torch.device("cpu"), offload_type="block_level",
+                           num_blocks_per_group=1, use_stream=device.type == "cuda")

@@ -38,6 +38,9 @@ class EulerConfig:
     ffn_chunk_rows: int = 0  # h3gen DiT: feed-forward over chunks of this many rows (0: all), less peak memory
     exact_norms: bool = False  # h3gen DiT, Triton: norm statistics from torch, rounding as diffusers does (slower)
     stream_blocks: int = 0  # h3gen DiT: the last N blocks' weights kept in host memory, streamed in as they run
+    # what streams them: "h3gen" (its own streamer, AdaLN tables resident) or "diffusers" (diffusers' group
+    # offloading over every block, to compare against; the blocks load on the device first)
+    stream_with: str = "h3gen"
 
 
 def sigma_schedule(config: EulerConfig, shift: float):
@@ -104,6 +107,8 @@ class EulerSampler(Stage):
             raise UsageError(f"unknown sampler.dit '{config.dit}'", "choose diffusers or h3gen")
         if config.stream_blocks and config.dit != "h3gen":
             raise UsageError('sampler.stream_blocks streams the blocks of h3gen\'s DiT', 'set sampler.dit = "h3gen"')
+        if config.stream_with not in ("h3gen", "diffusers"):
+            raise UsageError(f"unknown sampler.stream_with '{config.stream_with}'", "choose h3gen or diffusers")
         if config.ffn_chunk_rows < 0:
             raise UsageError(f"sampler.ffn_chunk_rows is {config.ffn_chunk_rows}",
                              "set it to 0 (all rows at once) or a positive row count")
@@ -126,6 +131,10 @@ class EulerSampler(Stage):
             memory.release(self.runtime.device)
         dit = self.load_fast_dit(partition) if self.config.dit == "h3gen" else self.load_reference_dit(partition)
         self.dit = self.runtime.quantize("dit", dit.eval())
+        if self.config.stream_blocks and self.config.stream_with == "diffusers":
+            from h3gen.models.offload import group_offload_blocks
+
+            group_offload_blocks(self.dit, self.runtime.device)
         if self.group is not None:
             from h3gen.parallel.ulysses import apply_ulysses
 
@@ -181,7 +190,7 @@ class EulerSampler(Stage):
                              # each block quantized as it loads, then (the last stream_blocks) moved to host memory
                              place_block=lambda index, block: self.runtime.quantize_part(
                                  "dit", block, f"transformer_blocks.{index}"),
-                             stream_blocks=config.stream_blocks,
+                             stream_blocks=config.stream_blocks if config.stream_with == "h3gen" else 0,
                              # adapters are added per checkpoint tensor, before Q, K, V are fused and the AdaLN
                              # tables built
                              checkpoint_tensor=lambda key, tensor: quant.checkpoint_tensor("dit", key, tensor))

@@ -84,3 +84,16 @@ def test_a_streamed_text_encoder_gives_the_resident_embeddings_bit_for_bit(tiny_
         assert len(runtime.quant.quantized["text_encoder"]) == 7 * len(layers)  # q, k, v, o, gate, up, down
         assert hasattr(layers[0], "_diffusers_hook") == stream
     assert torch.equal(embeds[False], embeds[True])
+
+
+def test_group_offloading_over_the_dit_gives_the_resident_latents_bit_for_bit(tiny_model, tmp_path):
+    # sampler.stream_with = "diffusers": the comparison with h3gen's own streamer runs the same numbers.
+    from h3gen.models.offload import group_offload_blocks
+
+    clip = t2va_clip(tmp_path)
+    resident, _ = run(with_cache(sampler_for(tiny_model), "none"), clip)
+    sampler = with_cache(sampler_for(tiny_model), "none")
+    group_offload_blocks(sampler.dit, "cpu")
+    assert hasattr(sampler.dit.transformer_blocks[0], "_diffusers_hook")
+    latents, _ = run(sampler, clip)
+    assert all(torch.equal(a, b) for a, b in zip(latents, resident))
