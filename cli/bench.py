@@ -48,7 +48,9 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     from h3gen.bench.report import write_results
     from h3gen.plugins.manager import registry
     from h3gen.config.preset import resolve
+    from h3gen.run.budget import check_budget
     from h3gen.run.quiet import quiet_libraries
+    from h3gen.run.render import pick_device
 
     if (warm_cache or baseline_clips) and not batch:
         option = "--warm-cache" if warm_cache else "--baseline-clips"
@@ -57,7 +59,8 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     plan.warm_cache, plan.baseline_clips, plan.overrides = warm_cache, baseline_clips, list(sets)
     found = registry()
     for name in plan.presets:
-        resolve(name, found, plan.overrides)  # a typo fails now, not after the first preset's minutes
+        preset = resolve(name, found, plan.overrides)  # a typo fails now, not after the first preset's minutes
+        check_budget(preset.runtime["vram_gib"], pick_device(preset.runtime["device"]))
     if plan.baseline:
         resolve(plan.baseline, found)
     quiet_libraries()

@@ -98,25 +98,17 @@ def plan_for(preset, requests, repo, device: str) -> MemoryPlan | None:
     without one. Checked before any weight loads: a budget on a CPU run, above the device's memory, under any plan,
     or more host memory than the machine has, each stop the run with one line."""
     budget_gib = preset.runtime["vram_gib"]
+    check_budget(budget_gib, device)
     if not device.startswith("cuda"):
-        if budget_gib:
-            raise UsageError(f"a device memory budget (--vram {budget_gib:g}) on a run on the CPU",
-                             "drop --vram (runtime.vram_gib), or run on a GPU")
         return None
-    import torch
-
     name, sampler = preset.stages["sampler"]
     streams = name == "euler" and sampler.dit == "h3gen"
     if not streams:
         if budget_gib:
             raise UsageError("a device memory budget streams the blocks of h3gen's DiT", 'set sampler.dit = "h3gen"')
         return None
-    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
     if budget_gib:
         budget = int(budget_gib * GIB)
-        if budget > total:
-            raise UsageError(f"--vram {budget_gib:g} is more than the GPU's {total / GIB:.1f} GiB",
-                             f"give at most {total / GIB:.0f}")
     else:
         from h3gen.run.memory import free_bytes
 
@@ -127,6 +119,21 @@ def plan_for(preset, requests, repo, device: str) -> MemoryPlan | None:
     if plan.stream_encoder:  # it loads in host memory at the checkpoint's precision, then streams from there
         plan = dataclasses.replace(plan, host_bytes=plan.host_bytes + encoder_bytes(preset, repo, on_device=False))
     return check_host(plan)
+
+
+def check_budget(budget_gib: float, device: str) -> None:
+    """A budget (0: none) is for a GPU, and at most the GPU's memory."""
+    if not budget_gib:
+        return
+    if not device.startswith("cuda"):
+        raise UsageError(f"a device memory budget (--vram {budget_gib:g}) on a run on the CPU",
+                         "drop --vram (runtime.vram_gib), or run on a GPU")
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    if budget_gib * GIB > total:
+        raise UsageError(f"--vram {budget_gib:g} is more than the GPU's {total / GIB:.1f} GiB",
+                         f"give at most {total / GIB:.0f}")
 
 
 def dit_sizes(preset, config: dict) -> DiTSizes:

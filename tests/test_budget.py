@@ -64,3 +64,12 @@ def test_the_text_encoder_streams_when_it_does_not_fit_beside_the_resident_dit()
     sampler, encode = SimpleNamespace(stream_blocks=0), SimpleNamespace(stream_layers=False)
     follow(SimpleNamespace(stages={"sampler": ("euler", sampler), "encode": ("qwen3vl", encode)}), tight)
     assert sampler.stream_blocks == tight.streamed and encode.stream_layers
+
+
+def test_bench_refuses_a_budget_on_the_cpu_before_measuring(tmp_path):
+    from conftest import h3gen
+
+    result = h3gen("bench", "--preset", "tiny", "--baseline", "none", "--vram", "8", "--random-weights", "tiny",
+                   "-o", tmp_path, check_code=2)
+    assert result.stderr.splitlines()[-1].startswith("h3gen: error: a device memory budget (--vram 8) on a run on the CPU")
+    assert not list(tmp_path.iterdir())
