@@ -97,3 +97,26 @@ def test_group_offloading_over_the_dit_gives_the_resident_latents_bit_for_bit(ti
     assert hasattr(sampler.dit.transformer_blocks[0], "_diffusers_hook")
     latents, _ = run(sampler, clip)
     assert all(torch.equal(a, b) for a, b in zip(latents, resident))
+
+
+def streamed_group_worker(rank, ranks, folder, tiny_model):
+    from test_ulysses import join_group, leave_group
+
+    join_group(rank, ranks, folder)
+    clip, results = t2va_clip(folder), []
+    for count in (0, 2):  # each rank streams its own copy of the blocks
+        sampler = streamed(with_cache(sampler_for(tiny_model), "none"), count)
+        sampler.parallelize(torch.distributed.group.WORLD)
+        results.append(run(sampler, clip)[0])
+        del sampler
+    torch.save(results, f"{folder}/streamed-rank{rank}.pt")
+    leave_group()
+
+
+def test_a_ulysses_group_streaming_its_blocks_gives_the_group_s_resident_latents(tiny_model, tmp_path):
+    from test_ulysses import spawn
+
+    spawn(streamed_group_worker, 2, tmp_path, tiny_model)
+    for rank in range(2):
+        resident, streamed_latents = torch.load(tmp_path / f"streamed-rank{rank}.pt")
+        assert all(torch.equal(a, b) for a, b in zip(resident, streamed_latents))
