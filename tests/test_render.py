@@ -29,21 +29,15 @@ def test_render_writes_valid_clips_and_json_lines(prompts_file, tmp_path):
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
 
 
-def test_same_prompt_and_seed_give_byte_identical_mp4(prompts_file, tmp_path):
-    prompts = prompts_file('{"id": "clip", "prompt": "a lighthouse at night", "seed": 3}\n')
+def test_same_prompt_and_seed_give_byte_identical_mp4_under_a_stable_name(prompts_file, tmp_path):
+    prompts = prompts_file("a lighthouse at night\n")
     for name in ("first", "second"):
         h3gen("render", prompts, "-o", tmp_path / name, check_code=0)
-    assert (tmp_path / "first/clip.mp4").read_bytes() == (tmp_path / "second/clip.mp4").read_bytes()
-
-
-def test_file_names_are_stable_and_depend_on_seed(prompts_file, tmp_path):
-    prompts = prompts_file("a lighthouse at night\n")
-    names = []
-    for seed in (0, 0, 1):
-        out = tmp_path / f"seed{seed}-{len(names)}"
-        h3gen("render", prompts, "-o", out, "--seed", seed, check_code=0)
-        names.append([p.name for p in out.glob("*.mp4")])
-    assert names[0] == names[1] != names[2]
+    (first,), (second,) = (list((tmp_path / name).glob("*.mp4")) for name in ("first", "second"))
+    assert first.name == second.name and first.read_bytes() == second.read_bytes()
+    # Another seed, another name (--dry-run prints the file each prompt would be written to).
+    other = h3gen("render", prompts, "-o", tmp_path / "first", "--seed", 1, "--dry-run", check_code=0).stdout
+    assert first.name not in other and ".mp4" in other
 
 
 def test_failed_clip_exits_1_and_the_others_are_written(prompts_file, tmp_path):
