@@ -1,6 +1,7 @@
 """DiT blocks streamed from host memory change where the weights live, never what is computed: a streamed forward,
 a streamed clip and a streamed cached clip are the resident ones bit for bit."""
 
+import pytest
 import torch
 
 from conftest import h3gen
@@ -120,3 +121,21 @@ def test_a_ulysses_group_streaming_its_blocks_gives_the_group_s_resident_latents
     for rank in range(2):
         resident, streamed_latents = torch.load(tmp_path / f"streamed-rank{rank}.pt")
         assert all(torch.equal(a, b) for a, b in zip(resident, streamed_latents))
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_clip_under_a_budget_with_streamed_blocks_and_encoder_is_the_resident_clip(prompts_file, tmp_path):
+    from conftest import media
+
+    prompts = prompts_file("a red fox\n")
+    common = ("--set", "runtime.device=cuda", "--set", "sampler.dit=h3gen", "--json")
+    resident = h3gen("render", prompts, "-o", tmp_path / "resident", *common, check_code=0)
+    streamed = h3gen("render", prompts, "-o", tmp_path / "streamed", *common, "--vram", "4", "--set",
+                     "sampler.stream_blocks=2", "--set", "encode.stream_layers=true", check_code=0)
+    import json
+
+    record = json.loads(streamed.stdout.splitlines()[0])
+    assert record["memory_plan"]["vram_gib"] == 4.0 and record["memory_plan"]["asked"]
+    assert json.loads(resident.stdout.splitlines()[0])["memory_plan"]["asked"] is False
+    (a,), (b,) = (list((tmp_path / name).glob("*.mp4")) for name in ("resident", "streamed"))
+    assert media(a) == media(b)
