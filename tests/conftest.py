@@ -33,13 +33,42 @@ def tiny_model() -> Path:
     return ensure_tiny_model()
 
 
-def h3gen(*args, env=None, check_code=None, **kwargs) -> subprocess.CompletedProcess:
-    """Run the installed command as a user would, in a child process."""
-    result = subprocess.run([sys.executable, "-m", "h3gen.cli.main", *map(str, args)], capture_output=True,
-                            text=True, env={**os.environ, **(env or {})}, **kwargs)
+# Read at run time, not as a library is imported: a child forked after the imports (tests/zygote.py) sees them as a
+# fresh process would (OMP_NUM_THREADS, which OpenMP reads at load, the fork applies itself).
+FORKABLE_ENV = {"OMP_NUM_THREADS", "XDG_CACHE_HOME", "HOME", "SHELL", "COLUMNS", "NO_COLOR", "TERM", "MANWIDTH",
+                "H3GEN_DEBUG", "H3GEN_MODEL", "H3GEN_HEARTBEAT_S", "H3GEN_STRICT_PLUGINS", "H3GEN_LOAD_PLUGINS"}
+ZYGOTE = None  # the forking process, started at the first command
+
+
+def h3gen(*args, env=None, check_code=None, fresh=False, **kwargs) -> subprocess.CompletedProcess:
+    """Run the installed command as a user would, in a child process: forked from one that has already imported
+    torch, diffusers and transformers (tests/zygote.py), or with `fresh` (or an environment a library reads at
+    import, or other subprocess arguments) a new interpreter."""
+    args = [str(a) for a in args]
+    if fresh or set(env or {}) - FORKABLE_ENV or set(kwargs) - {"cwd"} or os.environ.get("H3GEN_TESTS_FRESH"):
+        result = subprocess.run([sys.executable, "-m", "h3gen.cli.main", *args], capture_output=True,
+                                text=True, env={**os.environ, **(env or {})}, **kwargs)
+    else:
+        result = forked(args, {**os.environ, **(env or {})}, kwargs.get("cwd"))
     if check_code is not None:
         assert result.returncode == check_code, result.stderr[-3000:]
     return result
+
+
+def forked(args, env, cwd) -> subprocess.CompletedProcess:
+    import json
+
+    global ZYGOTE
+    if ZYGOTE is None or ZYGOTE.poll() is not None:
+        ZYGOTE = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py")], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+    with tempfile.TemporaryDirectory(prefix="h3gen-test-out-") as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        request = dict(args=args, env=env, cwd=str(cwd or os.getcwd()), stdout=str(out), stderr=str(err))
+        ZYGOTE.stdin.write(json.dumps(request) + "\n")
+        ZYGOTE.stdin.flush()
+        code = json.loads(ZYGOTE.stdout.readline())["code"]
+        return subprocess.CompletedProcess(["h3gen", *args], code, out.read_text(), err.read_text())
 
 
 def media(path: Path) -> list[bytes]:
