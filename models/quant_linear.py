@@ -139,8 +139,8 @@ def swap_linears(model: nn.Module, make, scopes, skip, prefix: str = "") -> list
     full-precision weight is freed as soon as its quantized copy exists.
     """
     skip = set(skip)
-    names = [name for name, module in model.named_modules()
-             if isinstance(module, nn.Linear) and in_scope(f"{prefix}.{name}", scopes)
+    names = [name for name, module in model.named_modules()  # a weight still on the meta device is one to be dropped
+             if isinstance(module, nn.Linear) and not module.weight.is_meta and in_scope(f"{prefix}.{name}", scopes)
              and not skip & set(f"{prefix}.{name}".split("."))]
     for name in names:
         parent_name, _, child = name.rpartition(".")
