@@ -42,7 +42,7 @@ def screen(output: str) -> list[str]:
 class StoppedByCtrlC:
     """A renderer whose first clip is drawn on the display, three denoise steps in, when Ctrl-C comes."""
 
-    def __init__(self, preset, found, repo, reporter):
+    def __init__(self, preset, found, repo, reporter, memory_plan=None):
         self.reporter, self.results, self.discarded = reporter, [], None
         self.stages, self.runtime = {}, SimpleNamespace(device="cpu")
 
