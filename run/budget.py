@@ -203,8 +203,11 @@ def hold_to(device: str, vram_gib: float) -> None:
         return
     import torch
 
-    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, vram_gib * GIB / total) if vram_gib else 1.0, device)
+    from h3gen.run.memory import cuda_index
+
+    index = cuda_index(device)
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, vram_gib * GIB / total) if vram_gib else 1.0, index)
 
 
 def follow(preset, plan: MemoryPlan | None) -> None:

@@ -66,11 +66,20 @@ def fit_warning(requests: list[Request], shape: DiTShape, resident_bytes: int, a
             f"{limit / GIB:.1f} GiB: expect out of memory (try an FP8 preset, fewer frames or a smaller size)")
 
 
+def cuda_index(device=None) -> int:
+    """The CUDA device's index ("cuda" is the current device)."""
+    import torch
+
+    index = torch.device(device).index if device is not None else None
+    return torch.cuda.current_device() if index is None else index
+
+
 def free_bytes(device=None) -> int:
     """What this process may still allocate on the CUDA device: the device's free memory plus what torch's allocator
     holds unused, within the per-process cap a memory budget sets (runtime.vram_gib)."""
     import torch
 
+    device = cuda_index(device)
     free, total = torch.cuda.mem_get_info(device)
     allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
     fraction = torch.cuda.get_per_process_memory_fraction(device) if hasattr(
