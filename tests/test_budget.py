@@ -73,3 +73,36 @@ def test_bench_refuses_a_budget_on_the_cpu_before_measuring(tmp_path):
                    "-o", tmp_path, check_code=2)
     assert result.stderr.splitlines()[-1].startswith("h3gen: error: a device memory budget (--vram 8) on a run on the CPU")
     assert not list(tmp_path.iterdir())
+
+
+def test_the_cap_and_the_free_memory_name_the_current_gpu_when_the_run_says_cuda(monkeypatch):
+    # torch's set_per_process_memory_fraction takes a device index only; a preset's device may be plain "cuda".
+    from types import SimpleNamespace
+
+    import torch
+
+    from h3gen.run import budget, memory
+
+    calls = {}
+
+    def indexed(name, value):
+        def call(*args):
+            device = args[-1]
+            assert isinstance(device, int), f"{name} got {device!r}"
+            calls[name] = args
+            return value
+        return call
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", indexed("properties", SimpleNamespace(total_memory=80 * GIB)))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", indexed("fraction", None))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", indexed("info", (60 * GIB, 80 * GIB)))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", indexed("allocated", 4 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", indexed("reserved", 6 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", indexed("cap", 0.5))
+    budget.hold_to("cuda", 20)
+    assert calls["fraction"] == (0.25, 3)
+    budget.hold_to("cuda:1", 0)
+    assert calls["fraction"] == (1.0, 1)
+    # within the cap: 0.5 of 80 GiB less the 4 allocated, though the device has 60 free and 2 cached
+    assert memory.free_bytes("cuda") == 36 * GIB
