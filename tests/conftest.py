@@ -34,8 +34,8 @@ def tiny_model() -> Path:
 
 
 # Read at run time, not as a library is imported: a child forked after the imports (tests/zygote.py) sees them as a
-# fresh process would (OMP_NUM_THREADS, which OpenMP reads at load, the fork applies itself).
-FORKABLE_ENV = {"OMP_NUM_THREADS", "XDG_CACHE_HOME", "HOME", "SHELL", "COLUMNS", "NO_COLOR", "TERM", "MANWIDTH",
+# fresh process would (OMP_NUM_THREADS, which OpenMP reads at load, and PYTHONPATH the fork applies itself).
+FORKABLE_ENV = {"OMP_NUM_THREADS", "PYTHONPATH", "XDG_CACHE_HOME", "HOME", "SHELL", "COLUMNS", "NO_COLOR", "TERM", "MANWIDTH",
                 "H3GEN_DEBUG", "H3GEN_MODEL", "H3GEN_HEARTBEAT_S", "H3GEN_STRICT_PLUGINS", "H3GEN_LOAD_PLUGINS"}
 ZYGOTE = None  # the forking process, started at the first command
 

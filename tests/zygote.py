@@ -5,12 +5,13 @@ command over a hundred times. This process imports them once, never runs a tenso
 inherit), and for each request forks a child that runs the command's `main()` with the request's arguments,
 environment and working directory, its stdout and stderr in files, and exits with the command's status: the run
 is a process of its own, as a user's is, without the imports. `conftest.h3gen` sends here only what a fork cannot
-tell apart from a fresh process (no environment a library reads as it is imported).
+tell apart from a fresh process (no environment a library reads as it is imported; PYTHONPATH the child applies).
 
 Protocol, one JSON line each way: {"args", "env", "cwd", "stdout", "stderr"} in, {"code"} out.
 """
 
 import atexit
+import importlib
 import json
 import os
 import sys
@@ -24,11 +25,16 @@ import transformers  # noqa: E402,F401
 
 import h3gen.cli.main  # noqa: E402
 
+# `python -m` puts the working directory first and PYTHONPATH after it; the rest is this interpreter's own.
+BASE_PATH = [entry for entry in sys.path[1:] if entry not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+
 
 def child(request) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    sys.path[:] = [request["cwd"], *filter(None, request["env"].get("PYTHONPATH", "").split(os.pathsep)), *BASE_PATH]
+    importlib.invalidate_caches()  # plugins installed under PYTHONPATH since: found by their entry points
     for fd, path in ((0, os.devnull), (1, request["stdout"]), (2, request["stderr"])):
         target = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(target, fd)
