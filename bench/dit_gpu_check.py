@@ -265,6 +265,15 @@ def phase_attention():
                                                                  / expected.float().norm())))
         except Exception as exc:  # an optional backend may be missing on this machine
             log(f"attention_{name}_error", repr(exc)[:300])
+    # As the model hands them over: q, k, v strided views of one fused projection (rows 3 x 56 x 128 apart), which
+    # attention alone on three contiguous tensors does not see.
+    packed = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)  # (1, L, 3 * 7168), as to_qkv writes it
+    views = [packed[..., i * 7168:(i + 1) * 7168].unflatten(-1, (56, 128)) for i in range(3)]
+    for name in ("fa3", "flash-attn-4", "sdpa-cudnn") if DEVICE.type == "cuda" else ():
+        try:
+            log(f"attention_{name}_model_layout", attention_row(lambda: attention(*views, name), expected, seq_len))
+        except Exception as exc:
+            log(f"attention_{name}_model_layout_error", repr(exc)[:300])
     if DEVICE.type == "cuda":
         flash_attn_4_options(q, k, v, expected)
         fp8_attention_configs(q, k, v, expected)
