@@ -55,16 +55,11 @@ def test_norm_bound_multiplier_covers_any_normed_rotated_head(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rope", [True, False])
 def test_parity_qk_norm_rope_fp8(dtype, rope):
-    from h3gen.kernels import qk_norm_rope as kernel
+    from test_kernels import QK_SHAPE, interpreted, qk_norm_rope_args
 
-    assert type(kernel._qk_norm_rope_kernel).__name__ == "InterpretedFunction"
-    torch.manual_seed(0)
-    batch, seq_len, heads, head_dim, rotary_dim = 2, 5, 3, 128, 96
-    qkv = torch.randn(batch, seq_len, 3 * heads * head_dim).to(dtype)
-    q_weight, k_weight = (1 + 0.3 * torch.randn(2, head_dim)).to(dtype)
-    angles = 7.0 * torch.randn(seq_len, rotary_dim)
-    cos, sin = (angles.cos(), angles.sin()) if rope else (None, None)
-    args = (qkv, heads, q_weight, k_weight, 1e-5, cos, sin)
+    kernel = interpreted("qk_norm_rope")
+    batch, seq_len, heads, head_dim, _ = QK_SHAPE
+    args = qk_norm_rope_args(dtype, rope, 0.3)
     expected = kernel.qk_norm_rope_fp8_reference(*args)
     actual = kernel.qk_norm_rope_fp8_triton(*args, heads_block=2)
     for a, e in zip(actual[3:], expected[3:]):

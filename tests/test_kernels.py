@@ -118,18 +118,29 @@ def test_parity_swiglu_quantized(dtype):
     assert torch.equal(actual.float(), expected.float())
 
 
+QK_SHAPE = (2, 5, 3, 128, 96)  # batch, rows, heads, head_dim, rotary channels
+
+
+def qk_norm_rope_args(dtype, rope: bool, weight_spread: float):
+    """(qkv, heads, q_weight, k_weight, eps, cos, sin) for the QK-norm + RoPE kernels: 2 x 5 rows, 3 heads of 128,
+    rotary on the first 96 channels (None without `rope`), norm weights 1 +- `weight_spread`."""
+    torch.manual_seed(0)
+    batch, seq_len, heads, head_dim, rotary_dim = QK_SHAPE
+    qkv = torch.randn(batch, seq_len, 3 * heads * head_dim).to(dtype)
+    q_weight, k_weight = (1 + weight_spread * torch.randn(2, head_dim)).to(dtype)
+    angles = 7.0 * torch.randn(seq_len, rotary_dim)
+    cos, sin = (angles.cos(), angles.sin()) if rope else (None, None)
+    return qkv, heads, q_weight, k_weight, 1e-5, cos, sin
+
+
 @parity
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rope", [True, False])
 def test_parity_qk_norm_rope(dtype, rope):
     k = interpreted("qk_norm_rope")
-    torch.manual_seed(0)
-    batch, seq_len, heads, head_dim, rotary_dim = 2, 5, 3, 128, 96
-    qkv = torch.randn(batch, seq_len, 3 * heads * head_dim).to(dtype)
-    q_weight, k_weight = (1 + 0.1 * torch.randn(2, head_dim)).to(dtype)
-    angles = 7.0 * torch.randn(seq_len, rotary_dim)
-    cos, sin = (angles.cos(), angles.sin()) if rope else (None, None)
-    args = (qkv, heads, q_weight, k_weight, 1e-5, cos, sin)
+    batch, seq_len, heads, head_dim, _ = QK_SHAPE
+    args = qk_norm_rope_args(dtype, rope, 0.1)
+    qkv = args[0]
     expected = k.qk_norm_rope_reference(*args)
     for actual, e in zip(k.qk_norm_rope_triton(*args, heads_block=2), expected):
         assert actual.shape == e.shape == (batch, seq_len, heads, head_dim)
