@@ -102,8 +102,7 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
 
     reporter = BatchReporter(say)
     began = time.perf_counter()
-    memory_plan = budget.plan_for(preset, requests, source, pick_device(preset.runtime["device"]))
-    budget.follow(preset, memory_plan)
+    memory_plan = budget.planned(preset, requests, source, pick_device(preset.runtime["device"]))
     renderer = Renderer(preset, registry, source, reporter, memory_plan)
     loaded = time.perf_counter()
     results = []

@@ -100,8 +100,7 @@ class StageBench:
         self.plan, self.source, self.request = plan, source, request
         device = pick_device(preset.runtime["device"])
         budget.hold_to(device, preset.runtime["vram_gib"])  # the process's cap is set for every preset anew
-        self.memory_plan = budget.plan_for(preset, [request], source, device)
-        budget.follow(preset, self.memory_plan)
+        self.memory_plan = budget.planned(preset, [request], source, device)
         self.runtime = Runtime(device, getattr(torch, preset.runtime["dtype"]), StageTimer(device))
         self.stages = {kind: registry.stage(kind, name)(config, self.runtime)
                        for kind, (name, config) in preset.stages.items()}

@@ -95,12 +95,11 @@ class Worker:
             plan = self.batch.memory_plan
         else:
             from h3gen.models.tiny import ensure_tiny_model
-            from h3gen.run.budget import follow, plan_for
+            from h3gen.run.budget import planned
 
             preset, found = self.preset()
             repo = ModelRepo(self.settings.model or ensure_tiny_model())
-            plan = plan_for(preset, share, repo, self.device)  # each rank streams its own copy, on its own GPU
-            follow(preset, plan)
+            plan = planned(preset, share, repo, self.device)  # each rank streams its own copy, on its own GPU
         results = render_pending(share, self.settings, preset, found, repo, reporter, group, leader, plan)
         if group is not None:
             import torch.distributed as dist

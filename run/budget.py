@@ -114,11 +114,19 @@ def plan_for(preset, requests, repo, device: str) -> MemoryPlan | None:
 
         budget = free_bytes(device)
     config = repo.transformer_config()
+    encoder_host, encoder_device = encoder_bytes(preset, repo)
     plan = plan_memory(budget, dit_sizes(preset, config), activations(preset, requests, config),
-                       decoder_bytes(preset, repo), asked=bool(budget_gib), encoder_bytes=encoder_bytes(preset, repo))
+                       decoder_bytes(preset, repo), asked=bool(budget_gib), encoder_bytes=encoder_device)
     if plan.stream_encoder:  # it loads in host memory at the checkpoint's precision, then streams from there
-        plan = dataclasses.replace(plan, host_bytes=plan.host_bytes + encoder_bytes(preset, repo, on_device=False))
+        plan = dataclasses.replace(plan, host_bytes=plan.host_bytes + encoder_host)
     return check_host(plan)
+
+
+def planned(preset, requests, repo, device: str) -> MemoryPlan | None:
+    """`plan_for`, with the preset's sampler and encoder set to follow the plan (`follow`)."""
+    plan = plan_for(preset, requests, repo, device)
+    follow(preset, plan)
+    return plan
 
 
 def check_budget(budget_gib: float, device: str) -> None:
@@ -148,23 +156,23 @@ def dit_sizes(preset, config: dict) -> DiTSizes:
 
 
 def decoder_bytes(preset, repo) -> int:
-    """The video and audio decoders stay resident beside the DiT: their weights at the checkpoint's bytes (an
+    """The video and audio decoders stay resident beside the DiT: their weights at the checkpoint's (bf16) bytes (an
     upper bound for an FP8 decoder), twice over in fp32."""
-    scale = 2 if preset.runtime["dtype"] == "float32" else 1
-    return scale * (repo.weight_bytes("vae") + repo.weight_bytes("audio_vae"))
+    return element_bytes(preset) // 2 * (repo.weight_bytes("vae") + repo.weight_bytes("audio_vae"))
 
 
-def encoder_bytes(preset, repo, on_device: bool = True) -> int:
-    """The text encoder's weights: the layers H3 runs (one past the one it reads) of the checkpoint's; on the device
-    halved for FP8 linears (their embeddings and vision tower stay, so this errs low by their share)."""
+def encoder_bytes(preset, repo) -> tuple[int, int]:
+    """The text encoder's weights (in host memory, on the device): the layers H3 runs (one past the one it reads) of
+    the checkpoint's; on the device halved for FP8 linears (their embeddings and vision tower stay, so this errs low
+    by their share). (0, 0) for an encoder that cannot stream."""
     name, encode = preset.stages["encode"]
     if not hasattr(encode, "stream_layers"):
-        return 0
+        return 0, 0
     layers = repo.text_encoder_config().text_config.num_hidden_layers
     used = min(1.0, (encode.layer + 1) / layers)
+    host = int(repo.weight_bytes("text_encoder") * used * element_bytes(preset) // 2)
     quant_name, quant = preset.stages["quant"]
-    scale = 0.5 if on_device and quant_name == "fp8-rowwise" and "text_encoder" in quant.roles else 1.0
-    return int(repo.weight_bytes("text_encoder") * used * scale * (2 if preset.runtime["dtype"] == "float32" else 1))
+    return host, host // 2 if quant_name == "fp8-rowwise" and "text_encoder" in quant.roles else host
 
 
 def element_bytes(preset) -> int:

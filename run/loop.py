@@ -110,13 +110,12 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent) -> Batch
     return Batch(preset, found, requests, repo, reporter, run_fields(preset, found, repo), memory_plan)
 
 
-def plan_memory_budget(preset, requests, repo, reporter) -> None:
-    """A device memory budget (runtime.vram_gib) becomes a plan the sampler follows, said once."""
-    from h3gen.run.budget import follow, plan_for
+def plan_memory_budget(preset, requests, repo, reporter):
+    """The run's memory plan (h3gen.run.budget; None on the CPU), which the sampler and encoder follow, said once."""
+    from h3gen.run.budget import planned
     from h3gen.run.render import pick_device
 
-    plan = plan_for(preset, requests, repo, pick_device(preset.runtime["device"]))
-    follow(preset, plan)
+    plan = planned(preset, requests, repo, pick_device(preset.runtime["device"]))
     if plan is not None:
         reporter.say(f"h3gen: {plan.describe()}")
     return plan
