@@ -10,7 +10,6 @@ Needs only torch and `fa3_fwd_interface`. Usage: python3 bench/fa3_probe.py [sha
 Results: $OUT/fa3_probe.json, written as it goes.
 """
 import json
-import math
 import os
 import sys
 import time

@@ -15,8 +15,7 @@ import dataclasses
 import math
 
 from h3gen.errors import UsageError
-
-GIB = 2**30
+from h3gen.run.memory import GIB
 ENCODER_ACTIVATIONS = GIB  # what a prompt's encoding needs beyond the weights: hidden states of ~1k tokens
 MODALITIES, MODULATIONS = 3, 6
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
-from pathlib import Path
 
 from h3gen.inputs.request import AUDIO_CHANNELS, Request
 

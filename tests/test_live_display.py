@@ -6,7 +6,6 @@ import os
 import re
 import signal
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 from rich.console import Console
