@@ -1,8 +1,11 @@
 """Full-size MiniMax-H3 components with random weights, built directly on the device.
 
 Real weights cannot be had everywhere a benchmark runs; timing does not depend on weight values, only on
-shapes and dtypes. Modules are constructed under the device and the target dtype, so no copy ever sits in host
-memory, and initialized by their own init (random, never zeros). The tokenizer and processor come from the tiny
+shapes and dtypes. The VAEs are constructed under the device and the target dtype and initialized by their own
+init (random, never zeros). The DiT and the text encoder, tens of GB each, are constructed with their parameters
+on the meta device and made one module at a time on the GPU, by each module's `reset_parameters` under a seed of
+its own name: the same weights wherever they end up (resident, in host memory to stream, or read block by block
+into h3gen's DiT), made at the GPU's speed rather than the host's. The tokenizer and processor come from the tiny
 model: a benchmark fixes the token count, not the text.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import zlib
 
 # Qwen3-VL-32B's text stack: what MiniMax-H3 conditions on (hidden size 5120 = the DiT's text_dim).
 QWEN3VL_32B_TEXT = dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
@@ -74,7 +78,7 @@ class FullSizeRandom:
 
         spec = json.dumps(dict(text=QWEN3VL_32B_TEXT, vision=QWEN3VL_32B_VISION, seed=self.seed), sort_keys=True)
         tokenizer = self.tiny_repo.text_encoder_identity()
-        return hashlib.sha256(f"full-size random\0{spec}\0{tokenizer}".encode()).hexdigest()
+        return hashlib.sha256(f"full-size random, made per module\0{spec}\0{tokenizer}".encode()).hexdigest()
 
     def text_encoder_config(self):
         from transformers import Qwen2TokenizerFast, Qwen3VLConfig
@@ -98,25 +102,90 @@ class FullSizeRandom:
             from diffusers import MiniMaxH3Transformer3DModel
 
             device = kwargs.pop("device", device_map)
-            # A DiT that streams blocks is one that does not fit the device: its reference is drawn in host memory.
-            built = "cpu" if kwargs.get("stream_blocks") else device
-            reference = self.load(component, MiniMaxH3Transformer3DModel, torch_dtype=dtype, device_map=built)
-            return cls.from_reference(reference, device=device, **kwargs)
-        torch.manual_seed(self.seed)
+            reference = made_empty(MiniMaxH3Transformer3DModel, device, dtype)
+            read = MadeOnRead(reference, device, self.seed)
+            return cls.from_tensors(dict(reference.config), read, device, **kwargs)
         dtype = torch_dtype or dtype or torch.bfloat16
+        if component in ("text_encoder", "transformer", "transformer_ref"):
+            model = made_empty(cls, device_map, dtype, config or self.text_encoder_config()) \
+                if component == "text_encoder" else made_empty(cls, device_map, dtype)
+            MadeOnRead(model, device_map, self.seed).make_all()
+            return model
+        torch.manual_seed(self.seed)
         with built_on(device_map, dtype):
-            if component == "text_encoder":
-                return cls(config or self.text_encoder_config())
             if component == "audio_vae":
                 model = cls(latents_mean=[0.1] * 32, latents_std=[1.1] * 32)
             elif component == "vae":
                 model = cls(latents_mean=[0.1] * 24, latents_std=[1.1] * 24)
             else:
                 model = cls()
-        # The checkpoint's fp32 islands stay fp32, as diffusers' loading keeps them: every parameter with one of
-        # the class's `_keep_in_fp32_modules` names among its dotted parts (the VAE's nested norms and scales too).
-        keep_fp32 = set(getattr(cls, "_keep_in_fp32_modules", None) or ())
+        keep = keep_fp32(cls)
         for name, param in model.named_parameters():
-            if keep_fp32 & set(name.split(".")):
+            if keep & set(name.split(".")):
                 param.data = param.data.float()
         return model
+
+
+def keep_fp32(cls) -> set:
+    """The checkpoint's fp32 islands stay fp32, as diffusers' loading keeps them: every parameter with one of the
+    class's `_keep_in_fp32_modules` names among its dotted parts (the VAE's nested norms and scales too)."""
+    return set(getattr(cls, "_keep_in_fp32_modules", None) or ())
+
+
+def made_empty(cls, device, dtype, *args):
+    """`cls(*args)` with its parameters on the meta device and its buffers made on `device` (rotary frequencies
+    and the like, computed as the constructor computes them)."""
+    from accelerate import init_empty_weights
+
+    with built_on(device, dtype), init_empty_weights(include_buffers=False):
+        return cls(*args)
+
+
+class MadeOnRead:
+    """The parameters of a `made_empty` model, each module's made when one of them is first read: on the GPU
+    where there is one, by the module's own `reset_parameters` (ones for a norm without one, else N(0, 0.02))
+    under `seed` and a hash of the module's name, then moved to `device`. As a `read(key)` for
+    `FastH3Transformer.from_tensors`, each tensor is handed over and dropped, so at most one module's weights
+    exist beyond what the reader keeps."""
+
+    def __init__(self, model, device, seed: int):
+        import torch
+
+        self.model, self.device, self.seed = model, torch.device(device), seed
+        self.build = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.keep = keep_fp32(type(model))
+
+    def __call__(self, key: str):
+        import torch
+
+        owner, _, name = key.rpartition(".")
+        module = self.model.get_submodule(owner)
+        if module._parameters[name].is_meta:
+            self.make(owner, module)
+        param = module._parameters[name]
+        tensor = param.data
+        param.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        return tensor
+
+    def make_all(self) -> None:
+        for owner, module in self.model.named_modules():
+            if any(param is not None and param.is_meta for param in module._parameters.values()):
+                self.make(owner, module)
+
+    def make(self, owner: str, module) -> None:
+        import torch
+
+        torch.manual_seed(self.seed ^ zlib.crc32(owner.encode()))
+        module.to_empty(device=self.build, recurse=False)
+        with torch.no_grad():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            else:
+                for param in module._parameters.values():
+                    if param is not None:
+                        param.fill_(1.0) if param.dim() == 1 else param.normal_(0.0, 0.02)
+            fp32 = bool(self.keep & set(owner.split(".")))
+            for name, param in module._parameters.items():
+                if param is not None:
+                    param.data = param.data.to(self.device, torch.float32 if fp32 else param.dtype)
+        module.requires_grad_(False)

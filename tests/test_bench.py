@@ -2,6 +2,8 @@
 
 import json
 
+import torch
+
 from conftest import h3gen
 
 RECORD_KEYS = {"preset", "baseline", "duration_s", "frames", "size", "stage", "median_s", "p95_s", "repeats",
@@ -122,3 +124,34 @@ def test_bench_times_every_forward_of_a_cached_preset(tmp_path):
     assert by["dit"]["dit_rel_err"] is None  # the baseline's latents after 1 forward are no reference for 49
     assert "--set sampler.video_shift=11" in by["dit"]["notes"]
     assert by["cache_check"]["forwards"] == 49 and 0 < by["cache_check"]["median_s"] < by["dit"]["median_s"]
+
+
+def test_random_weights_made_on_read_are_the_same_weights_wherever_they_go():
+    """The benchmark's DiT: the diffusers module made whole, and h3gen's DiT read from it module by module, hold
+    the same random weights (each module seeded by its name), none left on the meta device, none all zeros."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from h3gen.bench.random_weights import MadeOnRead, made_empty
+    from h3gen.models.dit.transformer import FastH3Transformer
+    from test_fast_dit import TINY, layout_inputs, relative_error
+
+    whole = made_empty(lambda: MiniMaxH3Transformer3DModel(**TINY), "cpu", torch.float32)
+    MadeOnRead(whole, "cpu", seed=5).make_all()
+    params = dict(whole.named_parameters())
+    assert not any(p.is_meta for p in params.values())
+    assert all(p.abs().sum() > 0 for name, p in params.items() if name.endswith("weight"))
+    assert torch.equal(whole.rope.inv_freq, MiniMaxH3Transformer3DModel(**TINY).rope.inv_freq)  # buffers as built
+    empty = made_empty(lambda: MiniMaxH3Transformer3DModel(**TINY), "cpu", torch.float32)
+    read = MadeOnRead(empty, "cpu", seed=5)
+    key = next(name for name in params if name.startswith("transformer_blocks.1.") and name.endswith("weight"))
+    assert torch.equal(read(key), params[key])
+    fast = FastH3Transformer.from_tensors(dict(whole.config), MadeOnRead(
+        made_empty(lambda: MiniMaxH3Transformer3DModel(**TINY), "cpu", torch.float32), "cpu", seed=5), "cpu")
+    inputs = layout_inputs()
+    with torch.no_grad():
+        expected = whole.eval()(**inputs, return_dict=False)
+    for actual, wanted in zip(fast(**inputs), expected):
+        assert relative_error(actual, wanted) < 1e-5
+    other = made_empty(lambda: MiniMaxH3Transformer3DModel(**TINY), "cpu", torch.float32)
+    MadeOnRead(other, "cpu", seed=6).make_all()
+    assert not torch.equal(other.proj_in.weight, whole.proj_in.weight)
