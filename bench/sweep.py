@@ -11,6 +11,7 @@ import dataclasses
 import gc
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 from h3gen.inputs.request import AUDIO_CHANNELS, FPS, MAX_SECONDS, Request
@@ -92,15 +93,17 @@ def preset_forwards(preset) -> int:
 class StageBench:
     """Times one preset at one request, stage by stage."""
 
-    def __init__(self, preset, registry, source, plan: BenchPlan, request: Request, workdir: Path):
+    def __init__(self, preset, registry, source, plan: BenchPlan, request: Request, workdir: Path, say=print):
         import torch
 
         from h3gen.run import budget
 
-        self.plan, self.source, self.request = plan, source, request
+        self.plan, self.source, self.request, self.say = plan, source, request, say
         device = pick_device(preset.runtime["device"])
         budget.hold_to(device, preset.runtime["vram_gib"])  # the process's cap is set for every preset anew
         self.memory_plan = budget.planned(preset, [request], source, device)
+        if self.memory_plan is not None:
+            say(f"bench:   {self.memory_plan.describe()}")
         self.runtime = Runtime(device, getattr(torch, preset.runtime["dtype"]), StageTimer(device))
         self.stages = {kind: registry.stage(kind, name)(config, self.runtime)
                        for kind, (name, config) in preset.stages.items()}
@@ -126,7 +129,9 @@ class StageBench:
         import torch
 
         stage = self.stages[kind]
+        started = time.perf_counter()
         stage.load(self.source)
+        self.say(f"bench:   {kind} loaded in {time.perf_counter() - started:.1f} s")
         cuda = self.runtime.device.startswith("cuda")
         try:
             for _ in range(self.plan.warmup):
@@ -141,6 +146,7 @@ class StageBench:
             self.forwards_run = clip.forwards or self.forwards_run
             self.forwards_reused = clip.forwards_reused or self.forwards_reused
             self.peaks[kind] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+            self.say(f"bench:   {kind} timed: " + ", ".join(f"{part} {value:.2f} s" for part, value in timed[-1].items()))
         finally:
             stage.unload()
             gc.collect()
@@ -231,7 +237,7 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
                                      *cache_overrides(preset), *adapter_overrides(random_weights))
                 say(f"bench: {name} at {seconds:g} s ({request.frames} frames, {plan.width}x{plan.height})")
                 try:
-                    bench = StageBench(preset, registry, source, plan, request, Path(workdir))
+                    bench = StageBench(preset, registry, source, plan, request, Path(workdir), say)
                     runs = bench.run()
                 except Exception as e:  # one preset failing must not lose the others' numbers
                     say(f"bench: {name} at {seconds:g} s failed: {type(e).__name__}: {str(e)[:300]}")
