@@ -10,25 +10,36 @@ host memory: the quantized weights are what stream.
 
 from __future__ import annotations
 
-LAYERS = "model.language_model.layers"  # Qwen3VLForConditionalGeneration's decoder layers
-GROUPED = ["model", "language_model"]  # the path down to them, for group offloading's block level
+LANGUAGE = "model.language_model"  # Qwen3VLForConditionalGeneration's language stack: its decoder layers stream
 
 
 def stream_text_encoder(encoder, runtime):
     """`encoder` loaded in host memory, its layers quantized one by one on `runtime.device` and streamed from
-    then on; what is not a layer (embeddings, vision tower, norms) comes to the device as each forward needs it."""
+    then on (the stack's embeddings and final norm come to the device as each forward starts); the vision tower
+    and the head resident on the device. Group offloading is applied to the language stack alone: its hooks, with
+    a side stream, cannot nest (one per level would track the same layers twice)."""
     import torch
     from diffusers.hooks import apply_group_offloading
 
     device = torch.device(runtime.device)
-    for index, layer in enumerate(encoder.get_submodule(LAYERS)):
+    language = encoder.get_submodule(LANGUAGE)
+    for index, layer in enumerate(language.layers):
         layer.to(device)
-        runtime.quantize_part("text_encoder", layer, f"{LAYERS}.{index}")
+        runtime.quantize_part("text_encoder", layer, f"{LANGUAGE}.layers.{index}")
         layer.to("cpu")
+    streamed = {id(tensor) for tensor in (*language.parameters(), *language.buffers())}
+    for module in encoder.modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, tensor in getattr(module, kind).items():
+                if tensor is not None and id(tensor) not in streamed:
+                    moved = tensor.data.to(device)
+                    if kind == "_parameters":
+                        tensor.data = moved
+                    else:
+                        module._buffers[name] = moved
     encoder = runtime.quantize("text_encoder", encoder)
-    apply_group_offloading(encoder, onload_device=device, offload_device=torch.device("cpu"),
-                           offload_type="block_level", num_blocks_per_group=1, use_stream=device.type == "cuda",
-                           block_modules=GROUPED)
+    apply_group_offloading(language, onload_device=device, offload_device=torch.device("cpu"),
+                           offload_type="block_level", num_blocks_per_group=1, use_stream=device.type == "cuda")
     return encoder
 
 

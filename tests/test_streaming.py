@@ -128,7 +128,8 @@ def test_on_a_gpu_a_clip_under_a_budget_with_streamed_blocks_and_encoder_is_the_
     from conftest import media
 
     prompts = prompts_file("a red fox\n")
-    common = ("--set", "runtime.device=cuda", "--set", "sampler.dit=h3gen", "--json")
+    # No embedding cache: the streamed run encodes the prompt itself rather than reading the resident run's.
+    common = ("--set", "runtime.device=cuda", "--set", "sampler.dit=h3gen", "--set", "encode.cache=false", "--json")
     resident = h3gen("render", prompts, "-o", tmp_path / "resident", *common, check_code=0)
     streamed = h3gen("render", prompts, "-o", tmp_path / "streamed", *common, "--vram", "4", "--set",
                      "sampler.stream_blocks=2", "--set", "encode.stream_layers=true", check_code=0)

@@ -117,18 +117,21 @@ class FastH3Transformer(nn.Module):
             param = params[key]
             tensor = param.data.to(device)
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-            return checkpoint_tensor(key, tensor) if checkpoint_tensor is not None else tensor
+            return tensor
 
-        return cls.from_tensors(dict(reference.config), read, device, adaln_timesteps, place_block, stream_blocks,
-                                **switches)
+        return cls.from_tensors(dict(reference.config), read, device, adaln_timesteps, checkpoint_tensor, place_block,
+                                stream_blocks, **switches)
 
     @classmethod
-    def from_tensors(cls, config: dict, read, device, adaln_timesteps=None, place_block=None, stream_blocks=0,
-                     **switches):
+    def from_tensors(cls, config: dict, read, device, adaln_timesteps=None, checkpoint_tensor=None, place_block=None,
+                     stream_blocks=0, **switches):
         """Build from a diffusers config and `read(key)`, which gives each diffusers tensor on `device` as it is
-        needed (the checkpoint, a reference module, weights made on the fly); the rest as for `from_pretrained`."""
-        return cls._assemble(H3DiTConfig.from_dict(config), switches, device, read, adaln_timesteps, place_block,
-                             stream_blocks)
+        needed (a reference module, weights made on the fly); the rest as for `from_pretrained`."""
+        if checkpoint_tensor is not None:
+            def given(key):
+                return checkpoint_tensor(key, read(key))
+        return cls._assemble(H3DiTConfig.from_dict(config), switches, device,
+                             read if checkpoint_tensor is None else given, adaln_timesteps, place_block, stream_blocks)
 
     @classmethod
     def _assemble(cls, config, switches, device, read, adaln_timesteps, place_block, stream_blocks):
