@@ -15,8 +15,8 @@ LANGUAGE = "model.language_model"  # Qwen3VLForConditionalGeneration's language 
 
 def stream_text_encoder(encoder, runtime):
     """`encoder` loaded in host memory, its layers quantized one by one on `runtime.device` and streamed from
-    then on (the stack's embeddings and final norm come to the device as each forward starts); the vision tower
-    and the head resident on the device. Group offloading is applied to the language stack alone: its hooks, with
+    then on (the stack's final norm comes to the device as each forward starts); the token embeddings, the vision
+    tower and the head resident on the device. Group offloading is applied to the language stack alone: its hooks, with
     a side stream, cannot nest (one per level would track the same layers twice)."""
     import torch
     from diffusers.hooks import apply_group_offloading
@@ -38,8 +38,13 @@ def stream_text_encoder(encoder, runtime):
                     else:
                         module._buffers[name] = moved
     encoder = runtime.quantize("text_encoder", encoder)
+    # The token embeddings stay resident: Qwen3VLModel embeds the tokens before the language stack's forward,
+    # whose hooks would bring them over. Out of the stack while the hooks are applied, they belong to no group.
+    embed = language.embed_tokens.to(device)
+    language.embed_tokens = torch.nn.Identity()
     apply_group_offloading(language, onload_device=device, offload_device=torch.device("cpu"),
                            offload_type="block_level", num_blocks_per_group=1, use_stream=device.type == "cuda")
+    language.embed_tokens = embed
     return encoder
 
 
