@@ -176,7 +176,10 @@ class MadeOnRead:
         import torch
 
         torch.manual_seed(self.seed ^ zlib.crc32(owner.encode()))
-        module.to_empty(device=self.build, recurse=False)
+        for name, param in module._parameters.items():  # the buffers stay as the constructor made them
+            if param is not None:
+                module._parameters[name] = torch.nn.Parameter(torch.empty_like(param, device=self.build),
+                                                              requires_grad=False)
         with torch.no_grad():
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
@@ -188,4 +191,3 @@ class MadeOnRead:
             for name, param in module._parameters.items():
                 if param is not None:
                     param.data = param.data.to(self.device, torch.float32 if fp32 else param.dtype)
-        module.requires_grad_(False)

@@ -102,9 +102,9 @@ class StageBench:
         device = pick_device(preset.runtime["device"])
         budget.hold_to(device, preset.runtime["vram_gib"])  # the process's cap is set for every preset anew
         self.memory_plan = budget.planned(preset, [request], source, device)
-        if self.memory_plan is not None:
-            say(f"bench:   {self.memory_plan.describe()}")
         self.runtime = Runtime(device, getattr(torch, preset.runtime["dtype"]), StageTimer(device))
+        if self.memory_plan is not None:
+            say(f"bench:   {self.memory_plan.describe()}{self.allocated()}")
         self.stages = {kind: registry.stage(kind, name)(config, self.runtime)
                        for kind, (name, config) in preset.stages.items()}
         self.runtime.quant, self.runtime.cache = self.stages["quant"], self.stages["cache"]
@@ -131,7 +131,7 @@ class StageBench:
         stage = self.stages[kind]
         started = time.perf_counter()
         stage.load(self.source)
-        self.say(f"bench:   {kind} loaded in {time.perf_counter() - started:.1f} s")
+        self.say(f"bench:   {kind} loaded in {time.perf_counter() - started:.1f} s{self.allocated()}")
         cuda = self.runtime.device.startswith("cuda")
         try:
             for _ in range(self.plan.warmup):
@@ -146,13 +146,23 @@ class StageBench:
             self.forwards_run = clip.forwards or self.forwards_run
             self.forwards_reused = clip.forwards_reused or self.forwards_reused
             self.peaks[kind] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
-            self.say(f"bench:   {kind} timed: " + ", ".join(f"{part} {value:.2f} s" for part, value in timed[-1].items()))
+            self.say(f"bench:   {kind} timed: " + ", ".join(f"{part} {value:.2f} s" for part, value in timed[-1].items())
+                     + self.allocated())
         finally:
             stage.unload()
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
+                self.say(f"bench:   {kind} unloaded{self.allocated()}")
         return timed
+
+    def allocated(self) -> str:
+        """What the allocator holds now, for the progress lines: what a stage leaves behind shows there."""
+        import torch
+
+        if not self.runtime.device.startswith("cuda"):
+            return ""
+        return f" ({torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated)"
 
     def stand_in(self, kind: str) -> None:
         """Random (never zero) inputs for the next stage when this one is not being measured."""
@@ -236,6 +246,8 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
                 preset = plan.preset(name, baseline, registry, *forward_overrides(preset, plan.forwards, registry),
                                      *cache_overrides(preset), *adapter_overrides(random_weights))
                 say(f"bench: {name} at {seconds:g} s ({request.frames} frames, {plan.width}x{plan.height})")
+                bench = None  # the last preset's clip (latents, frames) freed before this one's budget is set
+                gc.collect()
                 try:
                     bench = StageBench(preset, registry, source, plan, request, Path(workdir), say)
                     runs = bench.run()

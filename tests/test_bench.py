@@ -155,3 +155,19 @@ def test_random_weights_made_on_read_are_the_same_weights_wherever_they_go():
     other = made_empty(lambda: MiniMaxH3Transformer3DModel(**TINY), "cpu", torch.float32)
     MadeOnRead(other, "cpu", seed=6).make_all()
     assert not torch.equal(other.proj_in.weight, whole.proj_in.weight)
+
+
+def test_random_weights_made_on_read_keep_a_module_s_buffers_as_built():
+    from h3gen.bench.random_weights import MadeOnRead, made_empty
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(3, 4))
+            self.register_buffer("steps", torch.arange(4.0), persistent=False)
+
+    model = made_empty(Scaled, "cpu", torch.float32)
+    assert model.weight.is_meta and torch.equal(model.steps, torch.arange(4.0))
+    MadeOnRead(model, "cpu", seed=1).make_all()
+    assert torch.equal(model.steps, torch.arange(4.0)) and model.weight.abs().sum() > 0
+    assert not model.weight.requires_grad
