@@ -32,6 +32,13 @@ def quantize_weight(weight: torch.Tensor, qmax: float, dtype: torch.dtype) -> tu
     return quantized, scale
 
 
+def frozen(tensor: torch.Tensor) -> nn.Parameter:
+    """A quantized weight or its scales as a parameter, not a buffer: what moves a model's weights between devices
+    moves these too (diffusers' group offloading, with a side stream, returns a module's parameters to host memory
+    after it runs but leaves its buffers on the device)."""
+    return nn.Parameter(tensor, requires_grad=False)
+
+
 class FP8RowwiseLinear(nn.Module):
     """y = x W^T + b with W in fp8 e4m3 (scale per output channel) and x quantized per row on the fly.
 
@@ -48,8 +55,7 @@ class FP8RowwiseLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         # The bias is registered first: diffusers reads a module's dtype from its first floating parameter.
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.register_buffer("weight_bits", weight_bits)
-        self.register_buffer("weight_scale", weight_scale)
+        self.weight_bits, self.weight_scale = frozen(weight_bits), frozen(weight_scale)
         if matmul == "scaled_mm" and (in_features % 16 or out_features % 16):
             matmul = "reference"  # _scaled_mm needs both weight dimensions in multiples of 16
         self.matmul, self.fast_accum = matmul, fast_accum
@@ -105,8 +111,7 @@ class Int8WeightOnlyLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.register_buffer("weight_int8", weight_int8)
-        self.register_buffer("weight_scale", weight_scale)
+        self.weight_int8, self.weight_scale = frozen(weight_int8), frozen(weight_scale)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:

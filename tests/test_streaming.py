@@ -59,8 +59,9 @@ def test_streamed_blocks_leave_for_host_memory_as_they_load(tiny_model, monkeypa
     assert dit.transformer_blocks[1].adaln_table is not None and dit.streamer.slots
 
 
-def test_a_streamed_text_encoder_gives_the_resident_embeddings_bit_for_bit(tiny_model):
-    # The layers pass through diffusers' group offloading, each quantized (FP8 here) as it is first placed.
+def encode_streamed_and_resident(tiny_model, device):
+    """The prompt's embeddings from the tiny encoder with FP8 layers, resident and streamed, on `device`; and the
+    streamed encoder's language layers after their forward."""
     from h3gen.config.preset import resolve
     from h3gen.inputs.request import Request
     from h3gen.models.repo import ModelRepo
@@ -73,7 +74,7 @@ def test_a_streamed_text_encoder_gives_the_resident_embeddings_bit_for_bit(tiny_
     for stream in (False, True):
         preset = resolve("tiny", found, ["quant.use=fp8-rowwise", "quant.roles=['text_encoder']", "encode.cache=false",
                                          f"encode.stream_layers={str(stream).lower()}"])
-        runtime = Runtime("cpu", torch.float32, StageTimer("cpu"))
+        runtime = Runtime(device, torch.float32 if device == "cpu" else torch.bfloat16, StageTimer(device))
         runtime.quant = found.stage("quant", "fp8-rowwise")(preset.stages["quant"][1], runtime)
         runtime.quant.load(repo)
         encode = found.stage("encode", "qwen3vl")(preset.stages["encode"][1], runtime)
@@ -84,7 +85,21 @@ def test_a_streamed_text_encoder_gives_the_resident_embeddings_bit_for_bit(tiny_
         layers = encode.text_encoder.model.language_model.layers
         assert len(runtime.quant.quantized["text_encoder"]) == 7 * len(layers)  # q, k, v, o, gate, up, down
         assert hasattr(layers[0], "_diffusers_hook") == stream
+    return embeds, layers
+
+
+def test_a_streamed_text_encoder_gives_the_resident_embeddings_bit_for_bit(tiny_model):
+    # The layers pass through diffusers' group offloading, each quantized (FP8 here) as it is first placed.
+    embeds, _ = encode_streamed_and_resident(tiny_model, "cpu")
     assert torch.equal(embeds[False], embeds[True])
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_streamed_text_encoder_returns_its_layers_to_host_memory(tiny_model):
+    # With a side stream, group offloading returns only parameters to host memory: the FP8 weights are parameters.
+    embeds, layers = encode_streamed_and_resident(tiny_model, "cuda")
+    assert torch.equal(embeds[False], embeds[True])
+    assert {t.device.type for t in (*layers.parameters(), *layers.buffers())} == {"cpu"}
 
 
 def test_group_offloading_over_the_dit_gives_the_resident_latents_bit_for_bit(tiny_model, tmp_path):
