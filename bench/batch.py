@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from h3gen.bench.sweep import (BenchPlan, adapter_overrides, bench_frames, cache_overrides, forward_overrides,
-                         preset_forwards)
+                               host_gib, preset_forwards)
 from h3gen.run.report import SilentReporter
 from h3gen.inputs.request import Request
 
@@ -105,9 +105,10 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
     memory_plan = budget.planned(preset, requests, source, pick_device(preset.runtime["device"]))
     renderer = Renderer(preset, registry, source, reporter, memory_plan)
     loaded = time.perf_counter()
-    results = []
+    results, host = [], 0.0
     try:
         results = list(renderer.render(requests, out_dir))
+        host = host_gib()  # with every stage still loaded
     finally:
         results += renderer.close()
     ended = time.perf_counter()
@@ -142,13 +143,14 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
                 clips_per_hour_full=round(clips_per_hour(full_forwards, per_forward, extra, encode / len(results)), 1),
                 vram_gib=preset.runtime["vram_gib"] or None, peak_gib=max((r.peak_gib or 0.0 for r in results),
                                                                          default=0.0) or None,
+                host_gib=round(host, 3) or None,
                 notes=f"{forwards} forward(s) per clip timed; clips_per_hour_full uses {full_forwards}"
                       + (f"; {memory_plan.describe()}" if memory_plan is not None else ""))
 
 
 BATCH_COLUMNS = ("clips", "encode_s", "per_forward_s", "vae_s_per_clip", "mux_s_per_clip", "extra_per_clip_s",
                  "last_clip_tail_s", "clips_per_hour", "clips_per_hour_full", "vs_baseline",
-                 "vs_baseline_same_forwards")
+                 "vs_baseline_same_forwards", "vram_gib", "peak_gib", "host_gib")
 
 
 def batch_markdown(result: dict) -> str:

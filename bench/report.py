@@ -46,13 +46,15 @@ def markdown(result: dict) -> str:
     lines = [f"Device: {device['name']} (driver {device['driver']}, CUDA {device['cuda']}); "
              f"torch {result['versions']['torch']}, diffusers {result['versions']['diffusers']}; "
              f"commit {str(result['commit'])[:10]}; {result['created']}", "",
-             "| preset | media s | stage | median s | p95 s | per forward s | forwards | peak GiB | RTF | vs baseline "
-             "| rel err vs baseline |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| preset | media s | stage | median s | p95 s | per forward s | forwards | peak GiB | host GiB | RTF "
+             "| vs baseline | rel err vs baseline |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     order = {stage: i for i, stage in enumerate(TABLE_STAGES)}
     for r in sorted(result["records"], key=lambda r: (r["duration_s"], not r["baseline"], r["preset"],
                                                       order.get(r["stage"], 99))):
         cells = [r["preset"] + (" (baseline)" if r["baseline"] else ""), f"{r['duration_s']:.2f}", r["stage"]]
-        cells += [_fmt(r.get(k)) for k in ("median_s", "p95_s", "per_forward_s", "forwards", "peak_gib", "rtf")]
+        cells += [_fmt(r.get(k)) for k in ("median_s", "p95_s", "per_forward_s", "forwards", "peak_gib", "host_gib",
+                                          "rtf")]
         cells.append(f"{r['vs_baseline']:.2f}x" if r.get("vs_baseline") else "-")
         cells.append(f"{r['dit_rel_err']:.3g}" if r.get("dit_rel_err") is not None else "-")
         lines.append("| " + " | ".join(cells) + " |")

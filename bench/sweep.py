@@ -111,6 +111,7 @@ class StageBench:
         self.stages["quant"].load(source)
         self.clip = Clip(request=request, path=workdir / "bench.mp4", preset=preset.name)
         self.peaks: dict[str, float] = {}
+        self.host: dict[str, float] = {}  # the process's resident host GiB once each stage has loaded and has run
         self.forwards_run = self.forwards_reused = 0
 
     def run(self) -> list[dict[str, float]]:
@@ -131,6 +132,7 @@ class StageBench:
         stage = self.stages[kind]
         started = time.perf_counter()
         stage.load(self.source)
+        loaded = host_gib()
         self.say(f"bench:   {kind} loaded in {time.perf_counter() - started:.1f} s{self.allocated()}")
         cuda = self.runtime.device.startswith("cuda")
         try:
@@ -146,6 +148,7 @@ class StageBench:
             self.forwards_run = clip.forwards or self.forwards_run
             self.forwards_reused = clip.forwards_reused or self.forwards_reused
             self.peaks[kind] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+            self.host[kind] = max(loaded, host_gib())
             self.say(f"bench:   {kind} timed: " + ", ".join(f"{part} {value:.2f} s" for part, value in timed[-1].items())
                      + self.allocated())
         finally:
@@ -186,14 +189,29 @@ class StageBench:
             self.clip.audio = rng.uniform(-0.5, 0.5, (AUDIO_CHANNELS, samples)).astype(np.float32)
 
 
+def host_gib() -> float:
+    """The process's resident host memory now (pinned copies of streamed weights included), in GiB; 0 where
+    /proc is not there to read it."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except OSError:
+        return 0.0
+
+
 def summarize(values: list[float]) -> tuple[float, float]:
     ordered = sorted(values)
     p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
     return statistics.median(ordered), p95
 
 
+STAGE_KINDS = {"dit": "sampler", "vae_video": "vae", "vae_audio": "vae", "transfer": "vae"}  # record stage -> stage
+
+
 def records_for(name, baseline, request, runs, forwards_run, full_forwards, peaks, common, attention,
-                dit_rel_err=None, forwards_reused=0) -> list[dict]:
+                dit_rel_err=None, forwards_reused=0, host=None) -> list[dict]:
     duration = request.duration
     per_stage: dict[str, list[float]] = {}
     for seconds in runs:
@@ -207,12 +225,13 @@ def records_for(name, baseline, request, runs, forwards_run, full_forwards, peak
     records = []
     for stage, values in per_stage.items():
         median, p95 = summarize(values)
+        kind = STAGE_KINDS.get(stage, stage)
         record = dict(common, preset=name, baseline=baseline, duration_s=round(duration, 4), frames=request.frames,
                       size=f"{request.width}x{request.height}", stage=stage, median_s=round(median, 4),
                       p95_s=round(p95, 4), repeats=len(values), per_forward_s=None, forwards=None,
-                      peak_gib=round(max(peaks.values(), default=0.0) if stage == "e2e" else
-                                     peaks.get({"dit": "sampler", "vae_video": "vae", "vae_audio": "vae",
-                                                "transfer": "vae"}.get(stage, stage), 0.0), 3),
+                      peak_gib=round(max(peaks.values(), default=0.0) if stage == "e2e" else peaks.get(kind, 0.0), 3),
+                      host_gib=round(max(host.values(), default=0.0) if stage == "e2e" else host.get(kind, 0.0), 3)
+                      if host else None,
                       rtf=round(median / duration, 4) if stage == "e2e" else None, dit_rel_err=None)
         if stage == "dit":
             timed = (f"{forwards_run} forwards timed ({forwards_run - forwards_reused} computed in full, "
@@ -256,13 +275,14 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
                     records.append(dict(common, preset=name, baseline=baseline, duration_s=request.duration,
                                         frames=request.frames, size=f"{plan.width}x{plan.height}", stage="e2e",
                                         median_s=None, p95_s=None, repeats=0, per_forward_s=None, forwards=None,
-                                        peak_gib=None, rtf=None, dit_rel_err=None, vram_gib=preset.runtime["vram_gib"] or None,
+                                        peak_gib=None, host_gib=None, rtf=None, dit_rel_err=None,
+                                        vram_gib=preset.runtime["vram_gib"] or None,
                                         notes=f"failed: {type(e).__name__}: {e}"[:500]))
                     continue
                 error, reference = output_error(plan, request, bench.clip, baseline, reference)
                 measured = records_for(preset.name, baseline, request, runs, bench.forwards_run, full_forwards,
                                        bench.peaks, common, bench.clip.attention or "-", error,
-                                       bench.forwards_reused)
+                                       bench.forwards_reused, bench.host)
                 for record in measured:
                     record["vram_gib"] = preset.runtime["vram_gib"] or None
                     record["notes"] = "; ".join(filter(None, [

@@ -8,7 +8,7 @@ from conftest import h3gen
 
 RECORD_KEYS = {"preset", "baseline", "duration_s", "frames", "size", "stage", "median_s", "p95_s", "repeats",
                "per_forward_s", "forwards", "peak_gib", "rtf", "gpus", "layout", "random_weights", "notes",
-               "vs_baseline", "dit_rel_err", "vram_gib"}
+               "vs_baseline", "dit_rel_err", "vram_gib", "host_gib"}
 
 
 def test_bench_tiny_writes_json_table_and_chart(tmp_path):
@@ -34,6 +34,9 @@ def test_bench_tiny_writes_json_table_and_chart(tmp_path):
     assert by[("diffusers", "dit")]["dit_rel_err"] is None and by[("tiny", "e2e")]["dit_rel_err"] is None
     assert all(0 <= by[(p, "dit")]["dit_rel_err"] < 1 for p in ("tiny", "fasth3"))
     assert "| tiny | 5.17 | dit |" in open(paths[1]).read()
+    # The process's resident host memory once each stage had loaded and had run: the tiny model's torch at least.
+    assert all(r["host_gib"] > 0.1 for r in data["records"]) and e2e["host_gib"] == max(
+        by[("tiny", s)]["host_gib"] for s in ("encode", "dit", "vae_video", "mux"))
     assert open(paths[2], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
