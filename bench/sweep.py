@@ -149,8 +149,8 @@ class StageBench:
             self.forwards_reused = clip.forwards_reused or self.forwards_reused
             self.peaks[kind] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
             self.host[kind] = max(loaded, host_gib())
-            self.say(f"bench:   {kind} timed: " + ", ".join(f"{part} {value:.2f} s" for part, value in timed[-1].items())
-                     + self.allocated())
+            parts = ", ".join(f"{part} {value:.2f} s" for part, value in timed[-1].items())
+            self.say(f"bench:   {kind} timed: {parts}{self.allocated()}")
         finally:
             stage.unload()
             gc.collect()

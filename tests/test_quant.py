@@ -211,6 +211,7 @@ def test_fp8_presets_say_so_and_pick_the_fp8_stage():
 def test_quantized_weights_are_parameters_so_offloading_moves_them():
     """Group offloading with a side stream sends a module's parameters back to host memory, not its buffers."""
     linear = nn.Linear(32, 16, bias=False)
-    for quantized in (FP8RowwiseLinear.from_linear(linear, matmul="reference"), Int8WeightOnlyLinear.from_linear(linear)):
+    for quantized in (FP8RowwiseLinear.from_linear(linear, matmul="reference"),
+                      Int8WeightOnlyLinear.from_linear(linear)):
         assert not list(quantized.buffers())
         assert all(not p.requires_grad for p in quantized.parameters()) and len(list(quantized.parameters())) == 2
