@@ -118,6 +118,34 @@ def test_parity_swiglu_quantized(dtype):
     assert torch.equal(actual.float(), expected.float())
 
 
+@parity
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("modulated", [True, False])
+def test_parity_rmsnorm_modulate_quantized(dtype, modulated):
+    """The modulated norm straight to FP8 rows: the very bits of quantize_rows over the norm kernel's output, and the
+    reference's values (their scales to an fp32 ulp, see test_parity_quantize_rows). Rows of magnitudes 1e-2 to 1e2."""
+    k, rows_kernel = interpreted("rmsnorm_modulate"), interpreted("quantize_rows")
+    torch.manual_seed(0)
+    batch, seq_len, hidden = 2, 7, 96
+    x = (torch.randn(batch, seq_len, hidden) * torch.logspace(-2, 2, seq_len)[:, None]).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden)).to(dtype)
+    modulation, rows = make_modulation(6, 6, hidden, dtype, seq_len) if modulated else (None, None)
+    args = (x, weight, 1e-5, modulation, rows, 3, 4)
+    fused, fused_scale = k.rmsnorm_modulate_quantized_triton(*args)
+    chained, chained_scale = rows_kernel.quantize_rows_triton(k.rmsnorm_modulate_triton(*args).reshape(-1, hidden))
+    assert fused.shape == (batch * seq_len, hidden) and fused_scale.shape == (batch * seq_len, 1)
+    # Compared as values: the emulated FP8 rounding in the interpreter loses the sign of a zero.
+    assert torch.equal(fused.float(), chained.float()) and torch.equal(fused_scale, chained_scale)
+    expected, expected_scale = k.rmsnorm_modulate_quantized_reference(*args)
+    torch.testing.assert_close(fused_scale, expected_scale, rtol=2**-22 if dtype == torch.float32 else 2e-2, atol=0)
+    # bf16: the interpreter truncates the norm's output where torch rounds it, which can move a value across an
+    # e4m3 rounding boundary: one e4m3 step then separates them, at most 32 / 448 of its row's largest (each row is
+    # scaled to 448, whose binade steps by 32).
+    dequantized, reference = fused.float() * fused_scale, expected.float() * expected_scale
+    err = ((dequantized - reference).abs().max() / reference.abs().max()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 32 / 448 * (1 + 2e-2)), err
+
+
 QK_SHAPE = (2, 5, 3, 128, 96)  # batch, rows, heads, head_dim, rotary channels
 
 
