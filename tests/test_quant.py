@@ -215,3 +215,30 @@ def test_quantized_weights_are_parameters_so_offloading_moves_them():
                       Int8WeightOnlyLinear.from_linear(linear)):
         assert not list(quantized.buffers())
         assert all(not p.requires_grad for p in quantized.parameters()) and len(list(quantized.parameters())) == 2
+
+
+@pytest.mark.parametrize("device,chunk_rows", [("cpu", 0), ("cpu", 5), pytest.param("cuda", 0, marks=pytest.mark.cuda)])
+def test_fp8_linears_take_the_norm_as_fp8_rows_bit_for_bit(tiny_model, device, chunk_rows):
+    """Attention's projection and the feed-forward's gate/up take their input as FP8 rows from the norm itself
+    (`rmsnorm_modulate_fp8`): the velocities equal those of quantizing the bf16 norm's output, with the feed-forward
+    unchunked or (taking the bf16 norm) over row chunks. On a GPU the Triton kernels run, the fused one included."""
+    import copy
+
+    from h3gen.models.dit import blocks
+
+    probe, outputs = None, []
+    for fused in (False, True):
+        dit = quant_stage("fp8-rowwise", tiny_model).transform("dit", tiny_dit(tiny_model, fast=True).to(device))
+        dit.configure(use_triton=True, ffn_chunk_rows=chunk_rows)
+        ops = copy.copy(blocks.TRITON_OPS)  # on the CPU each Triton op runs its torch reference
+        calls = []
+        if fused:
+            ops.rmsnorm_modulate_fp8 = lambda *args: calls.append(1) or blocks.rmsnorm_modulate_quantized(*args)
+        else:
+            ops.rmsnorm_modulate_fp8 = None
+        for block in dit.transformer_blocks:
+            block.ops = ops
+        probe = probe or make_probe(dit.config, REQUEST, text_tokens=8, sigma=0.5)
+        outputs.append(velocity(dit, probe, device, torch.bfloat16))
+        assert len(calls) == (2 if not chunk_rows and fused else 1 if fused else 0) * len(dit.transformer_blocks)
+    assert all(torch.equal(a, b) for a, b in zip(outputs[0], outputs[1]))

@@ -11,18 +11,21 @@ from h3gen.kernels.attention_fa3_fp8 import attend_fp8
 from h3gen.kernels.gated_residual import gated_residual, gated_residual_reference
 from h3gen.kernels.norm_statistic import torch_rstd
 from h3gen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_fp8, qk_norm_rope_reference, split_qkv
-from h3gen.kernels.rmsnorm_modulate import rmsnorm_modulate, rmsnorm_modulate_reference
+from h3gen.kernels.rmsnorm_modulate import rmsnorm_modulate, rmsnorm_modulate_quantized, rmsnorm_modulate_reference
 from h3gen.kernels.swiglu import swiglu, swiglu_reference
 from h3gen.models.dit.tags import MODALITIES
-from h3gen.models.quant_linear import swiglu_linear
+from h3gen.models.quant_linear import FP8RowwiseLinear, swiglu_linear
 
 # Each packed row picks its AdaLN row by (timestep, modality): 0 video, 1 text, 2 audio.
 
 # `qk_norm_rope_fp8`: the kernel that writes q, k, v in e4m3 for fa3-fp8 (None: attention quantizes bf16 inputs).
+# `rmsnorm_modulate_fp8`: the norm that writes an FP8 linear's input rows directly (None: the linear quantizes them).
 REFERENCE_OPS = SimpleNamespace(rmsnorm_modulate=rmsnorm_modulate_reference, gated_residual=gated_residual_reference,
-                                qk_norm_rope=qk_norm_rope_reference, swiglu=swiglu_reference, qk_norm_rope_fp8=None)
+                                qk_norm_rope=qk_norm_rope_reference, swiglu=swiglu_reference, qk_norm_rope_fp8=None,
+                                rmsnorm_modulate_fp8=None)
 TRITON_OPS = SimpleNamespace(rmsnorm_modulate=rmsnorm_modulate, gated_residual=gated_residual,
-                             qk_norm_rope=qk_norm_rope, swiglu=swiglu, qk_norm_rope_fp8=qk_norm_rope_fp8)
+                             qk_norm_rope=qk_norm_rope, swiglu=swiglu, qk_norm_rope_fp8=qk_norm_rope_fp8,
+                             rmsnorm_modulate_fp8=rmsnorm_modulate_quantized)
 
 
 def rmsnorm_modulate_exact(x, weight, eps, *modulation):
@@ -38,7 +41,31 @@ def qk_norm_rope_exact(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, 
 # The Triton kernels with every norm's statistic computed by torch: the forward rounds exactly as diffusers' does, so
 # with the same attention kernel the two are bit-equal, for one more read of each normed tensor.
 EXACT_NORM_OPS = SimpleNamespace(rmsnorm_modulate=rmsnorm_modulate_exact, gated_residual=gated_residual,
-                                 qk_norm_rope=qk_norm_rope_exact, swiglu=swiglu, qk_norm_rope_fp8=None)
+                                 qk_norm_rope=qk_norm_rope_exact, swiglu=swiglu, qk_norm_rope_fp8=None,
+                                 rmsnorm_modulate_fp8=None)
+
+
+class Normed:
+    """A block's modulated norm of `x`, not yet computed: the linear that takes it decides how. An FP8 linear with
+    `ops.rmsnorm_modulate_fp8` gets its input rows in FP8 from the norm kernel itself (the values `quantize_rows`
+    makes of the bf16 norm, so the product is the same bit for bit); any other linear gets the bf16 norm."""
+
+    def __init__(self, ops, x, *norm):
+        self.ops, self.x, self.norm = ops, x, norm
+
+    def tensor(self):
+        return self.ops.rmsnorm_modulate(self.x, *self.norm)
+
+    def into(self, linear):
+        if isinstance(linear, FP8RowwiseLinear) and self.ops.rmsnorm_modulate_fp8 is not None:
+            rows, scale = self.ops.rmsnorm_modulate_fp8(self.x, *self.norm)
+            return linear.project(rows, scale, self.x.dtype).reshape(*self.x.shape[:-1], linear.out_features)
+        return linear(self.tensor())
+
+
+def project(linear, x):
+    """`linear(x)` for a tensor, `x.into(linear)` for a norm not yet computed."""
+    return x.into(linear) if isinstance(x, Normed) else linear(x)
 
 
 def rotary_angles(position_ids, inv_freq):
@@ -87,7 +114,7 @@ class FusedAttention(nn.Module):
         self.fp8_from_norm = True
 
     def forward(self, x, cos, sin, ops, backend):
-        qkv = self.to_qkv(x)
+        qkv = project(self.to_qkv, x)
         del x  # a caller that passes the normed rows straight in gets them freed before attention
         if backend == "fa3-fp8" and self.fp8_from_norm and ops.qk_norm_rope_fp8 is not None:
             return self.to_out(self.attend_from_fp8_norm(qkv, cos, sin, ops))
@@ -125,9 +152,11 @@ class SwiGLUFeedForward(nn.Module):
         self.chunk_rows = 0
 
     def forward(self, x, ops):
-        rows = x.shape[-2]
+        rows = (x.x if isinstance(x, Normed) else x).shape[-2]
         if not self.chunk_rows or rows <= self.chunk_rows:
-            return swiglu_linear(self.down, self.up_gate(x), ops.swiglu)
+            return swiglu_linear(self.down, project(self.up_gate, x), ops.swiglu)
+        if isinstance(x, Normed):
+            x = x.tensor()
         out = x.new_empty((*x.shape[:-1], self.down.out_features))
         for start in range(0, rows, self.chunk_rows):
             part = x[..., start:start + self.chunk_rows, :]
@@ -181,12 +210,12 @@ class H3Block(nn.Module):
 
     def forward(self, x, modulation, adaln_index, cos, sin):
         ops = self.ops
-        # The normed rows go straight into attention, which frees them once projected.
-        attended = self.attn(ops.rmsnorm_modulate(x, self.norm1.weight, self.norm1.eps, modulation, adaln_index, 0, 1),
+        # The normed rows go straight into attention's projection, which frees them once projected.
+        attended = self.attn(Normed(ops, x, self.norm1.weight, self.norm1.eps, modulation, adaln_index, 0, 1),
                              cos, sin, ops, self.attention_backend)
         x = ops.gated_residual(x, attended, modulation, adaln_index, 2)
         del attended
-        h = ops.rmsnorm_modulate(x, self.norm2.weight, self.norm2.eps, modulation, adaln_index, 3, 4)
+        h = Normed(ops, x, self.norm2.weight, self.norm2.eps, modulation, adaln_index, 3, 4)
         return ops.gated_residual(x, self.ff(h, ops), modulation, adaln_index, 5)
 
 
