@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import torch
 
+from h3gen.kernels.head_amax import head_amax
+
 FP8, FP8_MAX = torch.float8_e4m3fn, 448.0
 
 
@@ -29,11 +31,6 @@ class FP8Heads(NamedTuple):
 def power_of_two_multiplier(amax):
     """2^n with amax * 2^n in (224, 448], e4m3's top binade, for each element of `amax` (fp32)."""
     return torch.exp2(torch.floor(torch.log2(FP8_MAX / amax.float().clamp(min=1e-30))))
-
-
-def head_amax(x):
-    """(B, L, heads, head_dim) -> (B, heads): the largest magnitude of each head, read once without a temporary."""
-    return torch.linalg.vector_norm(x, float("inf"), dim=(1, 3))
 
 
 def norm_bound_multiplier(weight, head_dim):

@@ -7,8 +7,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from h3gen.kernels.attention_fa3_fp8 import (FP8, FP8Heads, descale, head_amax, norm_bound_multiplier,
+from h3gen.kernels.attention_fa3_fp8 import (FP8, FP8Heads, descale, norm_bound_multiplier,
                                              power_of_two_multiplier, quantize_heads)
+from h3gen.kernels.head_amax import head_amax
 from h3gen.kernels.rounding import NO_FMA, to_fp8
 
 

@@ -146,6 +146,20 @@ def test_parity_rmsnorm_modulate_quantized(dtype, modulated):
     assert err < (1e-5 if dtype == torch.float32 else 32 / 448 * (1 + 2e-2)), err
 
 
+@parity
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parity_head_amax(dtype):
+    """Each (batch, head)'s largest magnitude of v, a strided view of the fused projection, over rows that do not
+    fill the last block: exactly torch's."""
+    k = interpreted("head_amax")
+    torch.manual_seed(0)
+    batch, rows, heads, head_dim = 2, 37, 3, 16
+    qkv = (torch.randn(batch, rows, 3 * heads * head_dim) * torch.logspace(-2, 2, heads).repeat(3).repeat_interleave(
+        head_dim)).to(dtype)
+    v = qkv[..., 2 * heads * head_dim:].unflatten(-1, (heads, head_dim))
+    assert torch.equal(k.head_amax_triton(v, rows=8, heads_block=2), k.head_amax_reference(v))
+
+
 QK_SHAPE = (2, 5, 3, 128, 96)  # batch, rows, heads, head_dim, rotary channels
 
 
