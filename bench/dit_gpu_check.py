@@ -192,7 +192,7 @@ def warm_then_time(model, inputs, call, capture=None):
 
 
 def phase_kernels():
-    from h3gen.kernels import gated_residual, qk_norm_rope, quantize_rows, rmsnorm_modulate, swiglu
+    from h3gen.kernels import gated_residual, head_amax, qk_norm_rope, quantize_rows, rmsnorm_modulate, swiglu
     from h3gen.models.dit.blocks import rotary_angles, rotary_inv_freq
 
     def bench(fn):
@@ -215,6 +215,11 @@ def phase_kernels():
         "qk_norm_rope": (qk_norm_rope, (qkv, heads, 1 + 0.1 * rnd(128), 1 + 0.1 * rnd(128), 1e-5, cos, sin)),
         # the FFN's down projection input, the widest rows FP8 linears quantize
         "quantize_rows": (quantize_rows, (rnd(seq_len, 128 if TINY else 14336),)),
+        # the norm straight to an FP8 linear's rows, against the norm then quantize_rows
+        "rmsnorm_modulate_quantized": (rmsnorm_modulate, (x, weight, 1e-5, table, rows, 3, 4)),
+        # v's per-head scale for fa3-fp8, on its strided view of the projection
+        "head_amax": (head_amax, (qkv[..., 2 * heads * 128:].unflatten(-1, (heads, 128)),)),
+        "qk_norm_rope_fp8": (qk_norm_rope, (qkv, heads, 1 + 0.1 * rnd(128), 1 + 0.1 * rnd(128), 1e-5, cos, sin)),
     }
     for name, (module, case_args) in cases.items():
         fast, ref = getattr(module, name), getattr(module, f"{name}_reference")
