@@ -17,6 +17,7 @@ import math
 from h3gen.errors import UsageError
 from h3gen.run.memory import GIB
 ENCODER_ACTIVATIONS = GIB  # what a prompt's encoding needs beyond the weights: hidden states of ~1k tokens
+FFN_CHUNK_ROWS = 16384  # the passes a plan gives the feed-forward, as measured for CHUNKED_FFN_VALUES_PER_ROW_PER_FFN
 MODALITIES, MODULATIONS = 3, 6
 
 
@@ -53,6 +54,7 @@ class MemoryPlan:
     host_bytes: int  # host memory the streamed blocks (pinned) and a streamed text encoder need
     asked: bool = True  # the budget was given (--vram, runtime.vram_gib), not the free memory found at the start
     stream_encoder: bool = False  # the text encoder's layers stream too: it does not fit beside the resident DiT
+    ffn_chunk_rows: int = 0  # the feed-forward in passes of this many rows: with every block streamed it still fits
 
     def describe(self) -> str:
         where = ("every DiT block resident" if not self.streamed else
@@ -60,12 +62,14 @@ class MemoryPlan:
                  "pinned host memory")
         budget = f"{self.budget_bytes / GIB:.1f} GiB" + ("" if self.asked else " (free on the GPU)")
         encoder = ", the text encoder streamed layer by layer" if self.stream_encoder else ""
+        chunks = f", the feed-forward in {self.ffn_chunk_rows}-row passes" if self.ffn_chunk_rows else ""
         host = f", {self.host_bytes / GIB:.1f} GiB of host memory" if self.host_bytes else ""
-        return f"memory plan for {budget}: {where}{encoder}, estimated peak {self.peak_bytes / GIB:.1f} GiB{host}"
+        return (f"memory plan for {budget}: {where}{encoder}{chunks}, estimated peak {self.peak_bytes / GIB:.1f} GiB"
+                f"{host}")
 
     def record(self) -> dict:
         return {"vram_gib": round(self.budget_bytes / GIB, 3), "asked": self.asked, "streamed_blocks": self.streamed,
-                "stream_encoder": self.stream_encoder,
+                "stream_encoder": self.stream_encoder, "ffn_chunk_rows": self.ffn_chunk_rows,
                 "estimated_peak_gib": round(self.peak_bytes / GIB, 3), "host_gib": round(self.host_bytes / GIB, 3)}
 
 
@@ -114,8 +118,17 @@ def plan_for(preset, requests, repo, device: str) -> MemoryPlan | None:
         budget = free_bytes(device)
     config = repo.transformer_config()
     encoder_host, encoder_device = encoder_bytes(preset, repo)
-    plan = plan_memory(budget, dit_sizes(preset, config), activations(preset, requests, config),
-                       decoder_bytes(preset, repo), asked=bool(budget_gib), encoder_bytes=encoder_device)
+    plan_args = (budget, dit_sizes(preset, config))
+    plan_kwargs = dict(other_bytes=decoder_bytes(preset, repo), asked=bool(budget_gib), encoder_bytes=encoder_device)
+    try:
+        plan = plan_memory(*plan_args, activations(preset, requests, config), **plan_kwargs)
+    except UsageError:
+        if sampler.ffn_chunk_rows:
+            raise
+        # Streaming costs next to nothing and chunking a little, so the feed-forward passes over row chunks only
+        # where streaming every block is not enough; the error then names what the chunked run needs.
+        plan = plan_memory(*plan_args, activations(preset, requests, config, chunked=True), **plan_kwargs)
+        plan = dataclasses.replace(plan, ffn_chunk_rows=FFN_CHUNK_ROWS)
     if plan.stream_encoder:  # it loads in host memory at the checkpoint's precision, then streams from there
         plan = dataclasses.replace(plan, host_bytes=plan.host_bytes + encoder_host)
     return check_host(plan)
@@ -178,13 +191,14 @@ def element_bytes(preset) -> int:
     return 4 if preset.runtime["dtype"] == "float32" else 2
 
 
-def activations(preset, requests, config: dict) -> int:
-    """The largest clip's activations at h3gen's DiT peak, as measured per packed row; or the decode's, when larger,
-    for a decoder that does not size its tile batch to the memory left (h3gen's `fast` does, down to one tile)."""
+def activations(preset, requests, config: dict, chunked: bool = False) -> int:
+    """The largest clip's activations at h3gen's DiT peak, as measured per packed row (`chunked`: with the
+    feed-forward in row passes, as the preset may already ask); or the decode's, when larger, for a decoder that
+    does not size its tile batch to the memory left (h3gen's `fast` does, down to one tile)."""
     from h3gen.run import memory
 
     shape = memory.DiTShape.from_dict(config)
-    chunked = preset.stages["sampler"][1].ffn_chunk_rows
+    chunked = chunked or preset.stages["sampler"][1].ffn_chunk_rows
     values = memory.CHUNKED_FFN_VALUES_PER_ROW_PER_FFN if chunked else memory.FAST_DIT_VALUES_PER_ROW_PER_FFN
     rows = max(memory.packed_rows(request, shape) for request in requests)
     dit = int(rows * shape.ffn_dim * element_bytes(preset) * values)
@@ -222,5 +236,7 @@ def follow(preset, plan: MemoryPlan | None) -> None:
     if plan is not None:
         sampler, encode = preset.stages["sampler"][1], preset.stages["encode"][1]
         sampler.stream_blocks = max(sampler.stream_blocks, plan.streamed)
+        if plan.ffn_chunk_rows and not sampler.ffn_chunk_rows:
+            sampler.ffn_chunk_rows = plan.ffn_chunk_rows
         if plan.stream_encoder and hasattr(encode, "stream_layers"):
             encode.stream_layers = True

@@ -106,3 +106,34 @@ def test_the_cap_and_the_free_memory_name_the_current_gpu_when_the_run_says_cuda
     assert calls["fraction"] == (1.0, 1)
     # within the cap: 0.5 of 80 GiB less the 4 allocated, though the device has 60 free and 2 cached
     assert memory.free_bytes("cuda") == 36 * GIB
+
+
+def test_the_feed_forward_passes_over_row_chunks_only_where_streaming_every_block_is_not_enough(monkeypatch):
+    """bf16 h3-base at the full-size 10 s clip: 24 GiB streams blocks with the feed-forward whole; 16 GiB does not
+    fit even with every block streamed, so its plan also runs the feed-forward in 16k-row passes."""
+    from h3gen.bench.random_weights import FullSizeRandom
+    from h3gen.bench.sweep import bench_frames
+    from h3gen.config.preset import resolve
+    from h3gen.inputs.request import Request
+    from h3gen.models.repo import ModelRepo
+    from h3gen.models.tiny import ensure_tiny_model
+    from h3gen.plugins.manager import registry
+    from h3gen.run import budget
+
+    monkeypatch.setattr(budget, "check_budget", lambda gib, device: None)  # no GPU here to hold the budget to
+    monkeypatch.setattr(budget, "check_host", lambda plan: plan)  # nor the host memory a full-size run needs
+    repo = FullSizeRandom(ModelRepo(ensure_tiny_model()))
+    request = Request(index=0, prompt="a", seed=0, width=1344, height=768, frames=bench_frames(10), id="b")
+    plans = {}
+    for gib in (24, 16, 12):
+        preset = resolve("h3-base", registry(), [f"runtime.vram_gib={gib}"])
+        try:
+            plans[gib] = budget.planned(preset, [request], repo, "cuda")
+        except UsageError as error:
+            plans[gib] = str(error)
+        if gib == 16:
+            assert preset.stages["sampler"][1].ffn_chunk_rows == budget.FFN_CHUNK_ROWS  # the sampler follows
+    assert plans[24].ffn_chunk_rows == 0 and plans[24].streamed < 50
+    assert plans[16].ffn_chunk_rows == budget.FFN_CHUNK_ROWS and plans[16].streamed > plans[24].streamed
+    assert "16384-row passes" in plans[16].describe() and plans[16].record()["ffn_chunk_rows"] == 16384
+    assert "give --vram 15 or more" in plans[12]  # what the chunked run needs, the least any plan needs
