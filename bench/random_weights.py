@@ -107,8 +107,8 @@ class FullSizeRandom:
             return cls.from_tensors(dict(reference.config), read, device, **kwargs)
         dtype = torch_dtype or dtype or torch.bfloat16
         if component in ("text_encoder", "transformer", "transformer_ref"):
-            model = made_empty(cls, device_map, dtype, config or self.text_encoder_config()) \
-                if component == "text_encoder" else made_empty(cls, device_map, dtype)
+            args = (config or self.text_encoder_config(),) if component == "text_encoder" else ()
+            model = made_empty(cls, device_map, dtype, *args)
             MadeOnRead(model, device_map, self.seed).make_all()
             return model
         torch.manual_seed(self.seed)
