@@ -17,6 +17,9 @@ import math
 from h3gen.errors import UsageError
 from h3gen.run.memory import GIB
 ENCODER_ACTIVATIONS = GIB  # what a prompt's encoding needs beyond the weights: hidden states of ~1k tokens
+# The allocator holds more than the live tensors (blocks split between differently sized requests): the estimated
+# peak must fit this much under the budget, where the cap refuses what the allocator reserves beyond it.
+ALLOCATOR_SLACK = 0.03
 FFN_CHUNK_ROWS = 16384  # the passes a plan gives the feed-forward, as measured for CHUNKED_FFN_VALUES_PER_ROW_PER_FFN
 MODALITIES, MODULATIONS = 3, 6
 
@@ -80,14 +83,15 @@ def plan_memory(budget_bytes: int, sizes: DiTSizes, activation_bytes: int, other
     beside the resident DiT before its activations exist: it streams when its `encoder_bytes` (and a margin for its
     own activations) exceed what the DiT leaves."""
     fixed = sizes.other_bytes + sizes.blocks * sizes.table_bytes + activation_bytes + other_bytes
+    usable = budget_bytes * (1 - ALLOCATOR_SLACK)
     for streamed in range(sizes.blocks + 1):
         slots = 2 * sizes.block_bytes if streamed else 0
         peak = fixed + (sizes.blocks - streamed) * sizes.block_bytes + slots
-        if peak <= budget_bytes:
+        if peak <= usable:
             beside_encoder = budget_bytes - (peak - activation_bytes)
             return MemoryPlan(budget_bytes, sizes.blocks, streamed, peak, streamed * sizes.block_bytes, asked,
                               stream_encoder=encoder_bytes + ENCODER_ACTIVATIONS > beside_encoder)
-    smallest = fixed + 2 * sizes.block_bytes
+    smallest = (fixed + 2 * sizes.block_bytes) / (1 - ALLOCATOR_SLACK)
     given = f"--vram {budget_bytes / GIB:.1f} GiB" if asked else f"the {budget_bytes / GIB:.1f} GiB free on the GPU"
     raise UsageError(f"no plan fits the DiT in {given}: with every block streamed the largest clip still needs about "
                      f"{smallest / GIB:.1f} GiB",
