@@ -51,7 +51,7 @@ class Normed:
     makes of the bf16 norm, so the product is the same bit for bit); any other linear gets the bf16 norm."""
 
     def __init__(self, ops, x, *norm):
-        self.ops, self.x, self.norm = ops, x, norm
+        self.ops, self.x, self.norm, self.shape = ops, x, norm, x.shape
 
     def tensor(self):
         return self.ops.rmsnorm_modulate(self.x, *self.norm)
@@ -152,7 +152,7 @@ class SwiGLUFeedForward(nn.Module):
         self.chunk_rows = 0
 
     def forward(self, x, ops):
-        rows = (x.x if isinstance(x, Normed) else x).shape[-2]
+        rows = x.shape[-2]
         if not self.chunk_rows or rows <= self.chunk_rows:
             return swiglu_linear(self.down, project(self.up_gate, x), ops.swiglu)
         if isinstance(x, Normed):
