@@ -155,3 +155,18 @@ def test_on_a_gpu_a_clip_under_a_budget_with_streamed_blocks_and_encoder_is_the_
     assert json.loads(resident.stdout.splitlines()[0])["memory_plan"]["asked"] is False
     (a,), (b,) = (list((tmp_path / name).glob("*.mp4")) for name in ("resident", "streamed"))
     assert media(a) == media(b)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_group_offloading_over_an_fp8_dit_gives_the_resident_clip(prompts_file, tmp_path):
+    # With a side stream, group offloading moves parameters only: the FP8 weights are parameters, so they move.
+    from conftest import media
+
+    prompts = prompts_file("a red fox\n")
+    common = ("--set", "runtime.device=cuda", "--set", "sampler.dit=h3gen", "--set", "quant.use=fp8-rowwise",
+              "--set", "quant.roles=['dit']")
+    h3gen("render", prompts, "-o", tmp_path / "resident", *common, check_code=0)
+    h3gen("render", prompts, "-o", tmp_path / "offloaded", *common, "--set", "sampler.stream_blocks=2", "--set",
+          "sampler.stream_with=diffusers", check_code=0)
+    (a,), (b,) = (list((tmp_path / name).glob("*.mp4")) for name in ("resident", "offloaded"))
+    assert media(a) == media(b)
