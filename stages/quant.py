@@ -45,7 +45,8 @@ class QuantConfig:
 
 @dataclasses.dataclass
 class FP8RowwiseConfig(QuantConfig):
-    # auto: torch._scaled_mm on CUDA sm90+, the dequantizing reference on the CPU; scaled_mm or reference to force
+    # auto: torch._scaled_mm on CUDA (Ada sm89, Hopper sm90+), the dequantizing reference on the CPU; scaled_mm or
+    # reference to force
     matmul: str = "auto"
     # scaled_mm's fast accumulation: partial sums kept in the tensor cores' precision (faster, a little less exact)
     fast_accum: bool = False
@@ -132,7 +133,7 @@ class _LinearSwap(QuantStage):
 class FP8Rowwise(_LinearSwap):
     name = "fp8-rowwise"
     Config = FP8RowwiseConfig
-    description = "FP8 e4m3 linears: per-channel weight scales, dynamic per-row activation scales (_scaled_mm on sm90+)"
+    description = "FP8 e4m3 linears: per-channel weight scales, dynamic per-row activation scales (_scaled_mm on sm89+)"
 
     def load(self, repo):
         super().load(repo)
@@ -140,13 +141,9 @@ class FP8Rowwise(_LinearSwap):
         if self.matmul == "auto":
             self.matmul = "scaled_mm" if self.runtime.device.startswith("cuda") else "reference"
         if self.matmul == "scaled_mm" and self.runtime.device.startswith("cuda"):
-            import torch
-
-            capability = torch.cuda.get_device_capability(self.runtime.device)
-            if capability < (9, 0):
-                raise UsageError(f"fp8-rowwise runs torch._scaled_mm on Hopper (sm90) or newer; this GPU is "
-                                 f"sm{capability[0]}{capability[1]}",
-                                 "use quant int8-weight-only, or --set quant.matmul=reference (slow)")
+            refusal = scaled_mm_refusal(self.runtime.device)
+            if refusal:
+                raise UsageError(refusal, "use quant int8-weight-only, or --set quant.matmul=reference (slow)")
 
     def make_linear(self, linear):
         from h3gen.models.quant_linear import FP8RowwiseLinear
@@ -162,3 +159,24 @@ class Int8WeightOnly(_LinearSwap):
         from h3gen.models.quant_linear import Int8WeightOnlyLinear
 
         return Int8WeightOnlyLinear.from_linear(linear)
+
+
+def scaled_mm_refusal(device: str) -> str:
+    """Why this GPU cannot run FP8 linears through `torch._scaled_mm` with a scale per row, or "" where it can:
+    FP8 tensor cores came with Ada (sm89). Torch's row-wise kernel is built for Hopper (sm90+) and, in some builds,
+    for Ada: there one small product is tried to know."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) >= (9, 0):
+        return ""
+    if (major, minor) < (8, 9):
+        return (f"fp8-rowwise runs torch._scaled_mm on FP8 tensor cores (Ada sm89, Hopper sm90 or newer); this GPU is "
+                f"sm{major}{minor}")
+    rows = torch.ones((16, 16), device=device).to(torch.float8_e4m3fn)
+    scale = torch.ones((16, 1), device=device)
+    try:
+        torch._scaled_mm(rows, rows.t(), scale_a=scale, scale_b=scale.t(), out_dtype=torch.bfloat16)
+    except RuntimeError as error:
+        return f"this torch build has no row-wise torch._scaled_mm for sm{major}{minor} ({str(error)[:120]})"
+    return ""

@@ -242,3 +242,27 @@ def test_fp8_linears_take_the_norm_as_fp8_rows_bit_for_bit(tiny_model, device, c
         outputs.append(velocity(dit, probe, device, torch.bfloat16))
         assert len(calls) == (2 if not chunk_rows and fused else 1 if fused else 0) * len(dit.transformer_blocks)
     assert all(torch.equal(a, b) for a, b in zip(outputs[0], outputs[1]))
+
+
+def test_fp8_linears_need_fp8_tensor_cores_and_on_ada_a_row_wise_kernel(monkeypatch):
+    """Hopper runs them; Ampere is refused by name; Ada is tried with one small product, refused if torch has no
+    row-wise kernel for it."""
+    from h3gen.stages.quant import scaled_mm_refusal
+
+    capability = {}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability["value"])
+    for value, refused in (((9, 0), ""), ((8, 6), "this GPU is sm86")):
+        capability["value"] = value
+        assert refused in scaled_mm_refusal("cuda") and bool(refused) == bool(scaled_mm_refusal("cuda"))
+    capability["value"] = (8, 9)
+    monkeypatch.setattr(torch, "ones", lambda *shape, device=None: torch.zeros(*shape))  # the CPU stands in
+    tried = []
+
+    def refuse(*args, **kwargs):
+        tried.append(1)
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    assert "no row-wise torch._scaled_mm for sm89 (no kernel)" in scaled_mm_refusal("cuda") and tried
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: None)
+    assert scaled_mm_refusal("cuda") == ""
