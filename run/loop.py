@@ -94,17 +94,23 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent) -> Batch
     every = read_prompts(settings.prompts, settings.seed, preset.request)
     check_unique_outputs(every, preset.name, settings.prompts)  # across shards too: two shards must not write one file
     requests = shard_requests(every, settings.shard)
+    created = not settings.output.exists()
     check_writable(settings.output)
-    check_device(preset.runtime["device"])
-    clear_leftovers(requests, settings.output, preset.name)
-    # Clips are numbered by their place in the whole file, so [i/n] means the same in every shard.
-    reporter = make_reporter(len(every), settings.json_out, preset.name)
-    check_plugins(found, settings.strict_plugins, reporter)
-    repo = model_repo(settings.model, reporter)
-    check_model_kind(preset, repo, settings.model is None)
-    check_adapters(preset, requests, repo.root)  # an adapter's step/shift/task contract, before any weight loads
-    check_cache(preset, found)
-    memory_plan = plan_memory_budget(preset, requests, repo, reporter)
+    try:
+        check_device(preset.runtime["device"])
+        clear_leftovers(requests, settings.output, preset.name)
+        # Clips are numbered by their place in the whole file, so [i/n] means the same in every shard.
+        reporter = make_reporter(len(every), settings.json_out, preset.name)
+        check_plugins(found, settings.strict_plugins, reporter)
+        repo = model_repo(settings.model, reporter)
+        check_model_kind(preset, repo, settings.model is None)
+        check_adapters(preset, requests, repo.root)  # an adapter's step/shift/task contract, before any weight loads
+        check_cache(preset, found)
+        memory_plan = plan_memory_budget(preset, requests, repo, reporter)
+    except BaseException:
+        if created and not any(settings.output.iterdir()):  # a refused run leaves no directory it made behind
+            settings.output.rmdir()
+        raise
     from h3gen.run.fingerprint import run_fields
 
     return Batch(preset, found, requests, repo, reporter, run_fields(preset, found, repo), memory_plan)

@@ -48,7 +48,10 @@ def test_a_budget_on_a_cpu_run_is_refused_before_any_weight_loads(prompts_file, 
 
     result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--vram", "8", check_code=2)
     assert result.stderr.splitlines()[-1].startswith("h3gen: error: a device memory budget (--vram 8) on a run on the CPU")
-    assert not (tmp_path / "out" / "manifest.jsonl").exists()
+    assert not (tmp_path / "out").exists()  # nor the output directory the refused run would have made
+    (tmp_path / "kept").mkdir()
+    h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "kept", "--vram", "8", check_code=2)
+    assert (tmp_path / "kept").is_dir()  # one that was there stays
 
 
 def test_the_text_encoder_streams_when_it_does_not_fit_beside_the_resident_dit():
