@@ -1,11 +1,13 @@
 """The video VAE decoder's float32 residual stream in one pass: `hidden += branch * scale`, then the next RMSNorm of
 it rounded to the compute dtype, as diffusers' `MiniMaxH3VideoTransformerBlock` does in separate ops (product and
-sum each rounded to float32, the norm in float32, one rounding to the compute dtype)."""
+sum each rounded to float32, the norm in float32, one rounding to the compute dtype). For an FP8 linear that takes
+the norm, the same values go straight to FP8 rows with one scale per row (`quantize_rows`' arithmetic)."""
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from h3gen.kernels.quantize_rows import fp8_rows_launch, quantize_rows_reference, store_fp8_row
 from h3gen.kernels.rounding import NO_FMA
 
 
@@ -17,9 +19,18 @@ def residual_rmsnorm_reference(hidden, branch, scale, norm_weight=None, eps=1e-5
     return F.rms_norm(hidden, (hidden.shape[-1],), norm_weight, eps).to(dtype)
 
 
+def residual_rmsnorm_quantized_reference(hidden, branch, scale, norm_weight, eps=1e-5, dtype=torch.bfloat16):
+    """`residual_rmsnorm_reference`'s update of `hidden`, and quantize_rows of its norm: (fp8 (M, dim), fp32 scale
+    (M, 1)) over the flattened leading dims."""
+    out = residual_rmsnorm_reference(hidden, branch, scale, norm_weight, eps, dtype)
+    return quantize_rows_reference(out.reshape(-1, out.shape[-1]))
+
+
 @triton.jit
 def _residual_rmsnorm_kernel(hidden_ptr, branch_ptr, scale_ptr, weight_ptr, out_ptr, dim, eps,
-                             HAS_NORM: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_NORM: tl.constexpr, BLOCK: tl.constexpr, row_scale_ptr=None, dtype_max=0.0,
+                             DTYPE: tl.constexpr = None, FP8_OUT: tl.constexpr = False,
+                             EMULATE: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
@@ -30,7 +41,11 @@ def _residual_rmsnorm_kernel(hidden_ptr, branch_ptr, scale_ptr, weight_ptr, out_
     if HAS_NORM:
         rstd = tl.rsqrt(tl.sum(hidden * hidden, axis=0) / dim + eps)
         out = hidden * rstd * tl.load(weight_ptr + cols, mask=mask, other=0.0)
-        tl.store(out_ptr + row * dim + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+        if FP8_OUT:  # the value the compute-dtype output holds, then quantize_rows' arithmetic on it
+            store_fp8_row(out.to(DTYPE).to(tl.float32), out_ptr + row * dim + cols, row_scale_ptr + row, mask, DTYPE,
+                          dtype_max, EMULATE)
+        else:
+            tl.store(out_ptr + row * dim + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def residual_rmsnorm_triton(hidden, branch, scale, norm_weight=None, eps=1e-5, dtype=torch.bfloat16):
@@ -44,6 +59,26 @@ def residual_rmsnorm_triton(hidden, branch, scale, norm_weight=None, eps=1e-5, d
         hidden, branch, scale.float().contiguous(), (norm_weight if has_norm else scale).float().contiguous(), out,
         dim, eps, HAS_NORM=has_norm, BLOCK=block, num_warps=min(16, max(1, block // 256)), **NO_FMA)
     return out if has_norm else None
+
+
+def residual_rmsnorm_quantized_triton(hidden, branch, scale, norm_weight, eps=1e-5, dtype=torch.bfloat16):
+    assert hidden.dtype == torch.float32 and hidden.is_contiguous()
+    dim = hidden.shape[-1]
+    out, row_scale, block, options = fp8_rows_launch(hidden.numel() // dim, dim, hidden.device)
+    _residual_rmsnorm_kernel[(out.shape[0],)](
+        hidden, branch.contiguous(), scale.float().contiguous(), norm_weight.float().contiguous(), out, dim, eps,
+        HAS_NORM=True, BLOCK=block, row_scale_ptr=row_scale, dtype_max=torch.finfo(dtype).max,
+        DTYPE=tl.bfloat16 if dtype == torch.bfloat16 else tl.float32, FP8_OUT=True, EMULATE=options["EMULATE"],
+        num_warps=min(16, max(1, block // 256)), **NO_FMA)
+    return out, row_scale
+
+
+def residual_rmsnorm_quantized(hidden, branch, scale, norm_weight, eps=1e-5, dtype=torch.bfloat16):
+    """`residual_rmsnorm`, its norm as (fp8 rows, fp32 scale (M, 1)) for an FP8 linear: what `quantize_rows` makes
+    of the `dtype` norm, in the same pass; the Triton kernel on a GPU."""
+    if hidden.is_cuda and dtype in (torch.bfloat16, torch.float32):
+        return residual_rmsnorm_quantized_triton(hidden, branch, scale, norm_weight, eps, dtype)
+    return residual_rmsnorm_quantized_reference(hidden, branch, scale, norm_weight, eps, dtype)
 
 
 def residual_rmsnorm(hidden, branch, scale, norm_weight=None, eps=1e-5, dtype=torch.bfloat16):

@@ -7,6 +7,8 @@ holds one module's quantized copy and a bounded fp32 working slice: never a seco
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -91,6 +93,23 @@ class FP8RowwiseLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, matmul={self.matmul}"
                 + (", fast_accum" if self.fast_accum else ""))
+
+
+class FP8Rows(NamedTuple):
+    """Activation rows a kernel already wrote in FP8 for an FP8 linear: e4m3 `rows` (M, K) and their fp32 `scale`
+    (M, 1), as `quantize_rows` makes them, standing for a tensor of `shape` in `dtype`."""
+
+    rows: torch.Tensor
+    scale: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+def project(linear: nn.Module, x) -> torch.Tensor:
+    """`linear(x)`; FP8 rows go to their FP8 linear as they are."""
+    if isinstance(x, FP8Rows):
+        return linear.project(x.rows, x.scale, x.dtype).reshape(*x.shape[:-1], linear.out_features)
+    return linear(x)
 
 
 def swiglu_linear(linear: nn.Module, up_gate: torch.Tensor, swiglu) -> torch.Tensor:

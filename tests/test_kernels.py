@@ -120,6 +120,24 @@ def test_parity_swiglu_quantized(dtype):
 
 @parity
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parity_residual_rmsnorm_quantized(dtype):
+    """The decoder's residual update with its norm straight to FP8 rows: the residual stream as the plain kernel
+    leaves it, and the very bits of quantize_rows over the plain kernel's norm."""
+    k, rows_kernel = interpreted("residual_rmsnorm"), interpreted("quantize_rows")
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 5, 80) * torch.logspace(-2, 2, 5)[:, None]
+    branch, scale, weight = torch.randn(2, 5, 80).to(torch.bfloat16), 0.3 * torch.randn(80), 1 + 0.1 * torch.randn(80)
+    plain_hidden = hidden.clone()
+    rows, row_scale = k.residual_rmsnorm_quantized_triton(hidden, branch, scale, weight, 1e-5, dtype)
+    chained, chained_scale = rows_kernel.quantize_rows_triton(
+        k.residual_rmsnorm_triton(plain_hidden, branch, scale, weight, 1e-5, dtype).reshape(-1, 80))
+    assert torch.equal(hidden, plain_hidden) and rows.shape == (10, 80) and row_scale.shape == (10, 1)
+    # Compared as values: the emulated FP8 rounding in the interpreter loses the sign of a zero.
+    assert torch.equal(rows.float(), chained.float()) and torch.equal(row_scale, chained_scale)
+
+
+@parity
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("modulated", [True, False])
 def test_parity_rmsnorm_modulate_quantized(dtype, modulated):
     """The modulated norm straight to FP8 rows: the very bits of quantize_rows over the norm kernel's output, and the

@@ -292,3 +292,22 @@ def test_fp8_presets_load_the_decoder_quantized(tiny_model):
     assert all(isinstance(linear, FP8RowwiseLinear) and linear.fast_accum
                for linear in (weights.qkv, weights.out, weights.up_gate, weights.down))
     assert weights.qkv.out_features == 3 * vae.vae.decoder.transformer_blocks[0].attn.to_q.out_features
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_fp8_decoder_blocks_take_their_norms_as_fp8_rows_bit_for_bit(vae, monkeypatch, device):
+    """With FP8 linears the residual kernel writes each norm straight as FP8 rows for the projection after it: the
+    tiles equal those of quantizing the norm in the linear (on the CPU, the kernels' torch references; on a GPU,
+    the Triton kernels)."""
+    from h3gen.models.vae import vit
+
+    quantized = fp8_vae(vae, "reference").to(device)
+    tiles = torch.randn(2, 24, 7, 4, 5, device=device)
+    calls = []
+    fused_norm = vit.residual_rmsnorm_quantized
+    monkeypatch.setattr(vit, "residual_rmsnorm_quantized", lambda *args: calls.append(1) or fused_norm(*args))
+    with torch.inference_mode():
+        fused = vit.FastViTDecoder(quantized)(tiles)
+        assert len(calls) == 3  # the second norm of each block, and the first of the next
+        monkeypatch.setattr(vit, "FP8RowwiseLinear", type("NotFP8", (), {}))
+        assert torch.equal(vit.FastViTDecoder(quantized)(tiles), fused) and len(calls) == 3

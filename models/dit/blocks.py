@@ -14,7 +14,7 @@ from h3gen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_fp8, qk_norm_r
 from h3gen.kernels.rmsnorm_modulate import rmsnorm_modulate, rmsnorm_modulate_quantized, rmsnorm_modulate_reference
 from h3gen.kernels.swiglu import swiglu, swiglu_reference
 from h3gen.models.dit.tags import MODALITIES
-from h3gen.models.quant_linear import FP8RowwiseLinear, swiglu_linear
+from h3gen.models.quant_linear import FP8Rows, FP8RowwiseLinear, project, swiglu_linear
 
 # Each packed row picks its AdaLN row by (timestep, modality): 0 video, 1 text, 2 audio.
 
@@ -59,11 +59,11 @@ class Normed:
     def into(self, linear):
         if isinstance(linear, FP8RowwiseLinear) and self.ops.rmsnorm_modulate_fp8 is not None:
             rows, scale = self.ops.rmsnorm_modulate_fp8(self.x, *self.norm)
-            return linear.project(rows, scale, self.x.dtype).reshape(*self.x.shape[:-1], linear.out_features)
+            return project(linear, FP8Rows(rows, scale, self.x.shape, self.x.dtype))
         return linear(self.tensor())
 
 
-def project(linear, x):
+def take(linear, x):
     """`linear(x)` for a tensor, `x.into(linear)` for a norm not yet computed."""
     return x.into(linear) if isinstance(x, Normed) else linear(x)
 
@@ -114,7 +114,7 @@ class FusedAttention(nn.Module):
         self.fp8_from_norm = True
 
     def forward(self, x, cos, sin, ops, backend):
-        qkv = project(self.to_qkv, x)
+        qkv = take(self.to_qkv, x)
         del x  # a caller that passes the normed rows straight in gets them freed before attention
         if backend == "fa3-fp8" and self.fp8_from_norm and ops.qk_norm_rope_fp8 is not None:
             return self.to_out(self.attend_from_fp8_norm(qkv, cos, sin, ops))
@@ -154,7 +154,7 @@ class SwiGLUFeedForward(nn.Module):
     def forward(self, x, ops):
         rows = x.shape[-2]
         if not self.chunk_rows or rows <= self.chunk_rows:
-            return swiglu_linear(self.down, project(self.up_gate, x), ops.swiglu)
+            return swiglu_linear(self.down, take(self.up_gate, x), ops.swiglu)
         if isinstance(x, Normed):
             x = x.tensor()
         out = x.new_empty((*x.shape[:-1], self.down.out_features))

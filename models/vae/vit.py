@@ -21,9 +21,9 @@ from torch import nn
 
 from h3gen.kernels.attention import attention
 from h3gen.kernels.qk_norm_rope import qk_norm_rope
-from h3gen.kernels.residual_rmsnorm import residual_rmsnorm
+from h3gen.kernels.residual_rmsnorm import residual_rmsnorm, residual_rmsnorm_quantized
 from h3gen.kernels.swiglu import swiglu, swiglu_reference
-from h3gen.models.quant_linear import swiglu_linear
+from h3gen.models.quant_linear import FP8Rows, FP8RowwiseLinear, project, swiglu_linear
 
 
 class BlockWeights(NamedTuple):
@@ -109,19 +109,24 @@ def fused_block_forward(hidden, normed, w: BlockWeights, next_norm, qk_weight, c
     dtype, and the return value is the norm `next_norm` asks for (the next block's first; None after the last).
     Q and K are normalized (`qk_weight`: ones) and rotated over their columns of the projection; `cos`, `sin` (L,
     rotary_dim)."""
-    qkv = w.qkv(normed)
+    qkv = project(w.qkv, normed)
     q, k, v = qk_norm_rope(qkv, shape.heads, qk_weight, qk_weight, shape.qk_eps, cos, sin, in_place=True)
     attended = attention(q, k, v, shape.backend).flatten(2)
     del qkv, q, k, v
     dtype = normed.dtype
-    normed = residual_norm(hidden, w.out(attended), w.scale1, w.norm2, shape, dtype)
-    branch = swiglu_linear(w.down, w.up_gate(normed), swiglu)
-    return residual_norm(hidden, branch, w.scale2, next_norm, shape, dtype)
+    normed = residual_norm(hidden, w.out(attended), w.scale1, w.norm2, shape, dtype, w.up_gate)
+    branch = swiglu_linear(w.down, project(w.up_gate, normed), swiglu)
+    # The next block's projection is quantized as this one's is.
+    return residual_norm(hidden, branch, w.scale2, next_norm, shape, dtype, w.qkv)
 
 
-def residual_norm(hidden, branch, scale, norm_weight, shape: BlockShape, dtype):
-    """`hidden += branch * scale` in place, then `norm_weight`'s RMSNorm of it in `dtype` (None without a norm)."""
+def residual_norm(hidden, branch, scale, norm_weight, shape: BlockShape, dtype, into=None):
+    """`hidden += branch * scale` in place, then `norm_weight`'s RMSNorm of it in `dtype` (None without a norm):
+    as FP8 rows from the same kernel when the linear it goes `into` is an FP8 one."""
     if not shape.exact_norms:
+        if norm_weight is not None and isinstance(into, FP8RowwiseLinear):
+            rows, row_scale = residual_rmsnorm_quantized(hidden, branch, scale, norm_weight, shape.norm_eps, dtype)
+            return FP8Rows(rows, row_scale, hidden.shape, dtype)
         return residual_rmsnorm(hidden, branch, scale, norm_weight, shape.norm_eps, dtype)
     residual_rmsnorm(hidden, branch, scale)
     if norm_weight is None:
