@@ -122,17 +122,20 @@ def plan_for(preset, requests, repo, device: str) -> MemoryPlan | None:
         budget = free_bytes(device)
     config = repo.transformer_config()
     encoder_host, encoder_device = encoder_bytes(preset, repo)
-    plan_args = (budget, dit_sizes(preset, config))
-    plan_kwargs = dict(other_bytes=decoder_bytes(preset, repo), asked=bool(budget_gib), encoder_bytes=encoder_device)
+    sizes, decoders = dit_sizes(preset, config), decoder_bytes(preset, repo)
+
+    def plan_with(chunked: bool = False) -> MemoryPlan:
+        return plan_memory(budget, sizes, activations(preset, requests, config, chunked), decoders,
+                           asked=bool(budget_gib), encoder_bytes=encoder_device)
+
     try:
-        plan = plan_memory(*plan_args, activations(preset, requests, config), **plan_kwargs)
+        plan = plan_with()
     except UsageError:
         if sampler.ffn_chunk_rows:
             raise
         # Streaming costs next to nothing and chunking a little, so the feed-forward passes over row chunks only
         # where streaming every block is not enough; the error then names what the chunked run needs.
-        plan = plan_memory(*plan_args, activations(preset, requests, config, chunked=True), **plan_kwargs)
-        plan = dataclasses.replace(plan, ffn_chunk_rows=FFN_CHUNK_ROWS)
+        plan = dataclasses.replace(plan_with(chunked=True), ffn_chunk_rows=FFN_CHUNK_ROWS)
     if plan.stream_encoder:  # it loads in host memory at the checkpoint's precision, then streams from there
         plan = dataclasses.replace(plan, host_bytes=plan.host_bytes + encoder_host)
     return check_host(plan)
