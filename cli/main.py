@@ -367,6 +367,11 @@ def main():
     # MKL's matrix products otherwise round differently with the memory layout a process happens to have (an
     # encoder that ran before the DiT changes it): conditional numerical reproducibility keeps one seed one clip.
     os.environ.setdefault("MKL_CBWR", "AUTO")
+    # Streamed blocks, row passes and tile batches leave the allocator's fixed segments split into pieces that a
+    # later, larger tensor cannot use: under a budget that was the difference between fitting and not (2.8 GiB
+    # reserved but unused at the out of memory of a 24 GiB batch). Growable segments map pages where they are needed.
+    if not os.environ.get("PYTORCH_ALLOC_CONF") and not os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
     try:
         app(prog_name="h3gen")
     except Exception as e:  # not bad input but a bug (h3gen's or a plugin's): one line, the details on request

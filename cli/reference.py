@@ -90,6 +90,11 @@ ENVIRONMENT = [
                         "sums by thread): one process with the same value renders the same clip. Unset, each "
                         "worker of --cpu-workers or --gpus gets the machine's cores divided by the workers per "
                         "machine."),
+    ("PYTORCH_ALLOC_CONF", "Set to expandable_segments:True when neither it nor PYTORCH_CUDA_ALLOC_CONF is set: "
+                           "torch's allocator then grows its segments page by page, so memory a streamed or "
+                           "chunked run frees in pieces serves larger tensors later (a budget holds)."),
+    ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF's older name: when either is set, h3gen leaves the allocator's "
+                                "settings as given."),
     ("MKL_CBWR", "Set to AUTO when unset (MKL's conditional numerical reproducibility), so one seed renders one "
                  "clip whatever ran before in the process."),
 ]

@@ -93,6 +93,17 @@ def cuda_fit_warning(requests: list[Request], transformer_config: dict, element_
                        element_bytes)
 
 
+def refused_allocations(device: str) -> int:
+    """How many allocations the CUDA caching allocator has refused on `device` so far (0 on the CPU). A kernel
+    library that allocates through torch's stable ABI (fa3-fwd) reports out of memory only as a failed call; the
+    allocator counts the refusal all the same."""
+    if not str(device).startswith("cuda"):
+        return 0
+    import torch
+
+    return torch.cuda.memory_stats(cuda_index(device)).get("num_ooms", 0)
+
+
 def release(device: str) -> None:
     """Return what one clip allocated: drop unreachable tensors, then hand the allocator's cache back on CUDA. cuBLAS
     keeps a workspace per stream and handle in torch's allocator (32 MiB each on Hopper) from the first matrix

@@ -221,6 +221,7 @@ class Renderer:
         cuda = self.runtime.device.startswith("cuda")
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        refused = memory.refused_allocations(self.runtime.device)
         error, mux, job = "", self.stages["mux"], None
         before = file_state(clip.path)  # a mux that fails after writing the file takes it back
         try:
@@ -253,7 +254,8 @@ class Renderer:
             if not isinstance(e, Exception):
                 raise
             self.check_fatal(clip, e)
-            error = clip_error(clip, e, self.memory_plan)
+            error = clip_error(clip, e, self.memory_plan,
+                               ran_out=memory.refused_allocations(self.runtime.device) > refused)
         self.done.append(self.finish(clip, error, claim=claim))
 
     def check_fatal(self, clip: Clip, error: Exception) -> None:
@@ -379,16 +381,17 @@ def abandon(clip: Clip, job, error: BaseException) -> None:
     clip.path.unlink(missing_ok=True)
 
 
-def clip_error(clip: Clip, error: Exception, memory_plan: dict | None = None) -> str:
+def clip_error(clip: Clip, error: Exception, memory_plan: dict | None = None, ran_out: bool = False) -> str:
     """The one line a failed clip gets: what a stage said it was (out of memory, a write) before which stage.
-    Out of memory names a budget that would fit: under the run's plan (`memory_plan`, its record), a quarter less
-    for the estimate, so more DiT blocks stream."""
+    Out of memory (torch's error, or `ran_out`: the allocator refused an allocation while the clip ran) names a
+    budget that would fit: under the run's plan (`memory_plan`, its record), a quarter less for the estimate, so
+    more DiT blocks stream."""
     import torch
 
     cause = error.__cause__ if isinstance(error, StageFailed) and error.__cause__ is not None else error
     if debugging():
         traceback.print_exception(error, file=sys.stderr)
-    if isinstance(cause, torch.OutOfMemoryError) or "out of memory" in str(cause).lower():
+    if ran_out or isinstance(cause, torch.OutOfMemoryError) or "out of memory" in str(cause).lower():
         if memory_plan is None:
             return OOM_HINT
         budget = memory_plan["vram_gib"]

@@ -221,8 +221,49 @@ def test_a_failed_clip_gives_its_memory_back_before_the_next(tiny_model, tmp_pat
     assert [r.ok for r in results] == [False, True]
 
 
+def test_an_allocation_a_kernel_library_could_not_make_is_out_of_memory(tiny_model, tmp_path, monkeypatch):
+    """A kernel library allocating through torch's stable ABI (fa3-fwd) raises only that its call failed; the
+    allocator's count of refused allocations says it ran out, and the clip's line says so."""
+    from h3gen.cli.ui import PlainReporter
+    from h3gen.plugins.manager import Registered, registry
+    from h3gen.config.preset import resolve
+    from h3gen.inputs.prompts import read_prompts
+    from h3gen.run import memory
+    from h3gen.run.render import Renderer
+    from h3gen.models.repo import ModelRepo
+    from h3gen.stages.sampler import EulerSampler
+
+    refused = [0]
+
+    class RefusedInKernel(EulerSampler):
+        kind, name = "sampler", "refused-in-kernel"
+
+        def run(self, clip):
+            if clip.request.id == "a":
+                refused[0] += 1
+                raise RuntimeError('torch_call_dispatcher("aten::new_empty", "", stack.data(), TORCH_ABI_VERSION) '
+                                   "API call failed")
+            return super().run(clip)
+
+    monkeypatch.setattr(memory, "refused_allocations", lambda device: refused[0])
+    found = registry()
+    found.stages[("sampler", "refused-in-kernel")] = Registered("sampler", "refused-in-kernel", RefusedInKernel, "test")
+    preset_file = tmp_path / "refused.toml"
+    preset_file.write_text((ROOT / "presets" / "tiny.toml").read_text().replace('"euler"', '"refused-in-kernel"'))
+    preset = resolve(str(preset_file), found)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(TWO_CLIPS)
+    renderer = Renderer(preset, found, ModelRepo(tiny_model), PlainReporter(2))
+    results = list(renderer.render(read_prompts(prompts, 0, preset.request), tmp_path / "out"))
+    assert [r.ok for r in results] == [False, True]
+    assert results[0].error.startswith("out of GPU memory (try --vram")
+
+
 @pytest.mark.cuda
 def test_cuda_memory_returns_to_its_starting_level_between_clips(tiny_model, tmp_path):
+    """Each clip starts from the level the one before it started from, and the run ends there: nothing a clip made
+    stays on the device. The level is taken as each clip starts, after the prompts' encoding: on a GPU the text
+    encoder is freed once its chunk is encoded, so the level with every stage just loaded is not the clips' level."""
     import torch
 
     from h3gen.cli.ui import PlainReporter
@@ -232,15 +273,25 @@ def test_cuda_memory_returns_to_its_starting_level_between_clips(tiny_model, tmp
     from h3gen.run.render import Renderer
     from h3gen.models.repo import ModelRepo
 
+    class Levels(PlainReporter):
+        def clip_started(self, clip):
+            torch.cuda.synchronize()
+            started.append((torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
+            super().clip_started(clip)
+
+    started, after_result = [], []
     preset = resolve("tiny", registry(), ["runtime.device=cuda"])
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("one\ntwo\nthree\n")
-    renderer = Renderer(preset, registry(), ModelRepo(tiny_model), PlainReporter(3))
-    loaded, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    renderer = Renderer(preset, registry(), ModelRepo(tiny_model), Levels(3))
     for result in renderer.render(read_prompts(prompts, 0, preset.request), tmp_path / "out"):
-        assert result.ok and torch.cuda.memory_allocated() == loaded
-        # The cache goes back but for the 2 MiB segments a loaded weight shares with the clip's small tensors.
-        assert torch.cuda.memory_reserved() <= reserved + 2 * 2**20
+        assert result.ok
+        after_result.append(torch.cuda.memory_allocated())
+    allocated, reserved = started[0]
+    assert [level for level, _ in started] == [allocated] * 3
+    assert after_result == [allocated] * 3 and torch.cuda.memory_allocated() == allocated
+    # The cache goes back but for the 2 MiB segments a loaded weight shares with the clip's small tensors.
+    assert torch.cuda.memory_reserved() <= reserved + 2 * 2**20
 
 
 # -- peak memory estimate -------------------------------------------------------------------------------------------
