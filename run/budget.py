@@ -77,14 +77,14 @@ class MemoryPlan:
 
 
 def plan_memory(budget_bytes: int, sizes: DiTSizes, activation_bytes: int, other_bytes: int = 0,
-                asked: bool = True, encoder_bytes: int = 0) -> MemoryPlan:
-    """The fewest streamed blocks whose estimated peak fits the budget (`other_bytes`: what stays resident beside the
-    DiT, the decoders' weights); one line naming the budget that would fit when none does. The text encoder runs
-    beside the resident DiT before its activations exist: it streams when its `encoder_bytes` (and a margin for its
-    own activations) exceed what the DiT leaves."""
+                asked: bool = True, encoder_bytes: int = 0, streamed_at_least: int = 0) -> MemoryPlan:
+    """The fewest streamed blocks, `streamed_at_least` or more (what the preset asks), whose estimated peak fits the
+    budget (`other_bytes`: what stays resident beside the DiT, the decoders' weights); one line naming the budget
+    that would fit when none does. The text encoder runs beside the resident DiT before its activations exist: it
+    streams when its `encoder_bytes` (and a margin for its own activations) exceed what the DiT leaves."""
     fixed = sizes.other_bytes + sizes.blocks * sizes.table_bytes + activation_bytes + other_bytes
     usable = budget_bytes * (1 - ALLOCATOR_SLACK)
-    for streamed in range(sizes.blocks + 1):
+    for streamed in range(min(streamed_at_least, sizes.blocks), sizes.blocks + 1):
         slots = 2 * sizes.block_bytes if streamed else 0
         peak = fixed + (sizes.blocks - streamed) * sizes.block_bytes + slots
         if peak <= usable:
@@ -126,7 +126,8 @@ def plan_for(preset, requests, repo, device: str) -> MemoryPlan | None:
 
     def plan_with(chunked: bool = False) -> MemoryPlan:
         return plan_memory(budget, sizes, activations(preset, requests, config, chunked), decoders,
-                           asked=bool(budget_gib), encoder_bytes=encoder_device)
+                           asked=bool(budget_gib), encoder_bytes=encoder_device,
+                           streamed_at_least=sampler.stream_blocks)
 
     try:
         plan = plan_with()
@@ -239,10 +240,10 @@ def hold_to(device: str, vram_gib: float) -> None:
 
 
 def follow(preset, plan: MemoryPlan | None) -> None:
-    """The sampler streams what the plan says, or what the preset asks (`sampler.stream_blocks`) when that is more."""
+    """The sampler streams what the plan says (never fewer blocks than the preset's `sampler.stream_blocks`)."""
     if plan is not None:
         sampler, encode = preset.stages["sampler"][1], preset.stages["encode"][1]
-        sampler.stream_blocks = max(sampler.stream_blocks, plan.streamed)
+        sampler.stream_blocks = plan.streamed
         if plan.ffn_chunk_rows and not sampler.ffn_chunk_rows:
             sampler.ffn_chunk_rows = plan.ffn_chunk_rows
         if plan.stream_encoder and hasattr(encode, "stream_layers"):

@@ -26,6 +26,15 @@ def test_the_plan_streams_the_fewest_blocks_that_fit():
     assert f"{sizes.blocks - tight.streamed} of {sizes.blocks} DiT blocks resident" in tight.describe()
 
 
+def test_the_plan_streams_at_least_what_the_preset_asks_and_says_so():
+    sizes = DiTSizes.of(H3DiTConfig(), weight_bytes=1, table_rows=50)
+    every = plan_memory(140 * GIB, sizes, 10 * GIB, streamed_at_least=sizes.blocks)
+    assert every.streamed == sizes.blocks and every.host_bytes == sizes.blocks * sizes.block_bytes
+    assert f"0 of {sizes.blocks} DiT blocks resident" in every.describe()
+    tight = plan_memory(24 * GIB, sizes, 10 * GIB)
+    assert plan_memory(24 * GIB, sizes, 10 * GIB, streamed_at_least=1).streamed == tight.streamed  # more it needs
+
+
 def test_a_budget_no_plan_meets_names_the_smallest_that_would():
     sizes = DiTSizes.of(H3DiTConfig(), weight_bytes=1, table_rows=50)
     with pytest.raises(UsageError, match=r"no plan fits the DiT in --vram 4.0 GiB.*give --vram \d+ or more"):
