@@ -104,6 +104,15 @@ class FP8Rows(NamedTuple):
     shape: torch.Size
     dtype: torch.dtype
 
+    def part(self, start: int, stop: int) -> FP8Rows:
+        """Rows `start:stop` along the second-last axis of `shape`, as `x[..., start:stop, :]` would take them: each
+        row keeps its own scale, so a part is exactly what quantizing that part gives."""
+        lead, width = self.shape[:-1], self.shape[-1]
+        rows = self.rows.view(*lead, width)[..., start:stop, :]
+        scale = self.scale.view(*lead, 1)[..., start:stop, :]
+        return FP8Rows(rows.reshape(-1, width), scale.reshape(-1, 1), torch.Size((*rows.shape[:-1], width)),
+                       self.dtype)
+
 
 def project(linear: nn.Module, x) -> torch.Tensor:
     """`linear(x)`; FP8 rows go to their FP8 linear as they are."""

@@ -217,11 +217,13 @@ def test_quantized_weights_are_parameters_so_offloading_moves_them():
         assert all(not p.requires_grad for p in quantized.parameters()) and len(list(quantized.parameters())) == 2
 
 
-@pytest.mark.parametrize("device,chunk_rows", [("cpu", 0), ("cpu", 5), pytest.param("cuda", 0, marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("device,chunk_rows", [("cpu", 0), ("cpu", 5), pytest.param("cuda", 0, marks=pytest.mark.cuda),
+                                              pytest.param("cuda", 5, marks=pytest.mark.cuda)])
 def test_fp8_linears_take_the_norm_as_fp8_rows_bit_for_bit(tiny_model, device, chunk_rows):
     """Attention's projection and the feed-forward's gate/up take their input as FP8 rows from the norm itself
     (`rmsnorm_modulate_fp8`): the velocities equal those of quantizing the bf16 norm's output, with the feed-forward
-    unchunked or (taking the bf16 norm) over row chunks. On a GPU the Triton kernels run, the fused one included."""
+    unchunked or over row chunks (parts of the whole sequence's FP8 rows). On a GPU the Triton kernels run, the
+    fused one included."""
     import copy
 
     from h3gen.models.dit import blocks
@@ -240,7 +242,7 @@ def test_fp8_linears_take_the_norm_as_fp8_rows_bit_for_bit(tiny_model, device, c
             block.ops = ops
         probe = probe or make_probe(dit.config, REQUEST, text_tokens=8, sigma=0.5)
         outputs.append(velocity(dit, probe, device, torch.bfloat16))
-        assert len(calls) == (2 if not chunk_rows and fused else 1 if fused else 0) * len(dit.transformer_blocks)
+        assert len(calls) == (2 if fused else 0) * len(dit.transformer_blocks)
     assert all(torch.equal(a, b) for a, b in zip(outputs[0], outputs[1]))
 
 
@@ -266,3 +268,19 @@ def test_fp8_linears_need_fp8_tensor_cores_and_on_ada_a_row_wise_kernel(monkeypa
     assert "no row-wise torch._scaled_mm for sm89 (no kernel)" in scaled_mm_refusal("cuda") and tried
     monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kwargs: None)
     assert scaled_mm_refusal("cuda") == ""
+
+
+def test_a_part_of_fp8_rows_is_that_part_quantized():
+    """A chunked feed-forward takes parts of the whole sequence's FP8 rows: each row keeps its scale, so a part
+    equals quantizing the same rows of the bf16 tensor, for every batch item."""
+    from h3gen.kernels.quantize_rows import quantize_rows_reference
+    from h3gen.models.quant_linear import FP8Rows
+
+    x = torch.randn(2, 11, 16, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    rows, scale = quantize_rows_reference(x.reshape(-1, 16))
+    whole = FP8Rows(rows, scale, x.shape, x.dtype)
+    for start, stop in ((0, 5), (5, 10), (10, 15)):
+        part = whole.part(start, stop)
+        expected_rows, expected_scale = quantize_rows_reference(x[..., start:stop, :].reshape(-1, 16))
+        assert part.shape == x[..., start:stop, :].shape and part.dtype == x.dtype
+        assert torch.equal(part.rows.float(), expected_rows.float()) and torch.equal(part.scale, expected_scale)

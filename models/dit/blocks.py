@@ -56,11 +56,15 @@ class Normed:
     def tensor(self):
         return self.ops.rmsnorm_modulate(self.x, *self.norm)
 
-    def into(self, linear):
+    def input_for(self, linear):
+        """The norm as `linear` takes it: FP8 rows from the norm kernel for an FP8 linear, else the bf16 tensor."""
         if isinstance(linear, FP8RowwiseLinear) and self.ops.rmsnorm_modulate_fp8 is not None:
             rows, scale = self.ops.rmsnorm_modulate_fp8(self.x, *self.norm)
-            return project(linear, FP8Rows(rows, scale, self.x.shape, self.x.dtype))
-        return linear(self.tensor())
+            return FP8Rows(rows, scale, self.x.shape, self.x.dtype)
+        return self.tensor()
+
+    def into(self, linear):
+        return project(linear, self.input_for(linear))
 
 
 def take(linear, x):
@@ -155,12 +159,14 @@ class SwiGLUFeedForward(nn.Module):
         rows = x.shape[-2]
         if not self.chunk_rows or rows <= self.chunk_rows:
             return swiglu_linear(self.down, take(self.up_gate, x), ops.swiglu)
-        if isinstance(x, Normed):
-            x = x.tensor()
-        out = x.new_empty((*x.shape[:-1], self.down.out_features))
+        if isinstance(x, Normed):  # FP8 rows for the whole sequence at once, a byte a value, then taken in parts
+            x = x.input_for(self.up_gate)
+        like = x.rows if isinstance(x, FP8Rows) else x
+        out = like.new_empty((*x.shape[:-1], self.down.out_features), dtype=x.dtype)
         for start in range(0, rows, self.chunk_rows):
-            part = x[..., start:start + self.chunk_rows, :]
-            out[..., start:start + self.chunk_rows, :] = swiglu_linear(self.down, self.up_gate(part), ops.swiglu)
+            stop = start + self.chunk_rows
+            part = x.part(start, stop) if isinstance(x, FP8Rows) else x[..., start:stop, :]
+            out[..., start:stop, :] = swiglu_linear(self.down, project(self.up_gate, part), ops.swiglu)
         return out
 
 
