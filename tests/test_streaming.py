@@ -170,3 +170,28 @@ def test_on_a_gpu_group_offloading_over_an_fp8_dit_gives_the_resident_clip(promp
           "sampler.stream_with=diffusers", check_code=0)
     (a,), (b,) = (list((tmp_path / name).glob("*.mp4")) for name in ("resident", "offloaded"))
     assert media(a) == media(b)
+
+
+def test_an_adapter_fused_at_load_streams_with_its_block(tiny_model, tmp_path):
+    """A full-rank delta on a streamed block's weight is fused as the block loads, before it is quantized and moved
+    to host memory: the streamed FP8 clip's latents are the resident one's, and the adapter shows in both."""
+    from safetensors.torch import load_file, save_file
+
+    from test_quant import tiny_dit
+
+    last = len(tiny_dit(tiny_model, torch.float32).transformer_blocks) - 1
+    weight = tiny_dit(tiny_model, torch.float32).transformer_blocks[last].attn.to_out[0].weight
+    adapter = tmp_path / "delta.safetensors"
+    delta = torch.randn(weight.shape, generator=torch.Generator().manual_seed(7))
+    save_file({f"transformer.transformer_blocks.{last}.attn.to_out.0.diff": delta}, str(adapter))
+    (tmp_path / "p.txt").write_text('{"id": "fox", "prompt": "a fox"}\n')
+    latents = {}
+    for name, options in (("plain", []), ("resident", [f'adapter.paths=["{adapter}"]']),
+                          ("streamed", [f'adapter.paths=["{adapter}"]', "sampler.stream_blocks=1"])):
+        sets = [arg for option in ["quant.use=fp8-rowwise", 'sampler.dit="h3gen"', *options]
+                for arg in ("--set", option)]
+        h3gen("render", tmp_path / "p.txt", "-o", tmp_path / name, "--model", tiny_model, "--preset", "tiny",
+              "--save-latents", *sets, check_code=0)
+        latents[name] = load_file(str(tmp_path / name / "fox.latents.safetensors"))
+    assert all(torch.equal(latents["streamed"][key], latents["resident"][key]) for key in ("video", "audio"))
+    assert not torch.equal(latents["resident"]["video"], latents["plain"]["video"])
