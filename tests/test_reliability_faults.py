@@ -99,7 +99,10 @@ class SlowDecodeVAE(FastVAE):
             emit(video)
             if self.slow:
                 Path(self.config.marker).touch()
-                time.sleep(60)
+                # A minute in short sleeps, as a real decode returns to Python between tile batches: a signal that
+                # lands after the marker but before one long sleep begins would otherwise wait the whole minute.
+                for _ in range(600):
+                    time.sleep(0.1)
         return super().decode(latents, emit_slowly if emit is not None else None)
 
     def run(self, clip):
@@ -177,16 +180,32 @@ def test_out_of_memory_under_a_plan_names_a_smaller_budget(tmp_path):
     assert error.startswith("out of GPU memory under the plan for 24.0 GiB (try --vram 18 so more DiT blocks stream")
 
 
-def test_a_failed_clip_gives_its_memory_back_before_the_next(tiny_model, tmp_path):
-    """The failing stage leaves a tensor in a reference cycle; it is gone before the next clip starts."""
-    import torch
-
+def tiny_renderer_with_sampler(sampler_class, tiny_model, tmp_path):
+    """A renderer of the tiny preset whose sampler is `sampler_class` (registered under its `name`), and the
+    requests of TWO_CLIPS."""
     from h3gen.cli.ui import PlainReporter
     from h3gen.plugins.manager import Registered, registry
     from h3gen.config.preset import resolve
     from h3gen.inputs.prompts import read_prompts
     from h3gen.run.render import Renderer
     from h3gen.models.repo import ModelRepo
+
+    found = registry()
+    name = sampler_class.name
+    found.stages[("sampler", name)] = Registered("sampler", name, sampler_class, "test")
+    preset_file = tmp_path / f"{name}.toml"
+    preset_file.write_text((ROOT / "presets" / "tiny.toml").read_text().replace('"euler"', f'"{name}"'))
+    preset = resolve(str(preset_file), found)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(TWO_CLIPS)
+    renderer = Renderer(preset, found, ModelRepo(tiny_model), PlainReporter(2))
+    return renderer, read_prompts(prompts, 0, preset.request)
+
+
+def test_a_failed_clip_gives_its_memory_back_before_the_next(tiny_model, tmp_path):
+    """The failing stage leaves a tensor in a reference cycle; it is gone before the next clip starts."""
+    import torch
+
     from h3gen.stages.sampler import EulerSampler
 
     leaked = []
@@ -204,15 +223,7 @@ def test_a_failed_clip_gives_its_memory_back_before_the_next(tiny_model, tmp_pat
             assert leaked and leaked[0]() is None, "the failed clip's tensor is still alive"
             return super().run(clip)
 
-    found = registry()
-    found.stages[("sampler", "cyclic-oom")] = Registered("sampler", "cyclic-oom", CyclicOom, "test")
-    preset_file = tmp_path / "cyclic.toml"
-    preset_file.write_text((ROOT / "presets" / "tiny.toml").read_text().replace('"euler"', '"cyclic-oom"'))
-    preset = resolve(str(preset_file), found)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text(TWO_CLIPS)
-    requests = read_prompts(prompts, 0, preset.request)
-    renderer = Renderer(preset, found, ModelRepo(tiny_model), PlainReporter(2))
+    renderer, requests = tiny_renderer_with_sampler(CyclicOom, tiny_model, tmp_path)
     gc.disable()
     try:
         results = list(renderer.render(requests, tmp_path / "out"))
@@ -224,13 +235,7 @@ def test_a_failed_clip_gives_its_memory_back_before_the_next(tiny_model, tmp_pat
 def test_an_allocation_a_kernel_library_could_not_make_is_out_of_memory(tiny_model, tmp_path, monkeypatch):
     """A kernel library allocating through torch's stable ABI (fa3-fwd) raises only that its call failed; the
     allocator's count of refused allocations says it ran out, and the clip's line says so."""
-    from h3gen.cli.ui import PlainReporter
-    from h3gen.plugins.manager import Registered, registry
-    from h3gen.config.preset import resolve
-    from h3gen.inputs.prompts import read_prompts
     from h3gen.run import memory
-    from h3gen.run.render import Renderer
-    from h3gen.models.repo import ModelRepo
     from h3gen.stages.sampler import EulerSampler
 
     refused = [0]
@@ -246,15 +251,8 @@ def test_an_allocation_a_kernel_library_could_not_make_is_out_of_memory(tiny_mod
             return super().run(clip)
 
     monkeypatch.setattr(memory, "refused_allocations", lambda device: refused[0])
-    found = registry()
-    found.stages[("sampler", "refused-in-kernel")] = Registered("sampler", "refused-in-kernel", RefusedInKernel, "test")
-    preset_file = tmp_path / "refused.toml"
-    preset_file.write_text((ROOT / "presets" / "tiny.toml").read_text().replace('"euler"', '"refused-in-kernel"'))
-    preset = resolve(str(preset_file), found)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text(TWO_CLIPS)
-    renderer = Renderer(preset, found, ModelRepo(tiny_model), PlainReporter(2))
-    results = list(renderer.render(read_prompts(prompts, 0, preset.request), tmp_path / "out"))
+    renderer, requests = tiny_renderer_with_sampler(RefusedInKernel, tiny_model, tmp_path)
+    results = list(renderer.render(requests, tmp_path / "out"))
     assert [r.ok for r in results] == [False, True]
     assert results[0].error.startswith("out of GPU memory (try --vram")
 
