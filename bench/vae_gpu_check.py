@@ -62,6 +62,9 @@ VARIANTS.update({f"fast-fp8-fast-accum-tile{height}x{width}": dict(fp8=dict(fast
                  for height, width in ((240, 320), (240, 224), (240, 384), (304, 320), (304, 224))})
 # The same decoder with cuDNN's FP8 attention on its 64-wide heads (attention was 1.33 s of its 4.83 s).
 VARIANTS["fast-fp8-fast-accum-cudnn-fp8"] = dict(fp8=dict(fast_accum=True), exact_norms=False, attention="cudnn-fp8")
+# FlashAttention-3 there, bf16 and FP8 (fa3-fwd takes 64-wide heads).
+VARIANTS.update({f"fast-fp8-fast-accum-{backend}": dict(fp8=dict(fast_accum=True), exact_norms=False, attention=backend)
+                 for backend in ("fa3", "fa3-fp8")})
 TINY_VARIANTS = {"exact": dict(exact=True, tile_batch=1), "fast-b3": dict(tile_batch=3),
                  "fast-fused-norms": dict(exact_norms=False), "fast-fp8": dict(fp8={}, exact_norms=False),
                  "fast-auto": dict(), "fast-b4-tile128": dict(tile_batch=4, tile_height=128, tile_width=128,
