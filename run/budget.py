@@ -123,23 +123,45 @@ def plan_for(preset, requests, repo, device: str) -> MemoryPlan | None:
     config = repo.transformer_config()
     encoder_host, encoder_device = encoder_bytes(preset, repo)
     sizes, decoders = dit_sizes(preset, config), decoder_bytes(preset, repo)
+    whole, chunked = (activations(preset, requests, config, rows) for rows in (False, True))
 
-    def plan_with(chunked: bool = False) -> MemoryPlan:
-        return plan_memory(budget, sizes, activations(preset, requests, config, chunked), decoders,
-                           asked=bool(budget_gib), encoder_bytes=encoder_device,
-                           streamed_at_least=sampler.stream_blocks)
+    def plan_at(budget_bytes: int) -> MemoryPlan:
+        def plan_with(activation_bytes: int) -> MemoryPlan:
+            return plan_memory(budget_bytes, sizes, activation_bytes, decoders, asked=bool(budget_gib),
+                               encoder_bytes=encoder_device, streamed_at_least=sampler.stream_blocks)
 
-    try:
-        plan = plan_with()
-    except UsageError:
-        if sampler.ffn_chunk_rows:
-            raise
-        # Streaming costs next to nothing and chunking a little, so the feed-forward passes over row chunks only
-        # where streaming every block is not enough; the error then names what the chunked run needs.
-        plan = dataclasses.replace(plan_with(chunked=True), ffn_chunk_rows=FFN_CHUNK_ROWS)
-    if plan.stream_encoder:  # it loads in host memory at the checkpoint's precision, then streams from there
-        plan = dataclasses.replace(plan, host_bytes=plan.host_bytes + encoder_host)
-    return check_host(plan)
+        try:
+            plan = plan_with(whole)
+        except UsageError:
+            if sampler.ffn_chunk_rows:
+                raise
+            # Streaming costs next to nothing and chunking a little, so the feed-forward passes over row chunks
+            # only where streaming every block is not enough; the error then names what the chunked run needs.
+            plan = dataclasses.replace(plan_with(chunked), ffn_chunk_rows=FFN_CHUNK_ROWS)
+        if plan.stream_encoder:  # it loads in host memory at the checkpoint's precision, then streams from there
+            plan = dataclasses.replace(plan, host_bytes=plan.host_bytes + encoder_host)
+        return plan
+
+    plan = plan_at(budget)
+    available = host_available_bytes()
+    if plan.host_bytes > available:
+        raise UsageError(f"{plan.describe()}, and this machine has {available / GIB:.1f} GiB of host memory free",
+                         host_fix(plan, available, plan_at, device_bytes(device), fp8_linears(preset)))
+    return plan
+
+
+def host_fix(plan: MemoryPlan, available: int, plan_at, device_total: int, fp8: bool) -> str:
+    """What would fit the host memory there is: the smallest larger budget the GPU has whose plan holds less in host
+    memory (fewer blocks and no encoder streamed), else freeing memory or FP8 linears."""
+    for gib in range(math.floor(plan.budget_bytes / GIB) + 1, math.floor(device_total / GIB) + 1):
+        larger = plan_at(gib * GIB)
+        if larger.host_bytes <= available:
+            held = (f"{larger.host_bytes / GIB:.1f} GiB held in host memory" if larger.host_bytes else
+                    "nothing streamed from host memory")
+            return (f"give --vram {gib} on a GPU that has it, {held} then; or free "
+                    f"{(plan.host_bytes - available) / GIB:.1f} GiB of host memory")
+    fp8_hint = "" if fp8 else ", or an FP8 preset (half the bytes to hold)"
+    return f"free {(plan.host_bytes - available) / GIB:.1f} GiB of host memory{fp8_hint}"
 
 
 def planned(preset, requests, repo, device: str) -> MemoryPlan | None:
@@ -156,22 +178,23 @@ def check_budget(budget_gib: float, device: str) -> None:
     if not device.startswith("cuda"):
         raise UsageError(f"a device memory budget (--vram {budget_gib:g}) on a run on the CPU",
                          "drop --vram (runtime.vram_gib), or run on a GPU")
-    import torch
-
-    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    total = device_bytes(device)
     if budget_gib * GIB > total:
         raise UsageError(f"--vram {budget_gib:g} is more than the GPU's {total / GIB:.1f} GiB",
                          f"give at most {total / GIB:.0f}")
+
+
+def fp8_linears(preset, role: str = "dit") -> bool:
+    quant_name, quant = preset.stages["quant"]
+    return quant_name == "fp8-rowwise" and role in quant.roles
 
 
 def dit_sizes(preset, config: dict) -> DiTSizes:
     from h3gen.models.dit.checkpoint import H3DiTConfig
     from h3gen.stages.sampler import forwards
 
-    quant_name, quant = preset.stages["quant"]
-    fp8 = quant_name == "fp8-rowwise" and "dit" in quant.roles
     element = element_bytes(preset)
-    return DiTSizes.of(H3DiTConfig.from_dict(config), 1 if fp8 else element,
+    return DiTSizes.of(H3DiTConfig.from_dict(config), 1 if fp8_linears(preset) else element,
                        2 * forwards(preset.stages["sampler"][1]) + 2, element)
 
 
@@ -191,8 +214,7 @@ def encoder_bytes(preset, repo) -> tuple[int, int]:
     layers = repo.text_encoder_config().text_config.num_hidden_layers
     used = min(1.0, (encode.layer + 1) / layers)
     host = int(repo.weight_bytes("text_encoder") * used * element_bytes(preset) // 2)
-    quant_name, quant = preset.stages["quant"]
-    return host, host // 2 if quant_name == "fp8-rowwise" and "text_encoder" in quant.roles else host
+    return host, host // 2 if fp8_linears(preset, "text_encoder") else host
 
 
 def element_bytes(preset) -> int:
@@ -215,15 +237,17 @@ def activations(preset, requests, config: dict, chunked: bool = False) -> int:
     return max(dit, max(memory.peak_bytes(request, shape, 0, element_bytes(preset), values) for request in requests))
 
 
-def check_host(plan: MemoryPlan) -> MemoryPlan:
-    """Streamed blocks live in pinned host memory: the machine must have it free."""
+def host_available_bytes() -> int:
+    """Host memory free now: streamed blocks live in pinned host memory, the machine must have it."""
     import os
 
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if plan.host_bytes > available:
-        raise UsageError(f"{plan.describe()}, and this machine has {available / GIB:.1f} GiB of host memory free",
-                         "free host memory, give a larger --vram, or an FP8 preset (half the bytes to hold)")
-    return plan
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def device_bytes(device: str) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(torch.device(device)).total_memory
 
 
 def hold_to(device: str, vram_gib: float) -> None:

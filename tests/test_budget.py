@@ -133,7 +133,7 @@ def test_the_feed_forward_passes_over_row_chunks_only_where_streaming_every_bloc
     from h3gen.run import budget
 
     monkeypatch.setattr(budget, "check_budget", lambda gib, device: None)  # no GPU here to hold the budget to
-    monkeypatch.setattr(budget, "check_host", lambda plan: plan)  # nor the host memory a full-size run needs
+    monkeypatch.setattr(budget, "host_available_bytes", lambda: 2**50)  # nor the host memory a full-size run needs
     repo = FullSizeRandom(ModelRepo(ensure_tiny_model()))
     request = Request(index=0, prompt="a", seed=0, width=1344, height=768, frames=bench_frames(10), id="b")
     plans = {}
@@ -149,3 +149,45 @@ def test_the_feed_forward_passes_over_row_chunks_only_where_streaming_every_bloc
     assert plans[16].ffn_chunk_rows == budget.FFN_CHUNK_ROWS and plans[16].streamed > plans[24].streamed
     assert "16384-row passes" in plans[16].describe() and plans[16].record()["ffn_chunk_rows"] == 16384
     assert "give --vram 16 or more" in plans[12]  # what the chunked run needs (18 unchunked), the least any plan needs
+
+
+def full_size_plan(monkeypatch, preset_name: str, gib: int, host_gib: float):
+    """`budget.planned` for the full-size 10 s clip at `gib` GiB, on an 80 GiB GPU, with `host_gib` free in host
+    memory: the plan, or the UsageError's line and fix."""
+    from h3gen.bench.random_weights import FullSizeRandom
+    from h3gen.bench.sweep import bench_frames
+    from h3gen.config.preset import resolve
+    from h3gen.inputs.request import Request
+    from h3gen.models.repo import ModelRepo
+    from h3gen.models.tiny import ensure_tiny_model
+    from h3gen.plugins.manager import registry
+    from h3gen.run import budget
+
+    monkeypatch.setattr(budget, "device_bytes", lambda device: 80 * GIB)
+    monkeypatch.setattr(budget, "host_available_bytes", lambda: int(host_gib * GIB))
+    repo = FullSizeRandom(ModelRepo(ensure_tiny_model()))
+    request = Request(index=0, prompt="a", seed=0, width=1344, height=768, frames=bench_frames(10), id="b")
+    preset = resolve(preset_name, registry(), [f"runtime.vram_gib={gib}"])
+    try:
+        return budget.planned(preset, [request], repo, "cuda")
+    except UsageError as error:
+        return f"{error} | {error.fix}"
+
+
+def test_too_little_host_memory_names_the_budget_whose_plan_fits_it(monkeypatch):
+    """h3-base-fp8 at 24 GiB holds its streamed blocks and the text encoder in host memory; with less free than
+    that, the smallest larger budget that holds little enough is named, before any weight loads."""
+    fits = full_size_plan(monkeypatch, "h3-base-fp8", 24, host_gib=128)
+    assert fits.host_bytes > 40 * GIB
+    refused = full_size_plan(monkeypatch, "h3-base-fp8", 24, host_gib=fits.host_bytes / GIB - 1)
+    assert "and this machine has" in refused and "GiB of host memory free" in refused
+    larger = int(refused.split("give --vram ")[1].split(" ")[0])
+    host_gib = fits.host_bytes / GIB - 1
+    assert larger > 24 and not isinstance(full_size_plan(monkeypatch, "h3-base-fp8", larger, host_gib), str)
+    assert isinstance(full_size_plan(monkeypatch, "h3-base-fp8", larger - 1, host_gib), str)  # the smallest
+
+
+def test_with_no_budget_the_gpu_has_fitting_the_host_memory_the_fix_is_memory_or_fp8(monkeypatch):
+    refused = full_size_plan(monkeypatch, "h3-base", 16, host_gib=2)
+    assert "free" in refused.split(" | ")[1] and "an FP8 preset" in refused.split(" | ")[1]
+    assert "an FP8 preset" not in full_size_plan(monkeypatch, "h3-base-fp8", 16, host_gib=2).split(" | ")[1]
