@@ -56,6 +56,7 @@ class MemoryPlan:
     peak_bytes: int  # estimated device peak of the DiT's forward
     host_bytes: int  # host memory the streamed blocks (pinned) and a streamed text encoder need
     asked: bool = True  # the budget was given (--vram, runtime.vram_gib), not the free memory found at the start
+    asked_bytes: int = 0  # the budget given, where the GPU had less free: the plan is for what it had
     stream_encoder: bool = False  # the text encoder's layers stream too: it does not fit beside the resident DiT
     ffn_chunk_rows: int = 0  # the feed-forward in passes of this many rows: with every block streamed it still fits
 
@@ -63,7 +64,9 @@ class MemoryPlan:
         where = ("every DiT block resident" if not self.streamed else
                  f"{self.blocks - self.streamed} of {self.blocks} DiT blocks resident, {self.streamed} streamed from "
                  "pinned host memory")
-        budget = f"{self.budget_bytes / GIB:.1f} GiB" + ("" if self.asked else " (free on the GPU)")
+        budget = f"{self.budget_bytes / GIB:.1f} GiB" + (
+            "" if self.asked and not self.asked_bytes else
+            f" (--vram {self.asked_bytes / GIB:g}: what is free on the GPU)" if self.asked else " (free on the GPU)")
         encoder = ", the text encoder streamed layer by layer" if self.stream_encoder else ""
         chunks = f", the feed-forward in {self.ffn_chunk_rows}-row passes" if self.ffn_chunk_rows else ""
         host = f", {self.host_bytes / GIB:.1f} GiB of host memory" if self.host_bytes else ""
@@ -71,7 +74,8 @@ class MemoryPlan:
                 f"{host}")
 
     def record(self) -> dict:
-        return {"vram_gib": round(self.budget_bytes / GIB, 3), "asked": self.asked, "streamed_blocks": self.streamed,
+        return {"vram_gib": round(self.budget_bytes / GIB, 3), "asked": self.asked,
+                "asked_gib": round(self.asked_bytes / GIB, 3) or None, "streamed_blocks": self.streamed,
                 "stream_encoder": self.stream_encoder, "ffn_chunk_rows": self.ffn_chunk_rows,
                 "estimated_peak_gib": round(self.peak_bytes / GIB, 3), "host_gib": round(self.host_bytes / GIB, 3)}
 
@@ -114,12 +118,12 @@ def plan_for(preset, requests, repo, device: str) -> MemoryPlan | None:
         if budget_gib:
             raise UsageError("a device memory budget streams the blocks of h3gen's DiT", 'set sampler.dit = "h3gen"')
         return None
-    if budget_gib:
-        budget = int(budget_gib * GIB)
-    else:
-        from h3gen.run.memory import free_bytes
+    from h3gen.run.memory import free_bytes, free_on_device
 
-        budget = free_bytes(device)
+    # A budget is at most what the GPU has free: a card's size (--vram 24 on a 24 GB card) is more than it has once
+    # the driver and the CUDA context hold their share.
+    asked = int(budget_gib * GIB)
+    budget = min(asked, free_on_device(device)) if budget_gib else free_bytes(device)
     config = repo.transformer_config()
     encoder_host, encoder_device = encoder_bytes(preset, repo)
     sizes, decoders = dit_sizes(preset, config), decoder_bytes(preset, repo)
@@ -143,6 +147,8 @@ def plan_for(preset, requests, repo, device: str) -> MemoryPlan | None:
         return plan
 
     plan = plan_at(budget)
+    if budget < asked:
+        plan = dataclasses.replace(plan, asked_bytes=asked)
     available = host_available_bytes()
     if plan.host_bytes > available:
         raise UsageError(f"{plan.describe()}, and this machine has {available / GIB:.1f} GiB of host memory free",
@@ -171,17 +177,22 @@ def planned(preset, requests, repo, device: str) -> MemoryPlan | None:
     return plan
 
 
+# A card's size as sold is more than the memory its driver reports (a 24 GB L4 reports 22.5 GiB with ECC on): a budget
+# up to this much above it is taken for the card's size, and the plan takes what is free.
+CARD_SIZE_SLACK = 0.1
+
+
 def check_budget(budget_gib: float, device: str) -> None:
-    """A budget (0: none) is for a GPU, and at most the GPU's memory."""
+    """A budget (0: none) is for a GPU, and at most the GPU's memory (its size as sold)."""
     if not budget_gib:
         return
     if not device.startswith("cuda"):
         raise UsageError(f"a device memory budget (--vram {budget_gib:g}) on a run on the CPU",
                          "drop --vram (runtime.vram_gib), or run on a GPU")
     total = device_bytes(device)
-    if budget_gib * GIB > total:
+    if budget_gib * GIB > total * (1 + CARD_SIZE_SLACK):
         raise UsageError(f"--vram {budget_gib:g} is more than the GPU's {total / GIB:.1f} GiB",
-                         f"give at most {total / GIB:.0f}")
+                         f"give at most {math.floor(total / GIB)}, or leave --vram out to plan for what is free on it")
 
 
 def fp8_linears(preset, role: str = "dit") -> bool:

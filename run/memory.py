@@ -85,6 +85,16 @@ def free_bytes(device=None) -> int:
     return int(max(0, min(free + reserved - allocated, fraction * total - allocated)))
 
 
+def free_on_device(device=None) -> int:
+    """What the CUDA device has free for this process, whatever cap an earlier budget set on its allocator: the
+    device's free memory plus what the allocator holds unused."""
+    import torch
+
+    device = cuda_index(device)
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
 def cuda_fit_warning(requests: list[Request], transformer_config: dict, element_bytes: int) -> str | None:
     """`fit_warning` with what the current CUDA device reports, weights already loaded."""
     import torch

@@ -130,10 +130,11 @@ def test_the_feed_forward_passes_over_row_chunks_only_where_streaming_every_bloc
     from h3gen.models.repo import ModelRepo
     from h3gen.models.tiny import ensure_tiny_model
     from h3gen.plugins.manager import registry
-    from h3gen.run import budget
+    from h3gen.run import budget, memory
 
     monkeypatch.setattr(budget, "check_budget", lambda gib, device: None)  # no GPU here to hold the budget to
     monkeypatch.setattr(budget, "host_available_bytes", lambda: 2**50)  # nor the host memory a full-size run needs
+    monkeypatch.setattr(memory, "free_on_device", lambda device: 80 * GIB)
     repo = FullSizeRandom(ModelRepo(ensure_tiny_model()))
     request = Request(index=0, prompt="a", seed=0, width=1344, height=768, frames=bench_frames(10), id="b")
     plans = {}
@@ -151,9 +152,9 @@ def test_the_feed_forward_passes_over_row_chunks_only_where_streaming_every_bloc
     assert "give --vram 16 or more" in plans[12]  # what the chunked run needs (18 unchunked), the least any plan needs
 
 
-def full_size_plan(monkeypatch, preset_name: str, gib: int, host_gib: float):
-    """`budget.planned` for the full-size 10 s clip at `gib` GiB, on an 80 GiB GPU, with `host_gib` free in host
-    memory: the plan, or the UsageError's line and fix."""
+def full_size_plan(monkeypatch, preset_name: str, gib: int, host_gib: float, free_gib: float = 80):
+    """`budget.planned` for the full-size 10 s clip at `gib` GiB, on an 80 GiB GPU with `free_gib` free, with
+    `host_gib` free in host memory: the plan, or the UsageError's line and fix."""
     from h3gen.bench.random_weights import FullSizeRandom
     from h3gen.bench.sweep import bench_frames
     from h3gen.config.preset import resolve
@@ -161,9 +162,10 @@ def full_size_plan(monkeypatch, preset_name: str, gib: int, host_gib: float):
     from h3gen.models.repo import ModelRepo
     from h3gen.models.tiny import ensure_tiny_model
     from h3gen.plugins.manager import registry
-    from h3gen.run import budget
+    from h3gen.run import budget, memory
 
     monkeypatch.setattr(budget, "device_bytes", lambda device: 80 * GIB)
+    monkeypatch.setattr(memory, "free_on_device", lambda device: int(free_gib * GIB))
     monkeypatch.setattr(budget, "host_available_bytes", lambda: int(host_gib * GIB))
     repo = FullSizeRandom(ModelRepo(ensure_tiny_model()))
     request = Request(index=0, prompt="a", seed=0, width=1344, height=768, frames=bench_frames(10), id="b")
@@ -191,3 +193,24 @@ def test_with_no_budget_the_gpu_has_fitting_the_host_memory_the_fix_is_memory_or
     refused = full_size_plan(monkeypatch, "h3-base", 16, host_gib=2)
     assert "free" in refused.split(" | ")[1] and "an FP8 preset" in refused.split(" | ")[1]
     assert "an FP8 preset" not in full_size_plan(monkeypatch, "h3-base-fp8", 16, host_gib=2).split(" | ")[1]
+
+
+@pytest.mark.parametrize("reported_gib,accepted,refused", [(23.99, 24, 27), (22.49, 24, 25), (16.0, 16, 18)])
+def test_a_card_s_size_as_sold_is_a_budget_it_takes(monkeypatch, reported_gib, accepted, refused):
+    """An RTX 4090 reports 23.99 GiB, a 24 GB L4 22.5 with ECC on: --vram 24 is taken on either; a budget well
+    beyond the card is refused, naming a whole number of GiB the card has."""
+    from h3gen.run import budget
+
+    monkeypatch.setattr(budget, "device_bytes", lambda device: int(reported_gib * GIB))
+    budget.check_budget(accepted, "cuda")
+    with pytest.raises(UsageError, match=rf"--vram {refused} is more than the GPU's {reported_gib:.1f} GiB") as error:
+        budget.check_budget(refused, "cuda")
+    assert f"give at most {int(reported_gib)}," in error.value.fix and "leave --vram out" in error.value.fix
+
+
+def test_a_budget_above_what_the_gpu_has_free_plans_for_what_is_free(monkeypatch):
+    plan = full_size_plan(monkeypatch, "h3-base-fp8", 24, host_gib=128, free_gib=22.5)
+    assert plan.budget_bytes == int(22.5 * GIB) and plan.peak_bytes <= 22.5 * GIB
+    assert "memory plan for 22.5 GiB (--vram 24: what is free on the GPU)" in plan.describe()
+    assert plan.record()["asked_gib"] == 24 and plan.record()["vram_gib"] == 22.5
+    assert "(--vram" not in full_size_plan(monkeypatch, "h3-base-fp8", 24, host_gib=128).describe()
