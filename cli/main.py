@@ -17,7 +17,7 @@ import typer
 from h3gen import __version__
 from h3gen.cli.complete import SHELL_OPTIONS, complete_for, named_shell, preset_names, set_keys
 from h3gen.cli.help import PlainCommand, PlainGroup
-from h3gen.errors import H3genError
+from h3gen.errors import H3genError, UsageError
 
 
 class Root(PlainGroup):
@@ -59,9 +59,23 @@ def show_tracebacks(wanted: bool) -> None:
         os.environ["H3GEN_DEBUG"] = "1"
 
 
-VRAM_HELP = ("Device memory budget in GiB (default: what is free on the GPU as the run starts): DiT blocks beyond "
-             "it stream from pinned host memory, and the allocator is held to it.")
+VRAM_HELP = ("Device memory budget in GiB, as 24, 24G or 24GB (default, or 0: what is free on the GPU as the run "
+             "starts; a budget above that plans for what is free): DiT blocks beyond it stream from pinned host "
+             "memory, and the allocator is held to it.")
 TRACEBACK_HELP = "Print a failure's traceback besides its one line (also H3GEN_DEBUG=1)."
+
+
+def vram_setting(text: str | None) -> list[str]:
+    """`--vram` as the override it stands for: a number of GiB, with G, GB or GiB after it or not (a card sold as
+    24 GB has 24 GiB)."""
+    import re
+
+    if text is None:
+        return []
+    found = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:g|gb|gib)?\s*", text, re.IGNORECASE)
+    if not found:
+        raise UsageError(f"--vram {text} is not a number of GiB", "give one like 24, 24G or 24GB, or 0 for what is free")
+    return [f"runtime.vram_gib={float(found.group(1)):g}"]
 
 
 def version_callback(value: bool):
@@ -92,7 +106,7 @@ def render(
     overrides: Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE", autocompletion=set_keys,
                                                            help="Override a preset value.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per finished clip on stdout.")] = False,
-    vram: Annotated[Optional[float], typer.Option("--vram", metavar="GIB", min=0, help=VRAM_HELP)] = None,
+    vram: Annotated[Optional[str], typer.Option("--vram", metavar="GIB", help=VRAM_HELP)] = None,
     save_latents: Annotated[bool, typer.Option("--save-latents", help="Also write each clip's final latents.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each prompt's output file and whether it would "
                                                             "render, skip or conflict; render nothing.")] = False,
@@ -140,7 +154,7 @@ def render(
 
     try:
         preset = preset or ("h3-base" if model is not None else "tiny")
-        overrides = [*(overrides or ()), *([f"runtime.vram_gib={vram}"] if vram is not None else [])]
+        overrides = [*(overrides or ()), *vram_setting(vram)]
         settings = RunSettings(prompts, output, preset, model, seed, tuple(overrides), json_out, save_latents,
                                force, strict_plugins, parse_shard(shard) if shard is not None else None,
                                Parallel(gpus, cpu_workers, ulysses, nnodes, node_rank, rdzv_endpoint, rdzv_id),
@@ -183,7 +197,7 @@ def bench(
     baseline_clips: Annotated[Optional[int], typer.Option("--baseline-clips", metavar="N", min=1,
                                                           help="With --batch: clips the baseline renders (default: "
                                                                "the batch's N).")] = None,
-    vram: Annotated[Optional[float], typer.Option("--vram", metavar="GIB", min=0, help=VRAM_HELP + " On the "
+    vram: Annotated[Optional[str], typer.Option("--vram", metavar="GIB", help=VRAM_HELP + " On the "
                                                   "measured presets, not the baseline.")] = None,
     sets: Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE", autocompletion=set_keys,
                                                       help="Override a preset value in every measured preset, not "
@@ -204,7 +218,7 @@ def bench(
     try:
         run_bench_command(presets or ["h3-base"], baseline, durations, size, repeat, warmup, random_weights, model,
                           stages, forwards, text_tokens, output, batch, warm_cache, baseline_clips,
-                          [*(sets or ()), *([f"runtime.vram_gib={vram}"] if vram is not None else [])])
+                          [*(sets or ()), *vram_setting(vram)])
     except H3genError as e:
         fail(e)
 

@@ -196,7 +196,7 @@ def _table(value, section: str, where: str) -> dict:
 
 def _check_runtime(runtime: dict, where: str) -> None:
     device, dtype = runtime["device"], runtime["dtype"]
-    if runtime["vram_gib"] < 0:
+    if not 0 <= runtime["vram_gib"] < float("inf"):  # NaN fails this too
         raise UsageError(f"{where} [runtime] vram_gib is {runtime['vram_gib']}", "give GiB above 0, or 0 for what is free")
     if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
         raise UsageError(f"{where} [runtime] device {device!r} is not one h3gen runs on",

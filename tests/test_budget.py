@@ -214,3 +214,18 @@ def test_a_budget_above_what_the_gpu_has_free_plans_for_what_is_free(monkeypatch
     assert "memory plan for 22.5 GiB (--vram 24: what is free on the GPU)" in plan.describe()
     assert plan.record()["asked_gib"] == 24 and plan.record()["vram_gib"] == 22.5
     assert "(--vram" not in full_size_plan(monkeypatch, "h3-base-fp8", 24, host_gib=128).describe()
+
+
+def test_vram_takes_a_number_of_gib_with_or_without_its_unit(prompts_file, tmp_path):
+    from conftest import h3gen
+    from h3gen.cli.main import vram_setting
+
+    assert [vram_setting(text) for text in ("24", "24G", "24gb", " 16GiB ", "0", ".5")] == [
+        ["runtime.vram_gib=24"], ["runtime.vram_gib=24"], ["runtime.vram_gib=24"], ["runtime.vram_gib=16"],
+        ["runtime.vram_gib=0"], ["runtime.vram_gib=0.5"]]
+    assert vram_setting(None) == []
+    for text in ("abc", "nan", "-3", "24 MB", "1e400"):
+        result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--vram", text, check_code=2)
+        assert result.stderr.splitlines()[-1] == (f"h3gen: error: --vram {text} is not a number of GiB (give one "
+                                                  "like 24, 24G or 24GB, or 0 for what is free)")
+    assert not (tmp_path / "out").exists()
