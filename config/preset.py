@@ -239,6 +239,7 @@ def _stage(kind: str, data: dict, registry, where: str, sources: dict, key: str 
     section = dict(_table(data.get(kind, {}), key, where))
     if "use" not in section and kind in OPTIONAL_STAGES and key == kind:
         section["use"] = OPTIONAL_STAGES[kind]
+        sources.setdefault(f"{key}.use", "default")
     name = section.pop("use", None)
     if not isinstance(name, str):
         raise UsageError(f"{where}: [{key}] needs use = \"<registered name>\"",

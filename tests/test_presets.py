@@ -48,6 +48,7 @@ def test_set_overrides_and_records_where_values_came_from(tmp_path):
     assert preset.sources["sampler.steps"] == "--set"
     assert preset.sources["sampler.video_shift"] == "default of sampler 'euler'"
     assert preset.sources["encode.use"] == "preset custom"
+    assert preset.sources["cache.use"] == "default"  # an optional stage the preset leaves out
 
 
 @pytest.mark.parametrize("text, overrides, message", [
