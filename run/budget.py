@@ -56,7 +56,7 @@ class MemoryPlan:
     peak_bytes: int  # estimated device peak of the DiT's forward
     host_bytes: int  # host memory the streamed blocks (pinned) and a streamed text encoder need
     asked: bool = True  # the budget was given (--vram, runtime.vram_gib), not the free memory found at the start
-    asked_bytes: int = 0  # the budget given, where the GPU had less free: the plan is for what it had
+    asked_bytes: int = 0  # the budget given, where the GPU had less free: the plan is for what it had (asked False)
     stream_encoder: bool = False  # the text encoder's layers stream too: it does not fit beside the resident DiT
     ffn_chunk_rows: int = 0  # the feed-forward in passes of this many rows: with every block streamed it still fits
 
@@ -65,8 +65,8 @@ class MemoryPlan:
                  f"{self.blocks - self.streamed} of {self.blocks} DiT blocks resident, {self.streamed} streamed from "
                  "pinned host memory")
         budget = f"{self.budget_bytes / GIB:.1f} GiB" + (
-            "" if self.asked and not self.asked_bytes else
-            f" (--vram {self.asked_bytes / GIB:g}: what is free on the GPU)" if self.asked else " (free on the GPU)")
+            f" (--vram {self.asked_bytes / GIB:g}: what is free on the GPU)" if self.asked_bytes else
+            "" if self.asked else " (free on the GPU)")
         encoder = ", the text encoder streamed layer by layer" if self.stream_encoder else ""
         chunks = f", the feed-forward in {self.ffn_chunk_rows}-row passes" if self.ffn_chunk_rows else ""
         host = f", {self.host_bytes / GIB:.1f} GiB of host memory" if self.host_bytes else ""
@@ -131,7 +131,7 @@ def plan_for(preset, requests, repo, device: str) -> MemoryPlan | None:
 
     def plan_at(budget_bytes: int) -> MemoryPlan:
         def plan_with(activation_bytes: int) -> MemoryPlan:
-            return plan_memory(budget_bytes, sizes, activation_bytes, decoders, asked=bool(budget_gib),
+            return plan_memory(budget_bytes, sizes, activation_bytes, decoders, asked=0 < asked <= budget_bytes,
                                encoder_bytes=encoder_device, streamed_at_least=sampler.stream_blocks)
 
         try:

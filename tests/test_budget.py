@@ -212,7 +212,9 @@ def test_a_budget_above_what_the_gpu_has_free_plans_for_what_is_free(monkeypatch
     plan = full_size_plan(monkeypatch, "h3-base-fp8", 24, host_gib=128, free_gib=22.5)
     assert plan.budget_bytes == int(22.5 * GIB) and plan.peak_bytes <= 22.5 * GIB
     assert "memory plan for 22.5 GiB (--vram 24: what is free on the GPU)" in plan.describe()
-    assert plan.record()["asked_gib"] == 24 and plan.record()["vram_gib"] == 22.5
+    assert plan.record()["asked_gib"] == 24 and plan.record()["vram_gib"] == 22.5 and not plan.record()["asked"]
+    refused = full_size_plan(monkeypatch, "h3-base", 16, host_gib=128, free_gib=12)  # no plan fits what is free
+    assert refused.startswith("no plan fits the DiT in the 12.0 GiB free on the GPU")
     assert "(--vram" not in full_size_plan(monkeypatch, "h3-base-fp8", 24, host_gib=128).describe()
 
 
