@@ -109,7 +109,9 @@ class FP8Rows(NamedTuple):
         row keeps its own scale, so a part is exactly what quantizing that part gives."""
         lead, width = self.shape[:-1], self.shape[-1]
         rows = self.rows.view(*lead, width)[..., start:stop, :]
-        scale = self.scale.view(*lead, 1)[..., start:stop, :]
+        # The scales copied (4 bytes a row): a GEMM's scale vector wants an aligned start, which a view at any row
+        # does not give.
+        scale = self.scale.view(*lead, 1)[..., start:stop, :].clone()
         return FP8Rows(rows.reshape(-1, width), scale.reshape(-1, 1), torch.Size((*rows.shape[:-1], width)),
                        self.dtype)
 
