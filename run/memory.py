@@ -72,19 +72,6 @@ def cuda_index(device=None) -> int:
     return torch.cuda.current_device() if index is None else index
 
 
-def free_bytes(device=None) -> int:
-    """What this process may still allocate on the CUDA device: the device's free memory plus what torch's allocator
-    holds unused, within the per-process cap a memory budget sets (runtime.vram_gib)."""
-    import torch
-
-    device = cuda_index(device)
-    free, total = torch.cuda.mem_get_info(device)
-    allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-    fraction = torch.cuda.get_per_process_memory_fraction(device) if hasattr(
-        torch.cuda, "get_per_process_memory_fraction") else 1.0
-    return int(max(0, min(free + reserved - allocated, fraction * total - allocated)))
-
-
 def free_on_device(device=None) -> int:
     """What the CUDA device has free for this process, whatever cap an earlier budget set on its allocator: the
     device's free memory plus what the allocator holds unused."""
@@ -93,6 +80,18 @@ def free_on_device(device=None) -> int:
     device = cuda_index(device)
     free, _ = torch.cuda.mem_get_info(device)
     return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def free_bytes(device=None) -> int:
+    """What this process may still allocate on the CUDA device: `free_on_device` within the per-process cap a
+    memory budget sets (runtime.vram_gib)."""
+    import torch
+
+    device = cuda_index(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = torch.cuda.get_per_process_memory_fraction(device) if hasattr(
+        torch.cuda, "get_per_process_memory_fraction") else 1.0
+    return int(max(0, min(free_on_device(device), fraction * total - torch.cuda.memory_allocated(device))))
 
 
 def cuda_fit_warning(requests: list[Request], transformer_config: dict, element_bytes: int) -> str | None:
