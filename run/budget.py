@@ -144,11 +144,9 @@ def plan_for(preset, requests, repo, device: str) -> MemoryPlan | None:
             plan = dataclasses.replace(plan_with(chunked), ffn_chunk_rows=FFN_CHUNK_ROWS)
         if plan.stream_encoder:  # it loads in host memory at the checkpoint's precision, then streams from there
             plan = dataclasses.replace(plan, host_bytes=plan.host_bytes + encoder_host)
-        return plan
+        return dataclasses.replace(plan, asked_bytes=asked) if budget_bytes < asked else plan
 
     plan = plan_at(budget)
-    if budget < asked:
-        plan = dataclasses.replace(plan, asked_bytes=asked)
     available = host_available_bytes()
     if plan.host_bytes > available:
         raise UsageError(f"{plan.describe()}, and this machine has {available / GIB:.1f} GiB of host memory free",
