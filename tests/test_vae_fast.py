@@ -311,3 +311,61 @@ def test_fp8_decoder_blocks_take_their_norms_as_fp8_rows_bit_for_bit(vae, monkey
         assert len(calls) == 3  # the second norm of each block, and the first of the next
         monkeypatch.setattr(vit, "FP8RowwiseLinear", type("NotFP8", (), {}))
         assert torch.equal(vit.FastViTDecoder(quantized)(tiles), fused) and len(calls) == 3
+
+
+def bf16_decoder_on(vae, device):
+    bf16 = copy.deepcopy(vae)
+    keep = set(bf16._keep_in_fp32_modules)
+    for name, param in bf16.named_parameters():
+        if not keep & set(name.split(".")):
+            param.data = param.data.to(torch.bfloat16)
+    return bf16.to(device)
+
+
+def relative(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def test_fa3_fp8_decoder_attends_on_the_norm_kernels_e4m3_heads(vae, monkeypatch):
+    """With fa3-fp8 the QK-norm kernel writes q, k and v in e4m3 once per block and attention takes them as they
+    are. On the CPU, where fa3-fwd is absent, the decoder falls back and gives `auto`'s tiles; with the backend
+    forced and the kernel replaced by its fp32 reference, the tiles stay within e4m3's error of bf16 attention's
+    (measured 5.8e-3 here; bound 5e-2)."""
+    from h3gen.kernels.attention import Choice
+    from h3gen.kernels.attention_fa3_fp8 import attend_fp8_reference
+    from h3gen.models.vae import vit
+
+    bf16 = bf16_decoder_on(vae, "cpu")
+    tiles = torch.randn(2, 24, 7, 4, 5)
+    with torch.inference_mode():
+        plain = vit.FastViTDecoder(bf16)(tiles)
+        assert torch.equal(vit.FastViTDecoder(bf16, backend="fa3-fp8")(tiles), plain)
+        calls = []
+        fused_norm = vit.qk_norm_rope_fp8
+        monkeypatch.setattr(vit, "choose_backend", lambda *args: Choice("fa3-fp8"))
+        monkeypatch.setattr(vit, "attend_fp8", lambda heads: attend_fp8_reference(heads).to(torch.bfloat16))
+        monkeypatch.setattr(vit, "qk_norm_rope_fp8", lambda *args: calls.append(1) or fused_norm(*args))
+        fp8 = vit.FastViTDecoder(bf16, backend="fa3-fp8")(tiles)
+    assert len(calls) == len(bf16.decoder.transformer_blocks)
+    assert 1e-4 < relative(fp8, plain) < 5e-2
+
+
+@pytest.mark.cuda
+def test_fa3_fp8_decoder_on_the_gpu_is_as_close_as_quantizing_bf16_heads(vae, monkeypatch):
+    """On Hopper with fa3-fwd: the decoder's tiles with q, k, v in e4m3 from the norm kernel are as close to bf16
+    FA3's as those of attention quantizing the bf16 heads itself (scales from each head's largest value)."""
+    from h3gen.kernels.attention import choose_backend
+    from h3gen.models.vae import vit
+
+    if choose_backend("cuda", "fa3-fp8", torch.bfloat16, 16).fallback_reason:
+        pytest.skip("needs an sm90 GPU and fa3-fwd")
+    bf16 = bf16_decoder_on(vae, "cuda")
+    tiles = torch.randn(4, 24, 7, 8, 8, device="cuda")
+    with torch.inference_mode():
+        reference = vit.FastViTDecoder(bf16, backend="fa3")(tiles)
+        fused = vit.FastViTDecoder(bf16, backend="fa3-fp8")(tiles)
+        monkeypatch.setattr(vit, "choose_backend", lambda *args: choose_backend(args[0], "fa3"))
+        quantized_in_attention = vit.FastViTDecoder(bf16, backend="fa3-fp8")(tiles)
+    fused_error, unfused_error = relative(fused, reference), relative(quantized_in_attention, reference)
+    assert 0 < fused_error < 5e-2 and 0 < unfused_error < 5e-2
+    assert fused_error < 1.25 * unfused_error, (fused_error, unfused_error)

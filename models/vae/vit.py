@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from h3gen.kernels.attention import attention
-from h3gen.kernels.qk_norm_rope import qk_norm_rope
+from h3gen.kernels.attention import attention, choose_backend
+from h3gen.kernels.attention_fa3_fp8 import attend_fp8
+from h3gen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_fp8
 from h3gen.kernels.residual_rmsnorm import residual_rmsnorm, residual_rmsnorm_quantized
 from h3gen.kernels.swiglu import swiglu, swiglu_reference
 from h3gen.models.quant_linear import FP8Rows, FP8RowwiseLinear, project, swiglu_linear
@@ -110,14 +111,24 @@ def fused_block_forward(hidden, normed, w: BlockWeights, next_norm, qk_weight, c
     Q and K are normalized (`qk_weight`: ones) and rotated over their columns of the projection; `cos`, `sin` (L,
     rotary_dim)."""
     qkv = project(w.qkv, normed)
-    q, k, v = qk_norm_rope(qkv, shape.heads, qk_weight, qk_weight, shape.qk_eps, cos, sin, in_place=True)
-    attended = attention(q, k, v, shape.backend).flatten(2)
-    del qkv, q, k, v
+    attended = attend(qkv, qk_weight, cos, sin, shape).flatten(2)
+    del qkv
     dtype = normed.dtype
     normed = residual_norm(hidden, w.out(attended), w.scale1, w.norm2, shape, dtype, w.up_gate)
     branch = swiglu_linear(w.down, project(w.up_gate, normed), swiglu)
     # The next block's projection is quantized as this one's is.
     return residual_norm(hidden, branch, w.scale2, next_norm, shape, dtype, w.qkv)
+
+
+def attend(qkv, qk_weight, cos, sin, shape: BlockShape):
+    """Q and K normed and rotated over their part of the projection `qkv`, then attention. On fa3-fp8 the norm
+    kernel writes q, k and v in e4m3 (q's and k's scales bounded by the norm, as in the DiT) instead of bf16 heads
+    that attention would read again to scale and quantize."""
+    args = (qkv, shape.heads, qk_weight, qk_weight, shape.qk_eps, cos, sin)
+    if choose_backend(qkv.device, shape.backend, qkv.dtype, qk_weight.shape[0]).name == "fa3-fp8":
+        return attend_fp8(qk_norm_rope_fp8(*args))
+    q, k, v = qk_norm_rope(*args, in_place=True)
+    return attention(q, k, v, shape.backend)
 
 
 def residual_norm(hidden, branch, scale, norm_weight, shape: BlockShape, dtype, into=None):
