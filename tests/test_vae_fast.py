@@ -39,6 +39,20 @@ def randomize_decoder(model):
                 param.normal_(0, 0.5)
 
 
+def bf16_decoder_on(vae, device):
+    """A bf16 copy of `vae` on `device`, its checkpoint's float32 islands kept, as loading keeps them."""
+    bf16 = copy.deepcopy(vae)
+    keep = set(bf16._keep_in_fp32_modules)
+    for name, param in bf16.named_parameters():
+        if not keep & set(name.split(".")):
+            param.data = param.data.to(torch.bfloat16)
+    return bf16.to(device)
+
+
+def relative(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
 def test_split_tiles_is_diffusers(vae):
     for length in range(16, 1600, 16):
         for tile, overlap in ((256, 64), (192, 32), (64, 16), (320, 48)):
@@ -204,11 +218,7 @@ def test_fused_block_rounds_as_the_unfused_one(vae):
     kernels' parity with their references is test_kernels.py's)."""
     from h3gen.models.vae.vit import FastViTDecoder, block_forward
 
-    bf16 = copy.deepcopy(vae)
-    keep = set(bf16._keep_in_fp32_modules)  # the checkpoint's float32 islands, as loading keeps them
-    for name, param in bf16.named_parameters():
-        if not keep & set(name.split(".")):
-            param.data = param.data.to(torch.bfloat16)
+    bf16 = bf16_decoder_on(vae, "cpu")
     tiles = torch.randn(2, 24, 7, 4, 5)
     unfused = FastViTDecoder(bf16)
     unfused.block = block_forward
@@ -311,19 +321,6 @@ def test_fp8_decoder_blocks_take_their_norms_as_fp8_rows_bit_for_bit(vae, monkey
         assert len(calls) == 3  # the second norm of each block, and the first of the next
         monkeypatch.setattr(vit, "FP8RowwiseLinear", type("NotFP8", (), {}))
         assert torch.equal(vit.FastViTDecoder(quantized)(tiles), fused) and len(calls) == 3
-
-
-def bf16_decoder_on(vae, device):
-    bf16 = copy.deepcopy(vae)
-    keep = set(bf16._keep_in_fp32_modules)
-    for name, param in bf16.named_parameters():
-        if not keep & set(name.split(".")):
-            param.data = param.data.to(torch.bfloat16)
-    return bf16.to(device)
-
-
-def relative(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def test_fa3_fp8_decoder_attends_on_the_norm_kernels_e4m3_heads(vae, monkeypatch):
