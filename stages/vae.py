@@ -116,7 +116,7 @@ class FastVAEConfig:
     tile_batch: int = 0
     max_tile_batch: int = 16
     # Attention backend of the fast decoder (h3gen.kernels.attention): sdpa (PyTorch's own pick, the kernel diffusers'
-    # decoder runs), auto, flash-attn-4, sdpa-cudnn, sdpa-flash.
+    # decoder runs), auto, fa3, fa3-fp8, flash-attn-4, sdpa-cudnn, sdpa-flash.
     attention: str = "sdpa"
     # torch.compile around one decoder block (one compile serves all blocks; the first clip pays for it). Inductor
     # writes its own norms: it needs exact_norms = false.
