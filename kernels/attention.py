@@ -59,6 +59,10 @@ class Choice:
     name: str
     fallback_reason: str | None = None
 
+    def describe(self) -> str:
+        """The name, and the reason in brackets when this is not the backend asked for."""
+        return self.name if self.fallback_reason is None else f"{self.name} ({self.fallback_reason})"
+
 
 def fa3_refusal(device, dtype, head_dim) -> str | None:
     """Why FlashAttention-3's forward cannot take these inputs, or None. The fa3-fwd build has sm90 kernels for bf16

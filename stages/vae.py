@@ -165,6 +165,12 @@ class FastVAE(ReferenceVAE):
         else:
             self.decoder = FastViTDecoder(vae, self.config.attention, self.config.compile, self.config.exact_norms)
 
+    def load_note(self) -> str:
+        """The decoder's attention backend when the preset names one, with the reason when another runs."""
+        if self.config.exact or self.config.attention == "sdpa":
+            return ""
+        return f"decoder attention {self.decoder.attention_backend_name()}"
+
     def lead(self) -> bool:
         """Whether this rank ends up with the frames: always alone, the group's first rank in a group."""
         from h3gen.parallel.vae_split import is_lead

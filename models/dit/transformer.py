@@ -335,9 +335,8 @@ class FastH3Transformer(nn.Module):
     def attention_backend_name(self):
         """The backend the blocks run, with the reason when it is not the one asked for."""
         # The blocks' dtype (proj_in is one of the checkpoint's fp32 modules).
-        choice = choose_backend(self.proj_in.weight.device, self.attention_backend, self.context_embedder.weight.dtype,
-                                self.config.attention_head_dim)
-        return choice.name if choice.fallback_reason is None else f"{choice.name} ({choice.fallback_reason})"
+        return choose_backend(self.proj_in.weight.device, self.attention_backend, self.context_embedder.weight.dtype,
+                              self.config.attention_head_dim).describe()
 
     def resident_bytes(self):
         tensors = [*self.parameters(), *self.buffers()]
