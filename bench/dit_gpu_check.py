@@ -3,7 +3,8 @@
 Usage (diffusers importable, e.g. on PYTHONPATH; h3gen installed):
     python3 bench/dit_gpu_check.py [PHASES] [--only=NAME,...] [--tiny]
 PHASES, comma separated (default all): kernels (Triton kernels vs torch references, full-size shapes),
-attn (attention alone per backend), ref (diffusers as shipped and with SDPA forced to cuDNN), fast (the fast
+attn (attention alone per backend; fa3 and fa3-fp8 also 50 calls back to back, with the SM clock and power
+nvidia-smi reads meanwhile, as every timed forward records them), ref (diffusers as shipped and with SDPA forced to cuDNN), fast (the fast
 model, built from the reference's weights, per switch combination; accuracy needs `ref` in the same run).
 --only keeps those forward variants (reference and fast, as named in the printed table).
 --profile=NAME,... with the `profile` phase: the CUDA kernels of one forward of those variants, by total time.
@@ -34,6 +35,7 @@ LAYOUT = dict(text=8, frames=3, height=4, width=6, audio=5) if TINY else dict(te
                                                                               width=84, audio=405)
 results = {}
 BLOCK_IO = {}  # block index -> (input, output) of diffusers' block, for per-block parity free of depth amplification
+LAST_CLOCKS = {}  # GpuClocks' summary of the last timed forward
 
 
 
@@ -56,6 +58,38 @@ def timed(fn):
     out = fn()
     sync()
     return out, time.perf_counter() - start
+
+
+class GpuClocks:
+    """The SM clock (MHz) and board power (W) nvidia-smi reads every 100 ms while the block runs, summarized in
+    `summary`; empty on the CPU or where nvidia-smi is missing. Tells a kernel slower in the model than alone from a
+    clock lowered by sustained load."""
+
+    def __enter__(self):
+        import shutil
+        import subprocess
+
+        self.proc, self.summary = None, {}
+        if DEVICE.type == "cuda" and shutil.which("nvidia-smi"):
+            self.proc = subprocess.Popen(["nvidia-smi", "-i", str(torch.cuda.current_device()), "-lms", "100",
+                                          "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        samples = []
+        for line in self.proc.communicate()[0].splitlines():
+            try:
+                samples.append(tuple(float(x) for x in line.split(",")))
+            except ValueError:
+                continue
+        if samples:
+            clocks, power = sorted(c for c, _ in samples), sorted(p for _, p in samples)
+            self.summary = dict(sm_mhz_min=clocks[0], sm_mhz_median=clocks[len(clocks) // 2], sm_mhz_max=clocks[-1],
+                                power_w_median=power[len(power) // 2], samples=len(samples))
 
 
 def gib(n_bytes):
@@ -187,7 +221,10 @@ def warm_then_time(model, inputs, call, capture=None):
         for hook in hooks:
             hook.remove()
     peak_reset()
-    out, seconds = timed(lambda: call(model, inputs))
+    with GpuClocks() as clocks:
+        out, seconds = timed(lambda: call(model, inputs))
+    LAST_CLOCKS.clear()
+    LAST_CLOCKS.update(clocks.summary)
     return out, seconds
 
 
@@ -297,9 +334,28 @@ def phase_attention():
         except Exception as exc:
             log(f"attention_{name}_model_layout_error", repr(exc)[:300])
     if DEVICE.type == "cuda":
+        sustained_attention(q, k, v, seq_len)
         flash_attn_4_options(q, k, v, expected)
         fp8_attention_configs(q, k, v, expected)
         cudnn_fp8_plans(q, k, v, expected)
+
+
+def sustained_attention(q, k, v, seq_len, calls=50):
+    """`calls` back-to-back calls per backend, as the 50 blocks of a forward make them (without the GEMMs between),
+    with the clock they ran at: the per-call time a forward can expect, against one call from an idle GPU."""
+    from h3gen.kernels.attention import attention
+
+    for name in ("fa3", "fa3-fp8"):
+        try:
+            timed(lambda: attention(q, k, v, name))
+            with GpuClocks() as clocks:
+                _, seconds = timed(lambda: [attention(q, k, v, name) for _ in range(calls)])
+            per_call = seconds / calls
+            log(f"attention_{name}_sustained", dict(calls=calls, seconds_per_call=round(per_call, 4),
+                                                    tflops=round(4 * seq_len**2 * 56 * 128 / per_call / 1e12, 1),
+                                                    clocks=clocks.summary))
+        except Exception as exc:
+            log(f"attention_{name}_sustained_error", repr(exc)[:300])
 
 
 def attention_row(run, expected, seq_len):
@@ -405,7 +461,8 @@ def run_reference(config, inputs, time_forwards):
         outputs[name] = out
         row = dict(seconds=round(seconds, 2), tflops=round(flop / seconds / 1e12, 1),
                    peak_GiB=peak_gib(sum(p.numel() * p.element_size() for p in model.parameters())),
-                   weights_GiB=results["reference_weights_GiB"], attention=str(backend.name).lower() if backend else "sdpa")
+                   weights_GiB=results["reference_weights_GiB"], attention=str(backend.name).lower() if backend else "sdpa",
+                   clocks=dict(LAST_CLOCKS))
         if name != "diffusers" and "diffusers" in outputs:
             row.update(compare(out, outputs["diffusers"]))
         log(name, row)
@@ -507,7 +564,8 @@ def run_fast(config, inputs, schedule, reference, outputs):
             out, seconds = warm_then_time(model, inputs, lambda m, kw: m(**kw))
             row = dict(seconds=round(seconds, 2), tflops=round(flop / seconds / 1e12, 1),
                        peak_GiB=peak_gib(model.resident_bytes()),
-                       weights_GiB=gib(model.resident_bytes()), attention=model.attention_backend_name())
+                       weights_GiB=gib(model.resident_bytes()), attention=model.attention_backend_name(),
+                       clocks=dict(LAST_CLOCKS))
             row.update(block_parity(model, inputs))
             for ref_name, ref_out in outputs.items():
                 row.update({f"{k}_vs_{ref_name}": v for k, v in compare(out, ref_out).items()
