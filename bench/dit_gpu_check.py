@@ -4,8 +4,9 @@ Usage (diffusers importable, e.g. on PYTHONPATH; h3gen installed):
     python3 bench/dit_gpu_check.py [PHASES] [--only=NAME,...] [--tiny]
 PHASES, comma separated (default all): kernels (Triton kernels vs torch references, full-size shapes),
 attn (attention alone per backend; fa3 and fa3-fp8 also 50 calls back to back, with the SM clock and power
-nvidia-smi reads meanwhile, as every timed forward records them), ref (diffusers as shipped and with SDPA forced to cuDNN), fast (the fast
-model, built from the reference's weights, per switch combination; accuracy needs `ref` in the same run).
+nvidia-smi reads meanwhile, as every timed forward records them), ref (diffusers as shipped and with SDPA forced
+to cuDNN), fast (the fast model, built from the reference's weights, per switch combination; accuracy needs `ref`
+in the same run).
 --only keeps those forward variants (reference and fast, as named in the printed table).
 --profile=NAME,... with the `profile` phase: the CUDA kernels of one forward of those variants, by total time.
 --tiny runs a small config on the CPU as a dry run. Results: $OUT/dit_gpu_check.json (written as it goes).
