@@ -79,6 +79,12 @@ def media(path: Path) -> list[bytes]:
         return [bytes(packet) for packet in container.demux() if packet.size]
 
 
+def norm_relative_error(actual, expected) -> float:
+    """How far `actual` is from `expected`, relative to `expected`'s size: the ratio of norms, in float32."""
+    actual, expected = actual.detach().float(), expected.detach().float()
+    return float((actual - expected).norm() / expected.norm())
+
+
 @pytest.fixture
 def prompts_file(tmp_path):
     def write(text: str) -> Path:

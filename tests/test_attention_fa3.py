@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from conftest import run_parity_under_triton_interpreter
+from conftest import norm_relative_error, run_parity_under_triton_interpreter
 from h3gen.kernels.attention import attention, attention_backend, choose_backend
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -81,10 +81,6 @@ def fp32_attention(q, k, v):
     return out.transpose(1, 2)
 
 
-def rel_err(out, ref):
-    return ((out.float() - ref).norm() / ref.norm()).item()
-
-
 @pytest.mark.cuda
 @on_hopper_with_fa3
 def test_fa3_against_fp32_attention_on_the_gpu():
@@ -92,7 +88,7 @@ def test_fa3_against_fp32_attention_on_the_gpu():
     assert attention_backend("cuda") == "fa3"
     for length, heads, head_dim in ((4096, 56, 128), (1797, 7, 128), (73, 32, 64)):
         q, k, v = torch.randn(3, 1, length, heads, head_dim, device="cuda", dtype=torch.bfloat16).unbind(0)
-        assert rel_err(attention(q, k, v, "fa3"), fp32_attention(q, k, v)) < 5e-3
+        assert norm_relative_error(attention(q, k, v, "fa3"), fp32_attention(q, k, v)) < 5e-3
 
 
 @pytest.mark.cuda
@@ -113,5 +109,5 @@ def test_fa3_fp8_fused_and_unfused_against_fp32_attention_on_the_gpu():
     expected = qk_norm_rope_fp8_reference(*args)
     for a, e in zip(fused[:3], expected[:3]):  # the GPU rounds as torch does: the same bytes bar the odd tie
         assert (a.view(torch.uint8) != e.view(torch.uint8)).float().mean() < 1e-3
-    assert rel_err(attend_fp8(fused), reference) < 8e-2
-    assert rel_err(attention(q, k, v, "fa3-fp8"), reference) < 8e-2
+    assert norm_relative_error(attend_fp8(fused), reference) < 8e-2
+    assert norm_relative_error(attention(q, k, v, "fa3-fp8"), reference) < 8e-2

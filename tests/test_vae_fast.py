@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import norm_relative_error
 from h3gen.models.vae.tiles import ChunkJoiner, DecodePlan, plan_decode, split_tiles, stitch
 
 EXACT_FLOAT, FAST_FLOAT = 1e-5, 2e-5
@@ -47,10 +48,6 @@ def bf16_decoder_on(vae, device):
         if not keep & set(name.split(".")):
             param.data = param.data.to(torch.bfloat16)
     return bf16.to(device)
-
-
-def relative(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def test_split_tiles_is_diffusers(vae):
@@ -346,7 +343,7 @@ def test_fa3_fp8_decoder_attends_on_the_norm_kernels_e4m3_heads(vae, monkeypatch
         monkeypatch.setattr(vit, "qk_norm_rope_fp8", lambda *args: calls.append(1) or fused_norm(*args))
         fp8 = vit.FastViTDecoder(bf16, backend="fa3-fp8")(tiles)
     assert len(calls) == len(bf16.decoder.transformer_blocks)
-    assert 1e-4 < relative(fp8, plain) < 5e-2
+    assert 1e-4 < norm_relative_error(fp8, plain) < 5e-2
 
 
 @pytest.mark.cuda
@@ -365,6 +362,6 @@ def test_fa3_fp8_decoder_on_the_gpu_is_as_close_as_quantizing_bf16_heads(vae, mo
         fused = vit.FastViTDecoder(bf16, backend="fa3-fp8")(tiles)
         monkeypatch.setattr(vit, "choose_backend", lambda *args: choose_backend(args[0], "fa3"))
         quantized_in_attention = vit.FastViTDecoder(bf16, backend="fa3-fp8")(tiles)
-    fused_error, unfused_error = relative(fused, reference), relative(quantized_in_attention, reference)
+    fused_error, unfused_error = norm_relative_error(fused, reference), norm_relative_error(quantized_in_attention, reference)
     assert 0 < fused_error < 5e-2 and 0 < unfused_error < 5e-2
     assert fused_error < 1.25 * unfused_error, (fused_error, unfused_error)
