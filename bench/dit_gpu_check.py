@@ -36,7 +36,6 @@ LAYOUT = dict(text=8, frames=3, height=4, width=6, audio=5) if TINY else dict(te
                                                                               width=84, audio=405)
 results = {}
 BLOCK_IO = {}  # block index -> (input, output) of diffusers' block, for per-block parity free of depth amplification
-LAST_CLOCKS = {}  # GpuClocks' summary of the last timed forward
 
 
 
@@ -206,8 +205,9 @@ def random_reference(config):
 
 
 def warm_then_time(model, inputs, call, capture=None):
-    """One forward through the first two blocks (JIT, autotune, compile), then one timed full forward.
-    With `capture` (a dict), the warm-up records each of those blocks' input and output for `block_parity`."""
+    """One forward through the first two blocks (JIT, autotune, compile), then one timed full forward: its output,
+    seconds and `GpuClocks` summary. With `capture` (a dict), the warm-up records each of those blocks' input and
+    output for `block_parity`."""
     blocks = model.transformer_blocks
     model.transformer_blocks = blocks[:2]
     hooks = []
@@ -224,9 +224,7 @@ def warm_then_time(model, inputs, call, capture=None):
     peak_reset()
     with GpuClocks() as clocks:
         out, seconds = timed(lambda: call(model, inputs))
-    LAST_CLOCKS.clear()
-    LAST_CLOCKS.update(clocks.summary)
-    return out, seconds
+    return out, seconds, clocks.summary
 
 
 def phase_kernels():
@@ -320,7 +318,7 @@ def phase_attention():
             _, seconds = timed(lambda: attention(q, k, v, name))
             expected = out if expected is None else expected
             log(f"attention_{name}", dict(seconds=round(seconds, 4), first_call_s=round(first, 2),
-                                          tflops=round(4 * seq_len**2 * 56 * 128 / seconds / 1e12, 1),
+                                          tflops=attention_tflops(seq_len, seconds),
                                           rel_err_vs_first=float((out.float() - expected.float()).norm()
                                                                  / expected.float().norm())))
         except Exception as exc:  # an optional backend may be missing on this machine
@@ -341,6 +339,11 @@ def phase_attention():
         cudnn_fp8_plans(q, k, v, expected)
 
 
+def attention_tflops(seq_len, seconds):
+    """TFLOP/s of one attention call over 56 heads of 128 at `seq_len` rows."""
+    return round(4 * seq_len**2 * 56 * 128 / seconds / 1e12, 1)
+
+
 def sustained_attention(q, k, v, seq_len, calls=50):
     """`calls` back-to-back calls per backend, as the 50 blocks of a forward make them (without the GEMMs between),
     with the clock they ran at: the per-call time a forward can expect, against one call from an idle GPU."""
@@ -353,7 +356,7 @@ def sustained_attention(q, k, v, seq_len, calls=50):
                 _, seconds = timed(lambda: [attention(q, k, v, name) for _ in range(calls)])
             per_call = seconds / calls
             log(f"attention_{name}_sustained", dict(calls=calls, seconds_per_call=round(per_call, 4),
-                                                    tflops=round(4 * seq_len**2 * 56 * 128 / per_call / 1e12, 1),
+                                                    tflops=attention_tflops(seq_len, per_call),
                                                     clocks=clocks.summary))
         except Exception as exc:
             log(f"attention_{name}_sustained_error", repr(exc)[:300])
@@ -363,7 +366,7 @@ def attention_row(run, expected, seq_len):
     out, first = timed(run)
     _, seconds = timed(run)
     return dict(seconds=round(seconds, 4), first_call_s=round(first, 2),
-                tflops=round(4 * seq_len**2 * 56 * 128 / seconds / 1e12, 1),
+                tflops=attention_tflops(seq_len, seconds),
                 rel_err_vs_first=float((out.float() - expected.float()).norm() / expected.float().norm()))
 
 
@@ -458,12 +461,12 @@ def run_reference(config, inputs, time_forwards):
             with sdpa_kernel([backend]):
                 return m(**kw, return_dict=False)
         with torch.no_grad():
-            out, seconds = warm_then_time(model, inputs, call, BLOCK_IO if name == "diffusers" else None)
+            out, seconds, clocks = warm_then_time(model, inputs, call, BLOCK_IO if name == "diffusers" else None)
         outputs[name] = out
         row = dict(seconds=round(seconds, 2), tflops=round(flop / seconds / 1e12, 1),
                    peak_GiB=peak_gib(sum(p.numel() * p.element_size() for p in model.parameters())),
                    weights_GiB=results["reference_weights_GiB"], attention=str(backend.name).lower() if backend else "sdpa",
-                   clocks=dict(LAST_CLOCKS))
+                   clocks=clocks)
         if name != "diffusers" and "diffusers" in outputs:
             row.update(compare(out, outputs["diffusers"]))
         log(name, row)
@@ -562,11 +565,11 @@ def run_fast(config, inputs, schedule, reference, outputs):
             continue
         try:
             model.configure(**{"exact_norms": False, **switches})
-            out, seconds = warm_then_time(model, inputs, lambda m, kw: m(**kw))
+            out, seconds, clocks = warm_then_time(model, inputs, lambda m, kw: m(**kw))
             row = dict(seconds=round(seconds, 2), tflops=round(flop / seconds / 1e12, 1),
                        peak_GiB=peak_gib(model.resident_bytes()),
                        weights_GiB=gib(model.resident_bytes()), attention=model.attention_backend_name(),
-                       clocks=dict(LAST_CLOCKS))
+                       clocks=clocks)
             row.update(block_parity(model, inputs))
             for ref_name, ref_out in outputs.items():
                 row.update({f"{k}_vs_{ref_name}": v for k, v in compare(out, ref_out).items()
