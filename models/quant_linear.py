@@ -76,19 +76,26 @@ class FP8RowwiseLinear(nn.Module):
         rows, row_scale = quantize_rows(x.reshape(-1, self.in_features))
         return self.project(rows, row_scale, x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def project(self, rows: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def project(self, rows: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """(M, out_features) in `dtype` from activations already quantized: fp8 `rows` (M, in_features) and their
-        fp32 scales (M, 1), as `quantize_rows` makes them."""
+        fp32 scales (M, 1), as `quantize_rows` makes them. With `out` (M, out_features), contiguous, the product is
+        written there (by the GEMM itself on Hopper) and `out` returned."""
         weight, bias = self.weight_bits.view(FP8), self.bias
         # The bias is added to the float32 product before its one rounding, in the GEMM's epilogue on Hopper.
         if self.matmul == "scaled_mm":
             # Row-wise scaling wants bf16 out (and a bf16 bias), the weight column-major (a transposed row-major
             # tensor is) and scales shaped (M, 1) and (1, N).
-            return torch._scaled_mm(rows, weight.t(), scale_a=row_scale, scale_b=self.weight_scale[None, :],
-                                    bias=None if bias is None else bias.to(torch.bfloat16),
-                                    out_dtype=torch.bfloat16, use_fast_accum=self.fast_accum).to(dtype)
-        out = F.linear(rows.float(), weight.float()) * row_scale * self.weight_scale[None, :]
-        return (out if bias is None else out + bias.float()).to(dtype)
+            args = (rows, weight.t())
+            options = dict(scale_a=row_scale, scale_b=self.weight_scale[None, :], out_dtype=torch.bfloat16,
+                           bias=None if bias is None else bias.to(torch.bfloat16), use_fast_accum=self.fast_accum)
+            if out is not None and out.dtype == torch.bfloat16:
+                return torch._scaled_mm(*args, **options, out=out)
+            product = torch._scaled_mm(*args, **options).to(dtype)
+        else:
+            product = F.linear(rows.float(), weight.float()) * row_scale * self.weight_scale[None, :]
+            product = (product if bias is None else product + bias.float()).to(dtype)
+        return product if out is None else out.copy_(product)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, matmul={self.matmul}"
@@ -123,15 +130,21 @@ def project(linear: nn.Module, x) -> torch.Tensor:
     return linear(x)
 
 
-def swiglu_linear(linear: nn.Module, up_gate: torch.Tensor, swiglu) -> torch.Tensor:
-    """`linear(swiglu(up_gate))`. An FP8 linear gets h3gen's SwiGLU as FP8 rows from one fused kernel: the values
-    `quantize_rows` gives on the SwiGLU's output, without that output ever being written."""
+def swiglu_linear(linear: nn.Module, up_gate: torch.Tensor, swiglu, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear(swiglu(up_gate))`, written into `out` (of the result's shape) when given. An FP8 linear gets h3gen's
+    SwiGLU as FP8 rows from one fused kernel: the values `quantize_rows` gives on the SwiGLU's output, without that
+    output ever being written; its GEMM writes a contiguous `out` itself."""
     if not isinstance(linear, FP8RowwiseLinear):
-        return linear(swiglu(up_gate))
+        result = linear(swiglu(up_gate))
+        return result if out is None else out.copy_(result)
     from h3gen.kernels.swiglu import swiglu_quantized
 
     rows, row_scale = swiglu_quantized(up_gate)
-    return linear.project(rows, row_scale, up_gate.dtype).reshape(*up_gate.shape[:-1], linear.out_features)
+    if out is not None and out.is_contiguous():
+        linear.project(rows, row_scale, up_gate.dtype, out.view(-1, linear.out_features))
+        return out
+    result = linear.project(rows, row_scale, up_gate.dtype).reshape(*up_gate.shape[:-1], linear.out_features)
+    return result if out is None else out.copy_(result)
 
 
 class Int8WeightOnlyLinear(nn.Module):

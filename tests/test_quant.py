@@ -280,3 +280,22 @@ def test_a_part_of_fp8_rows_is_that_part_quantized():
         expected_rows, expected_scale = quantize_rows_reference(x[..., start:stop, :].reshape(-1, 16))
         assert part.shape == x[..., start:stop, :].shape and part.dtype == x.dtype
         assert torch.equal(part.rows.float(), expected_rows.float()) and torch.equal(part.scale, expected_scale)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_swiglu_linear_writes_into_the_rows_it_is_given(device):
+    """The chunked feed-forward hands the down projection its rows of the block's output: contiguous (one batch
+    item) the GEMM writes them itself, strided (several) they are copied; either way the values of a fresh result."""
+    from h3gen.kernels.swiglu import swiglu
+    from h3gen.models.quant_linear import swiglu_linear
+
+    torch.manual_seed(0)
+    matmul = "scaled_mm" if device == "cuda" else "reference"
+    down = FP8RowwiseLinear.from_linear(nn.Linear(32, 16, bias=False), matmul).to(device)
+    for batch in (1, 2):
+        up_gate = torch.randn(batch, 12, 64, device=device).to(torch.bfloat16)
+        expected = swiglu_linear(down, up_gate, swiglu)
+        out = torch.zeros(batch, 20, 16, device=device, dtype=torch.bfloat16)
+        rows = out[:, 4:16, :]
+        assert swiglu_linear(down, up_gate, swiglu, out=rows) is rows
+        assert torch.equal(rows, expected) and not out[:, :4].any() and not out[:, 16:].any()

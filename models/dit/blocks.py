@@ -166,7 +166,7 @@ class SwiGLUFeedForward(nn.Module):
         for start in range(0, rows, self.chunk_rows):
             stop = start + self.chunk_rows
             part = x.part(start, stop) if isinstance(x, FP8Rows) else x[..., start:stop, :]
-            out[..., start:stop, :] = swiglu_linear(self.down, project(self.up_gate, part), ops.swiglu)
+            swiglu_linear(self.down, project(self.up_gate, part), ops.swiglu, out=out[..., start:stop, :])
         return out
 
 
