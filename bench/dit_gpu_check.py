@@ -271,54 +271,36 @@ def phase_kernels():
                       1e-5, *(t.float() for t in rnd(2, 16 * 1797, 48)))
         qk_norm_rope_launch_shapes(bench, {"dit": cases["qk_norm_rope"][1], "decoder": decoder_qk})
         qk_norm_rope_fp8_launch_shapes(bench, cases["qk_norm_rope_fp8"][1])
-        rmsnorm_modulate_launch_shapes(bench, cases["rmsnorm_modulate"][1])
 
 
 def qk_norm_rope_launch_shapes(bench, cases):
     """The Q/K kernel's time per launch shape, and whether a shape changes any value: the shape decides the order
-    Triton sums a head's squares in, so it is part of the kernel's numerics. Rows a program (DiT only) do not."""
+    Triton sums a head's squares in, so it is part of the kernel's numerics."""
     from h3gen.kernels.qk_norm_rope import qk_norm_rope_triton
 
     for label, args in cases.items():
         expected = qk_norm_rope_triton(*args)
-        shapes = ([(h, w, 1) for h in (8, 16, 32, 64) for w in (2, 4, 8)] if label == "decoder" else
-                  [(h, w, r) for h in (8, 32) for w in (2, 4) for r in (1, 2, 4, 8)])
-        for heads_block, warps, rows in shapes:
-            run = lambda: qk_norm_rope_triton(*args, heads_block=heads_block, num_warps=warps, rows_block=rows)
-            equal = all(torch.equal(a, e) for a, e in zip(run(), expected))
-            log(f"qk_norm_rope_{label}_h{heads_block}w{warps}r{rows}", dict(ms=bench(run), equal=equal))
+        for heads_block in (8, 16, 32, 64):
+            for warps in (2, 4, 8):
+                run = lambda: qk_norm_rope_triton(*args, heads_block=heads_block, num_warps=warps)
+                equal = all(torch.equal(a, e) for a, e in zip(run(), expected))
+                log(f"qk_norm_rope_{label}_h{heads_block}w{warps}", dict(ms=bench(run), equal=equal))
 
 
 def qk_norm_rope_fp8_launch_shapes(bench, args):
     """The e4m3 Q/K/V kernel of fa3-fp8 per launch shape, with the bytes it moves per second: it reads the whole
-    projection in bf16 and writes q, k and v once in e4m3 (v's head maxima, read before, included)."""
+    projection in bf16 and writes q, k and v once in e4m3."""
     from h3gen.kernels.qk_norm_rope import qk_norm_rope_fp8_triton
 
     moved = args[0].numel() * (2 + 1)
     expected = qk_norm_rope_fp8_triton(*args)
-    for heads_block in (8, 16, 32):
-        for warps in (1, 2, 4):
-            for rows in (1, 2, 4, 8):
-                run = lambda: qk_norm_rope_fp8_triton(*args, heads_block=heads_block, num_warps=warps, rows_block=rows)
-                equal = all(torch.equal(a, e) for a, e in zip(run(), expected))
-                ms = bench(run)
-                log(f"qk_norm_rope_fp8_h{heads_block}w{warps}r{rows}", dict(ms=ms, tb_per_s=round(moved / ms / 1e9, 2),
-                                                                             equal=equal))
-
-
-def rmsnorm_modulate_launch_shapes(bench, args):
-    """The modulated norm per warp count, bf16 and straight to FP8 rows: the warps set the order a row's squares
-    are summed in, so `equal` says whether a count keeps the default's values."""
-    from h3gen.kernels.rmsnorm_modulate import rmsnorm_modulate_quantized_triton, rmsnorm_modulate_triton
-
-    for name, fn in (("bf16", rmsnorm_modulate_triton), ("fp8", rmsnorm_modulate_quantized_triton)):
-        expected = fn(*args)
-        expected = expected if isinstance(expected, tuple) else (expected,)
-        for warps in (2, 4, 8, 16, 32):
-            run = lambda: fn(*args, num_warps=warps)
-            actual = run()
-            equal = all(torch.equal(a, e) for a, e in zip(actual if isinstance(actual, tuple) else (actual,), expected))
-            log(f"rmsnorm_modulate_{name}_w{warps}", dict(ms=bench(run), equal=equal))
+    for heads_block in (4, 8, 16, 32, 64):
+        for warps in (1, 2, 4, 8):
+            run = lambda: qk_norm_rope_fp8_triton(*args, heads_block=heads_block, num_warps=warps)
+            equal = all(torch.equal(a, e) for a, e in zip(run(), expected))
+            ms = bench(run)
+            log(f"qk_norm_rope_fp8_h{heads_block}w{warps}", dict(ms=ms, tb_per_s=round(moved / ms / 1e9, 2),
+                                                                 equal=equal))
 
 
 def phase_attention():

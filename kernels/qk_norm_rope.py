@@ -45,51 +45,32 @@ def qk_norm_rope_reference(qkv, heads, q_weight, k_weight, eps, cos=None, sin=No
 
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, rstd_ptr, out_ptr, multiplier_ptr,
-                         rows, seq_len, heads, qkv_row_stride, source_offset, out_row_stride, out_offset, eps,
+                         seq_len, heads, qkv_row_stride, source_offset, out_row_stride, out_offset, eps,
                          HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, HEADS_BLOCK: tl.constexpr,
                          HAS_ROPE: tl.constexpr, HAS_RSTD: tl.constexpr, NORM: tl.constexpr = True,
-                         FP8_OUT: tl.constexpr = False, EMULATE_ROUNDING: tl.constexpr = False,
-                         ROWS: tl.constexpr = 1):
-    # ROWS rows a program, one after another: each row's arithmetic is the same whatever ROWS is.
+                         FP8_OUT: tl.constexpr = False, EMULATE_ROUNDING: tl.constexpr = False):
+    row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)
     dim = tl.arange(0, HEAD_DIM)
-    weight = tl.load(weight_ptr + dim).to(tl.float32)[None, :]
-    # the channel each rotates with (itself past the rotary channels, or without RoPE)
-    half: tl.constexpr = ROTARY_DIM // 2
-    partner = tl.where(dim < half, dim + half, tl.where(dim < ROTARY_DIM, dim - half, dim))
-    partner_weight = tl.load(weight_ptr + partner).to(tl.float32)[None, :]
-    for step in tl.static_range(ROWS):
-        row = tl.program_id(0).to(tl.int64) * ROWS + step
-        _qk_norm_rope_row(qkv_ptr, weight, cos_ptr, sin_ptr, rstd_ptr, out_ptr, multiplier_ptr, row,
-                          (head < heads) & (row < rows), head, dim, seq_len, heads, qkv_row_stride, source_offset,
-                          out_row_stride, out_offset, eps, partner, partner_weight, HEAD_DIM, ROTARY_DIM, HAS_ROPE, HAS_RSTD, NORM,
-                          FP8_OUT, EMULATE_ROUNDING)
-
-
-@triton.jit
-def _qk_norm_rope_row(qkv_ptr, weight, cos_ptr, sin_ptr, rstd_ptr, out_ptr, multiplier_ptr, row, head_mask, head,
-                      dim, seq_len, heads, qkv_row_stride, source_offset, out_row_stride, out_offset, eps, partner,
-                      partner_weight, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, HAS_ROPE: tl.constexpr,
-                      HAS_RSTD: tl.constexpr, NORM: tl.constexpr, FP8_OUT: tl.constexpr,
-                      EMULATE_ROUNDING: tl.constexpr):
-    mask = head_mask[:, None]
+    mask = (head < heads)[:, None]
     src = qkv_ptr + row * qkv_row_stride + source_offset + head[:, None] * HEAD_DIM
     x = tl.load(src + dim[None, :], mask=mask, other=0.0).to(tl.float32)
     dtype = qkv_ptr.dtype.element_ty
     if NORM:
         if HAS_RSTD:
-            rstd = tl.load(rstd_ptr + row * heads + head, mask=head_mask, other=1.0)[:, None]
+            rstd = tl.load(rstd_ptr + row * heads + head, mask=head < heads, other=1.0)[:, None]
         else:
             rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-        out = x * rstd * weight
+        out = x * rstd * tl.load(weight_ptr + dim).to(tl.float32)[None, :]
     else:
         out = x
     if HAS_ROPE:
         # Rounded wherever the reference's separate ops round: norm output, each product, the sum.
         out = out.to(dtype).to(tl.float32)
         half: tl.constexpr = ROTARY_DIM // 2
+        partner = tl.where(dim < half, dim + half, tl.where(dim < ROTARY_DIM, dim - half, dim))
         x_partner = tl.load(src + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-        partner_out = (x_partner * rstd * partner_weight).to(dtype)
+        partner_out = (x_partner * rstd * tl.load(weight_ptr + partner).to(tl.float32)[None, :]).to(dtype)
         sign = tl.where(dim < half, -1.0, 1.0)
         rotary = dim < ROTARY_DIM
         angle = (row % seq_len) * ROTARY_DIM + dim
@@ -103,7 +84,7 @@ def _qk_norm_rope_row(qkv_ptr, weight, cos_ptr, sin_ptr, rstd_ptr, out_ptr, mult
     dst = out_ptr + row * out_row_stride + out_offset + head[:, None] * HEAD_DIM + dim[None, :]
     if FP8_OUT:
         # The value the bf16 path stores, times its head's power of two (exact), rounded once to e4m3.
-        multiplier = tl.load(multiplier_ptr + (row // seq_len) * heads + head, mask=head_mask, other=1.0)
+        multiplier = tl.load(multiplier_ptr + (row // seq_len) * heads + head, mask=head < heads, other=1.0)
         out = out.to(dtype).to(tl.float32) * multiplier[:, None]
         tl.store(dst, to_fp8(tl.minimum(tl.maximum(out, -448.0), 448.0), EMULATE_ROUNDING), mask=mask)
     else:
@@ -111,7 +92,7 @@ def _qk_norm_rope_row(qkv_ptr, weight, cos_ptr, sin_ptr, rstd_ptr, out_ptr, mult
 
 
 def qk_norm_rope_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, rstd=None,
-                        heads_block=8, num_warps=None, rows_block=1):
+                        heads_block=8, num_warps=None):
     qkv = qkv.contiguous()
     inner = qkv.shape[-1] // 3
     head_dim = inner // heads
@@ -130,7 +111,7 @@ def qk_norm_rope_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None,
     # as torch does (the video decoder relies on it); 128-channel heads give the same values on 2 warps, 16 % faster
     # (bench/dit_gpu_check.py's kernels phase on an H200).
     num_warps = num_warps or (2 if head_dim >= 128 else 4)
-    grid = (triton.cdiv(rows, rows_block), triton.cdiv(heads, heads_block))
+    grid = (rows, triton.cdiv(heads, heads_block))
     outputs = []
     q_rstd, k_rstd = rstd if rstd is not None else (None, None)
     views = split_qkv(qkv, heads)
@@ -143,10 +124,10 @@ def qk_norm_rope_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None,
         else:
             out, out_row_stride, out_offset = qkv.new_empty(view.shape), inner, 0
         _qk_norm_rope_kernel[grid](qkv, weight, cos, sin, statistic if statistic is not None else weight, out, weight,
-                                   rows, seq_len, heads, row_stride, offset, out_row_stride, out_offset, eps,
+                                   seq_len, heads, row_stride, offset, out_row_stride, out_offset, eps,
                                    HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, HEADS_BLOCK=heads_block,
-                                   HAS_ROPE=has_rope, HAS_RSTD=statistic is not None, ROWS=rows_block,
-                                   num_warps=num_warps, **NO_FMA)
+                                   HAS_ROPE=has_rope, HAS_RSTD=statistic is not None, num_warps=num_warps,
+                                   **NO_FMA)
         outputs.append(view if in_place else out)
     return outputs[0], outputs[1], views[2]
 
@@ -173,7 +154,7 @@ def qk_norm_rope_fp8_reference(qkv, heads, q_weight, k_weight, eps, cos=None, si
 
 
 def qk_norm_rope_fp8_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, heads_block=8,
-                            num_warps=None, rows_block=1) -> FP8Heads:
+                            num_warps=None) -> FP8Heads:
     qkv = qkv.contiguous()
     inner = qkv.shape[-1] // 3
     head_dim, seq_len = inner // heads, qkv.shape[-2]
@@ -182,16 +163,16 @@ def qk_norm_rope_fp8_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=N
     cos, sin = (cos.contiguous(), sin.contiguous()) if has_rope else (q_weight, q_weight)  # never read without
     views = split_qkv(qkv, heads)
     multipliers = fp8_multipliers(q_weight, k_weight, views[2], head_dim)
-    grid = (triton.cdiv(rows, rows_block), triton.cdiv(heads, heads_block))
+    grid = (rows, triton.cdiv(heads, heads_block))
     outputs = [qkv.new_empty(views[0].shape, dtype=FP8) for _ in range(3)]
     # q and k normed (and rotated), v only scaled: three launches of one kernel, each writing e4m3 once.
     for offset, weight, multiplier, out, norm in zip(offsets, (q_weight, k_weight, q_weight), multipliers, outputs,
                                                      (True, True, False)):
-        _qk_norm_rope_kernel[grid](qkv, weight, cos, sin, weight, out, multiplier, rows, seq_len, heads, row_stride,
-                                   offset, inner, 0, eps, HEAD_DIM=head_dim, ROTARY_DIM=cos.shape[-1] if has_rope else 0,
+        _qk_norm_rope_kernel[grid](qkv, weight, cos, sin, weight, out, multiplier, seq_len, heads, row_stride, offset,
+                                   inner, 0, eps, HEAD_DIM=head_dim, ROTARY_DIM=cos.shape[-1] if has_rope else 0,
                                    HEADS_BLOCK=heads_block, HAS_ROPE=has_rope and norm, HAS_RSTD=False, NORM=norm,
                                    FP8_OUT=True, EMULATE_ROUNDING=os.environ.get("TRITON_INTERPRET") == "1",
-                                   ROWS=rows_block, num_warps=num_warps or (2 if head_dim >= 128 else 4), **NO_FMA)
+                                   num_warps=num_warps or (2 if head_dim >= 128 else 4), **NO_FMA)
     return FP8Heads(*outputs, *(descale(m, *m.shape) for m in multipliers))
 
 

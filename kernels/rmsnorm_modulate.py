@@ -62,12 +62,12 @@ def _rmsnorm_modulate_kernel(x_ptr, weight_ptr, modulation_ptr, row_index_ptr, r
         tl.store(out_ptr + row * hidden + cols, out.to(dtype), mask=mask)
 
 
-def launch_options(block: int, num_warps=None) -> dict:
-    return dict(num_warps=num_warps or min(16, max(1, block // 512)), **NO_FMA)
+def launch_options(block: int) -> dict:
+    return dict(num_warps=min(16, max(1, block // 512)), **NO_FMA)
 
 
 def rmsnorm_modulate_triton(x, weight, eps, modulation=None, row_index=None, shift_chunk=0, scale_chunk=1,
-                            rstd=None, num_warps=None):
+                            rstd=None):
     x = x.contiguous()
     hidden, seq_len = x.shape[-1], x.shape[-2]
     out = torch.empty_like(x)
@@ -83,12 +83,12 @@ def rmsnorm_modulate_triton(x, weight, eps, modulation=None, row_index=None, shi
     _rmsnorm_modulate_kernel[(x.numel() // hidden,)](
         x, weight, modulation, row_index, rstd if rstd is not None else weight, out,
         seq_len, hidden, modulation.stride(0), shift_chunk * hidden, scale_chunk * hidden, eps,
-        HAS_MODULATION=has_modulation, HAS_RSTD=rstd is not None, BLOCK=block, **launch_options(block, num_warps))
+        HAS_MODULATION=has_modulation, HAS_RSTD=rstd is not None, BLOCK=block, **launch_options(block))
     return out
 
 
 def rmsnorm_modulate_quantized_triton(x, weight, eps, modulation=None, row_index=None, shift_chunk=0,
-                                      scale_chunk=1, num_warps=None):
+                                      scale_chunk=1):
     x = x.contiguous()
     hidden, seq_len = x.shape[-1], x.shape[-2]
     has_modulation = modulation is not None
@@ -101,7 +101,7 @@ def rmsnorm_modulate_quantized_triton(x, weight, eps, modulation=None, row_index
         x, weight, modulation, row_index, weight, out, seq_len, hidden, modulation.stride(0), shift_chunk * hidden,
         scale_chunk * hidden, eps, HAS_MODULATION=has_modulation, HAS_RSTD=False, BLOCK=block,
         scale_ptr=scale, dtype_max=torch.finfo(x.dtype).max, FP8_OUT=True, EMULATE=options["EMULATE"],
-        **launch_options(block, num_warps))
+        **launch_options(block))
     return out, scale
 
 

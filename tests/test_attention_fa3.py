@@ -62,10 +62,6 @@ def test_parity_qk_norm_rope_fp8(dtype, rope):
     args = qk_norm_rope_args(dtype, rope, 0.3)
     expected = kernel.qk_norm_rope_fp8_reference(*args)
     actual = kernel.qk_norm_rope_fp8_triton(*args, heads_block=2)
-    # Several rows a program (10 rows in blocks of 4, the last one short): the same bytes.
-    for a, e in zip(kernel.qk_norm_rope_fp8_triton(*args, heads_block=2, rows_block=4), actual):
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                           e.view(torch.uint8) if e.dtype == torch.float8_e4m3fn else e)
     for a, e in zip(actual[3:], expected[3:]):
         assert a.shape == (batch, heads) and torch.equal(a, e)
     for a, e in zip(actual[:3], expected[:3]):
