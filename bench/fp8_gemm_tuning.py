@@ -1,0 +1,83 @@
+"""The DiT's FP8 GEMMs (row-wise `torch._scaled_mm`, fast accumulation) at the 10 s clip's shapes: cuBLAS's own
+pick against the kernel TunableOp finds by timing every candidate, alone and in the order a block runs them.
+
+Usage: python3 bench/fp8_gemm_tuning.py   (a Hopper GPU; writes $OUT/fp8_gemm_tuning.json)
+"""
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+OUT = Path(os.environ.get("OUT", "."))
+FP8 = torch.float8_e4m3fn
+# (name, rows, in, out): attention's QKV and output projections over the whole sequence, the feed-forward over
+# 16k-row passes as the FP8 presets run it.
+SHAPES = [("qkv", 73642, 5376, 21504), ("out", 73642, 7168, 5376), ("up_gate", 16384, 5376, 28672),
+          ("down", 16384, 14336, 5376)]
+CALLS = {"qkv": 1, "out": 1, "up_gate": 5, "down": 5}  # per block
+
+
+def operands(rows, k, n):
+    g = torch.Generator("cuda").manual_seed(0)
+    a = torch.randn(rows, k, device="cuda", generator=g).to(FP8)
+    b = torch.randn(n, k, device="cuda", generator=g).to(FP8).t()
+    return a, b, torch.rand(rows, 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5
+
+
+def gemm(ops):
+    a, b, sa, sb = ops
+    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+
+def seconds(fn, repeat):
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeat
+
+
+def measure(inputs, label):
+    row = {}
+    for name, rows, k, n in SHAPES:
+        s = seconds(lambda: gemm(inputs[name]), 20)
+        row[name] = dict(ms=round(s * 1e3, 3), tflops=round(2 * rows * k * n / s / 1e12, 1))
+    # 50 blocks' worth in a block's order: the rate a forward sees under sustained load
+    block = lambda: [gemm(inputs[name]) for name, *_ in SHAPES for _ in range(CALLS[name])]
+    s = seconds(lambda: [block() for _ in range(10)], 1) * 5
+    row["gemm_s_per_forward"] = round(s, 3)
+    print(label, json.dumps(row), flush=True)
+    return row
+
+
+def main():
+    inputs = {name: operands(rows, k, n) for name, rows, k, n in SHAPES}
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    expected = {name: gemm(inputs[name]) for name, *_ in SHAPES}
+    results["cublas"] = measure(inputs, "cublas")
+    tunable = torch.cuda.tunable
+    tunable.enable(True)
+    tunable.tuning_enable(True)
+    tunable.set_max_tuning_duration(200)
+    tunable.set_filename(str(OUT / "tunableop_results.csv"))
+    start = time.perf_counter()
+    try:
+        tuned = {name: gemm(inputs[name]) for name, *_ in SHAPES}
+        results["tuning_s"] = round(time.perf_counter() - start, 1)
+        results["tuned_equal"] = {name: bool(torch.equal(tuned[name], expected[name])) for name in tuned}
+        results["tunableop"] = measure(inputs, "tunableop")
+        results["tunableop_picks"] = {str(k): str(v) for k, v in tunable.get_results()} if hasattr(
+            tunable, "get_results") else None
+    except Exception as exc:
+        results["tunableop_error"] = repr(exc)[:400]
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "fp8_gemm_tuning.json").write_text(json.dumps(results, indent=1, default=str))
+    print(json.dumps(results, default=str)[:3000])
+
+
+if __name__ == "__main__":
+    main()
