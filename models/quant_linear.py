@@ -134,16 +134,16 @@ def swiglu_linear(linear: nn.Module, up_gate: torch.Tensor, swiglu, out: torch.T
     """`linear(swiglu(up_gate))`, written into `out` (of the result's shape) when given. An FP8 linear gets h3gen's
     SwiGLU as FP8 rows from one fused kernel: the values `quantize_rows` gives on the SwiGLU's output, without that
     output ever being written; its GEMM writes a contiguous `out` itself."""
-    if not isinstance(linear, FP8RowwiseLinear):
-        result = linear(swiglu(up_gate))
-        return result if out is None else out.copy_(result)
-    from h3gen.kernels.swiglu import swiglu_quantized
+    if isinstance(linear, FP8RowwiseLinear):
+        from h3gen.kernels.swiglu import swiglu_quantized
 
-    rows, row_scale = swiglu_quantized(up_gate)
-    if out is not None and out.is_contiguous():
-        linear.project(rows, row_scale, up_gate.dtype, out.view(-1, linear.out_features))
-        return out
-    result = linear.project(rows, row_scale, up_gate.dtype).reshape(*up_gate.shape[:-1], linear.out_features)
+        rows, row_scale = swiglu_quantized(up_gate)
+        if out is not None and out.is_contiguous():
+            linear.project(rows, row_scale, up_gate.dtype, out.view(-1, linear.out_features))
+            return out
+        result = linear.project(rows, row_scale, up_gate.dtype).reshape(*up_gate.shape[:-1], linear.out_features)
+    else:
+        result = linear(swiglu(up_gate))
     return result if out is None else out.copy_(result)
 
 
