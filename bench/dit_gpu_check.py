@@ -271,6 +271,7 @@ def phase_kernels():
                       1e-5, *(t.float() for t in rnd(2, 16 * 1797, 48)))
         qk_norm_rope_launch_shapes(bench, {"dit": cases["qk_norm_rope"][1], "decoder": decoder_qk})
         qk_norm_rope_fp8_launch_shapes(bench, cases["qk_norm_rope_fp8"][1])
+        rmsnorm_modulate_launch_shapes(bench, cases["rmsnorm_modulate"][1])
 
 
 def qk_norm_rope_launch_shapes(bench, cases):
@@ -301,6 +302,21 @@ def qk_norm_rope_fp8_launch_shapes(bench, args):
             ms = bench(run)
             log(f"qk_norm_rope_fp8_h{heads_block}w{warps}", dict(ms=ms, tb_per_s=round(moved / ms / 1e9, 2),
                                                                  equal=equal))
+
+
+def rmsnorm_modulate_launch_shapes(bench, args):
+    """The modulated norm per warp count, bf16 and straight to FP8 rows: the warps set the order a row's squares
+    are summed in, so `equal` says whether a count keeps the default's values."""
+    from h3gen.kernels.rmsnorm_modulate import rmsnorm_modulate_quantized_triton, rmsnorm_modulate_triton
+
+    for name, fn in (("bf16", rmsnorm_modulate_triton), ("fp8", rmsnorm_modulate_quantized_triton)):
+        expected = fn(*args)
+        expected = expected if isinstance(expected, tuple) else (expected,)
+        for warps in (4, 8, 16):
+            run = lambda: fn(*args, num_warps=warps)
+            actual = run()
+            equal = all(torch.equal(a, e) for a, e in zip(actual if isinstance(actual, tuple) else (actual,), expected))
+            log(f"rmsnorm_modulate_{name}_w{warps}", dict(ms=bench(run), equal=equal))
 
 
 def phase_attention():
