@@ -270,7 +270,7 @@ def phase_kernels():
         decoder_qk = (rnd(1, 16 * 1797, 3 * 2048), 32, torch.ones(64, device=DEVICE), torch.ones(64, device=DEVICE),
                       1e-5, *(t.float() for t in rnd(2, 16 * 1797, 48)))
         qk_norm_rope_launch_shapes(bench, {"dit": cases["qk_norm_rope"][1], "decoder": decoder_qk})
-        qk_norm_rope_fp8_launch_shapes(bench, cases["qk_norm_rope_fp8"][1])
+        qk_norm_rope_fp8_launch_shapes(bench, {"dit": cases["qk_norm_rope_fp8"][1], "decoder": decoder_qk})
         rmsnorm_modulate_launch_shapes(bench, cases["rmsnorm_modulate"][1])
 
 
@@ -288,20 +288,21 @@ def qk_norm_rope_launch_shapes(bench, cases):
                 log(f"qk_norm_rope_{label}_h{heads_block}w{warps}", dict(ms=bench(run), equal=equal))
 
 
-def qk_norm_rope_fp8_launch_shapes(bench, args):
+def qk_norm_rope_fp8_launch_shapes(bench, cases):
     """The e4m3 Q/K/V kernel of fa3-fp8 per launch shape, with the bytes it moves per second: it reads the whole
     projection in bf16 and writes q, k and v once in e4m3."""
     from h3gen.kernels.qk_norm_rope import qk_norm_rope_fp8_triton
 
-    moved = args[0].numel() * (2 + 1)
-    expected = qk_norm_rope_fp8_triton(*args)
-    for heads_block in (4, 8, 16, 32, 64):
-        for warps in (1, 2, 4, 8):
-            run = lambda: qk_norm_rope_fp8_triton(*args, heads_block=heads_block, num_warps=warps)
-            equal = all(torch.equal(a, e) for a, e in zip(run(), expected))
-            ms = bench(run)
-            log(f"qk_norm_rope_fp8_h{heads_block}w{warps}", dict(ms=ms, tb_per_s=round(moved / ms / 1e9, 2),
-                                                                 equal=equal))
+    for label, args in cases.items():
+        moved = args[0].numel() * (2 + 1)
+        expected = qk_norm_rope_fp8_triton(*args)
+        for heads_block in (4, 8, 16, 32, 64):
+            for warps in (1, 2, 4, 8):
+                run = lambda: qk_norm_rope_fp8_triton(*args, heads_block=heads_block, num_warps=warps)
+                equal = all(torch.equal(a, e) for a, e in zip(run(), expected))
+                ms = bench(run)
+                log(f"qk_norm_rope_fp8_{label}_h{heads_block}w{warps}",
+                    dict(ms=ms, tb_per_s=round(moved / ms / 1e9, 2), equal=equal))
 
 
 def rmsnorm_modulate_launch_shapes(bench, args):

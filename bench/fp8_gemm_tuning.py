@@ -1,10 +1,14 @@
 """The DiT's FP8 GEMMs (row-wise `torch._scaled_mm`, fast accumulation) at the 10 s clip's shapes: cuBLAS's own
 pick against the kernel TunableOp finds by timing every candidate, alone and in the order a block runs them.
+With --bf16, the bf16 presets' GEMMs (`F.linear`, the feed-forward over the whole sequence) instead, also
+through cuBLASLt.
 
-Usage: python3 bench/fp8_gemm_tuning.py   (a Hopper GPU; writes $OUT/fp8_gemm_tuning.json)
+Usage: python3 bench/fp8_gemm_tuning.py [--bf16]   (a Hopper GPU; writes $OUT/fp8_gemm_tuning.json or
+$OUT/bf16_gemm_tuning.json)
 """
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -17,16 +21,25 @@ FP8 = torch.float8_e4m3fn
 SHAPES = [("qkv", 73642, 5376, 21504), ("out", 73642, 7168, 5376), ("up_gate", 16384, 5376, 28672),
           ("down", 16384, 14336, 5376)]
 CALLS = {"qkv": 1, "out": 1, "up_gate": 5, "down": 5}  # per block
+BF16 = "--bf16" in sys.argv
+if BF16:
+    SHAPES = [(name, 73642, k, n) for name, _, k, n in SHAPES]
+    CALLS = dict.fromkeys(CALLS, 1)
 
 
 def operands(rows, k, n):
     g = torch.Generator("cuda").manual_seed(0)
+    if BF16:
+        return (torch.randn(rows, k, device="cuda", generator=g, dtype=torch.bfloat16),
+                torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) / k ** 0.5)
     a = torch.randn(rows, k, device="cuda", generator=g).to(FP8)
     b = torch.randn(n, k, device="cuda", generator=g).to(FP8).t()
     return a, b, torch.rand(rows, 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5
 
 
 def gemm(ops):
+    if BF16:
+        return torch.nn.functional.linear(*ops)
     a, b, sa, sb = ops
     return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True)
 
@@ -59,6 +72,12 @@ def main():
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     expected = {name: gemm(inputs[name]) for name, *_ in SHAPES}
     results["cublas"] = measure(inputs, "cublas")
+    if BF16:  # cuBLASLt's pick for the same products (torch calls cuBLAS's gemm for bf16 without a bias)
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        lt = {name: gemm(inputs[name]) for name, *_ in SHAPES}
+        results["cublaslt_equal"] = {name: bool(torch.equal(lt[name], expected[name])) for name in lt}
+        results["cublaslt"] = measure(inputs, "cublaslt")
+        torch.backends.cuda.preferred_blas_library("cublas")
     tunable = torch.cuda.tunable
     tunable.enable(True)
     tunable.tuning_enable(True)
@@ -70,12 +89,11 @@ def main():
         results["tuning_s"] = round(time.perf_counter() - start, 1)
         results["tuned_equal"] = {name: bool(torch.equal(tuned[name], expected[name])) for name in tuned}
         results["tunableop"] = measure(inputs, "tunableop")
-        results["tunableop_picks"] = {str(k): str(v) for k, v in tunable.get_results()} if hasattr(
-            tunable, "get_results") else None
+        results["tunableop_picks"] = [list(map(str, pick)) for pick in tunable.get_results()]
     except Exception as exc:
         results["tunableop_error"] = repr(exc)[:400]
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "fp8_gemm_tuning.json").write_text(json.dumps(results, indent=1, default=str))
+    (OUT / f"{'bf16' if BF16 else 'fp8'}_gemm_tuning.json").write_text(json.dumps(results, indent=1, default=str))
     print(json.dumps(results, default=str)[:3000])
 
 
