@@ -158,9 +158,9 @@ def qk_norm_rope_fp8_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=N
     qkv = qkv.contiguous()
     inner = qkv.shape[-1] // 3
     head_dim, seq_len = inner // heads, qkv.shape[-2]
-    # 32 heads of 128 channels a program on 2 warps: 2.02-2.03 ms for the DiT's q, k and v against 2.22-2.31 ms with
-    # 8 heads, the same values (H200, bench/results/2026-12-02T1719-dit-clocks-profile.json and
-    # 2026-12-02T1730-kernel-launch-rows.json). The decoder's 64-channel heads keep 8 on 4 warps.
+    # 32 heads of 128 channels a program on 2 warps: 1.98-2.03 ms for the DiT's q, k and v against 2.22-2.31 ms with
+    # 8 heads, the same values (H200, bench/results/2026-12-02T2210-kernel-launch-defaults.json and the runs before
+    # it). The decoder's 64-channel heads keep 8 on 4 warps: no shape was clearly faster there (0.51-0.53 ms).
     heads_block = heads_block or (min(32, triton.next_power_of_2(heads)) if head_dim >= 128 else 8)
     rows, row_stride, offsets = qkv.numel() // qkv.shape[-1], qkv.shape[-1], (0, inner, 2 * inner)
     has_rope = cos is not None

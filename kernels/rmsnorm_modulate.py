@@ -63,10 +63,9 @@ def _rmsnorm_modulate_kernel(x_ptr, weight_ptr, modulation_ptr, row_index_ptr, r
 
 
 def launch_options(block: int, num_warps=None) -> dict:
-    """A warp per 512 channels, at most 8: the DiT's 5,376-channel rows take 8 warps, 0.48 ms a call in bf16 and
-    0.56 ms to FP8 rows against 0.53 and 0.65 on 16 (H200,
-    bench/results/2026-12-02T1730-kernel-launch-rows.json). The warps set
-    the order a row's squares are summed in, so both forms of the norm launch alike and stay bit-equal."""
+    """A warp per 512 channels, at most 8: the DiT's 5,376-channel rows take 8 warps, 0.47 ms a call in bf16 and
+    0.54 ms to FP8 rows against 0.52 and 0.65 on 16 (H200, bench/results/2026-12-02T2210-kernel-launch-defaults.json).
+    The warps set the order a row's squares are summed in, so both forms launch alike and stay bit-equal."""
     return dict(num_warps=num_warps or min(8, max(1, block // 512)), **NO_FMA)
 
 
