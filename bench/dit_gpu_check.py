@@ -310,13 +310,12 @@ def rmsnorm_modulate_launch_shapes(bench, args):
     are summed in, so `equal` says whether a count keeps the default's values."""
     from h3gen.kernels.rmsnorm_modulate import rmsnorm_modulate_quantized_triton, rmsnorm_modulate_triton
 
+    outputs = lambda result: result if isinstance(result, tuple) else (result,)
     for name, fn in (("bf16", rmsnorm_modulate_triton), ("fp8", rmsnorm_modulate_quantized_triton)):
-        expected = fn(*args)
-        expected = expected if isinstance(expected, tuple) else (expected,)
+        expected = outputs(fn(*args))
         for warps in (4, 8, 16):
             run = lambda: fn(*args, num_warps=warps)
-            actual = run()
-            equal = all(torch.equal(a, e) for a, e in zip(actual if isinstance(actual, tuple) else (actual,), expected))
+            equal = all(torch.equal(a, e) for a, e in zip(outputs(run()), expected))
             log(f"rmsnorm_modulate_{name}_w{warps}", dict(ms=bench(run), equal=equal))
 
 

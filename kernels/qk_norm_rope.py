@@ -161,7 +161,9 @@ def qk_norm_rope_fp8_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=N
     # 32 heads of 128 channels a program on 2 warps: 1.98-2.03 ms for the DiT's q, k and v against 2.22-2.31 ms with
     # 8 heads, the same values (H200, bench/results/2026-12-02T2210-kernel-launch-defaults.json and the runs before
     # it). The decoder's 64-channel heads keep 8 on 4 warps: no shape was clearly faster there (0.51-0.53 ms).
-    heads_block = heads_block or (min(32, triton.next_power_of_2(heads)) if head_dim >= 128 else 8)
+    wide = head_dim >= 128
+    heads_block = heads_block or (min(32, triton.next_power_of_2(heads)) if wide else 8)
+    num_warps = num_warps or (2 if wide else 4)
     rows, row_stride, offsets = qkv.numel() // qkv.shape[-1], qkv.shape[-1], (0, inner, 2 * inner)
     has_rope = cos is not None
     cos, sin = (cos.contiguous(), sin.contiguous()) if has_rope else (q_weight, q_weight)  # never read without
@@ -176,7 +178,7 @@ def qk_norm_rope_fp8_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=N
                                    inner, 0, eps, HEAD_DIM=head_dim, ROTARY_DIM=cos.shape[-1] if has_rope else 0,
                                    HEADS_BLOCK=heads_block, HAS_ROPE=has_rope and norm, HAS_RSTD=False, NORM=norm,
                                    FP8_OUT=True, EMULATE_ROUNDING=os.environ.get("TRITON_INTERPRET") == "1",
-                                   num_warps=num_warps or (2 if head_dim >= 128 else 4), **NO_FMA)
+                                   num_warps=num_warps, **NO_FMA)
     return FP8Heads(*outputs, *(descale(m, *m.shape) for m in multipliers))
 
 
