@@ -126,6 +126,7 @@ class Renderer:
         self.run_fields = fingerprint.run_fields(preset, registry, repo)
         for kind in ("quant",) + PIPELINE:
             load(self.stages[kind], repo)
+        memory.settle(device)
         # (clip, claim, future, the file's state before the mux) in render order; finished results not yet yielded
         self.muxing, self.done = [], []
         self.claim_on_device = None
@@ -208,7 +209,7 @@ class Renderer:
                           f"{time.perf_counter() - began:.2f}s ({cached} from the embedding cache)")
         if last or self.runtime.device.startswith("cuda"):
             self.unload(encode)
-            memory.release(self.runtime.device)
+            memory.settle(self.runtime.device)
             self.encoder_unloaded = not last
         return failed
 
@@ -313,6 +314,7 @@ class Renderer:
             mux.discard_in_flight()
         for kind in PIPELINE:
             self.unload(self.stages[kind])
+        memory.let_go(self.runtime.device)
         written = [self.finish(clip, claim=claim) for clip, claim, job, _ in self.muxing
                    if job.done() and not job.cancelled() and job.exception() is None]
         for claim in [claim for _, claim, _, _ in self.muxing] + [self.claim_on_device]:

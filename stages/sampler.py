@@ -128,7 +128,7 @@ class EulerSampler(Stage):
             from h3gen.run import memory
 
             self.dit = self.partition = None
-            memory.release(self.runtime.device)
+            memory.settle(self.runtime.device)
         dit = self.load_fast_dit(partition) if self.config.dit == "h3gen" else self.load_reference_dit(partition)
         self.dit = self.runtime.quantize("dit", dit.eval())
         if self.config.stream_blocks and self.config.stream_with == "diffusers":

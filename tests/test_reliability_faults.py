@@ -605,3 +605,54 @@ def test_a_rerun_leaves_the_claims_of_a_run_still_rendering(tmp_path):
     other_run.release()
     clear_leftovers(clip)
     assert not list(tmp_path.iterdir())
+
+
+def test_weights_unloaded_in_a_reference_cycle_are_collected(tiny_model, tmp_path):
+    """The loaded stages are held out of the per-clip collection (gc.freeze); an encoder whose model sits in a
+    reference cycle is still collected once it is unloaded after the last chunk, and close() hands every held
+    object back to the collector."""
+    import torch
+
+    from h3gen.cli.ui import PlainReporter
+    from h3gen.config.preset import resolve
+    from h3gen.inputs.prompts import read_prompts
+    from h3gen.models.repo import ModelRepo
+    from h3gen.plugins.manager import Registered, registry
+    from h3gen.run.render import Renderer
+    from h3gen.stages.encode import Qwen3VLEncoder
+
+    loaded, held_during_render = [], []
+
+    class CyclicEncoder(Qwen3VLEncoder):
+        kind, name = "encode", "cyclic-encoder"
+
+        def load(self, repo):
+            super().load(repo)
+            holder = {"weights": torch.ones(1 << 20)}
+            holder["self"] = holder  # only the garbage collector frees this
+            loaded.append(weakref.ref(holder["weights"]))
+            self.holder = holder
+
+        def unload(self):
+            super().unload()
+            self.holder = None
+
+    found = registry()
+    found.stages[("encode", "cyclic-encoder")] = Registered("encode", "cyclic-encoder", CyclicEncoder, "test")
+    preset_file = tmp_path / "cyclic.toml"
+    preset_file.write_text((ROOT / "presets" / "tiny.toml").read_text().replace('"qwen3vl"', '"cyclic-encoder"'))
+    preset = resolve(str(preset_file), found)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(TWO_CLIPS)
+    gc.disable()
+    try:
+        renderer = Renderer(preset, found, ModelRepo(tiny_model), PlainReporter(2))
+        held_during_render.append(gc.get_freeze_count())
+        results = list(renderer.render(read_prompts(prompts, 0, preset.request), tmp_path / "out"))
+        assert loaded and loaded[0]() is None, "the unloaded encoder's weights are still alive"
+        renderer.close()
+        assert gc.get_freeze_count() == 0, "close() left objects out of the collector's reach"
+    finally:
+        gc.enable()
+        gc.unfreeze()
+    assert held_during_render[0] > 0 and [r.ok for r in results] == [True, True]
