@@ -8,8 +8,12 @@ set, clips per hour are also given for the preset's own forward count, from the 
 the measured extra. The baseline renders clip by clip, so nothing overlaps across its clips: `baseline_clips` can
 give it fewer clips than the batch at the same per-clip costs. `warmup` clips go first in the same render and are
 not timed, so the kernels' first-call compilation is outside the batch (0 keeps it in); the clock starts when the
-first timed clip does. `last_clip_tail_s` is the time from the last clip's decode to the batch's end: its mux,
-which no next clip hides. With `warm_cache`, each preset's batch runs twice over one fresh embedding cache: the second
+first timed clip does. The batch ends when its last clip's file is written; unloading the weights after it is not
+part of the batch, as loading them is not (`unload_s` gives it). `last_clip_tail_s` is the time from the last clip's
+decode to that end: its mux, which no next clip hides. `between_clips_s` is the mean time from one clip's decode to
+the next clip's start: what the device waits for between clips beyond the mux. `baseline_forwards` runs the
+baseline at fewer forwards than the measured presets (each preset is compared at its own count all the same, from
+the baseline's per-forward seconds). With `warm_cache`, each preset's batch runs twice over one fresh embedding cache: the second
 run's encode seconds are what a rerun over the same prompts pays (`encoder_loads` says whether it loaded the
 encoder).
 """
@@ -30,7 +34,7 @@ class BatchReporter(SilentReporter):
     """Records the seconds every clip spent per stage; says only when a clip is done."""
 
     def __init__(self, say):
-        self.say, self.stages, self.started, self.decoded = say, {}, {}, {}
+        self.say, self.stages, self.started, self.decoded, self.finished = say, {}, {}, {}, {}
 
     def clip_started(self, clip):
         self.started[clip.request.id] = time.perf_counter()
@@ -41,6 +45,7 @@ class BatchReporter(SilentReporter):
             self.decoded[clip.request.index] = time.perf_counter()
 
     def clip_done(self, result):
+        self.finished[result.request.index] = time.perf_counter()
         self.say(f"bench: clip {result.request.index + 1} {'ok' if result.ok else 'failed: ' + result.error}")
 
 
@@ -61,7 +66,8 @@ def run_batch(plan: BenchPlan, registry, source, random_weights: str | None, cli
                 preset = plan.preset(name, baseline, registry)
                 full_forwards = preset_forwards(preset)
                 cache_dir = Path(workdir) / f"cache-{name}-{seconds:g}" if plan.warm_cache else None
-                overrides = (forward_overrides(preset, plan.forwards, registry) + cache_overrides(preset, cache_dir)
+                forwards = (plan.baseline_forwards or plan.forwards) if baseline else plan.forwards
+                overrides = (forward_overrides(preset, forwards, registry) + cache_overrides(preset, cache_dir)
                              + adapter_overrides(random_weights))
                 if baseline:  # the baseline renders clip by clip: nothing in the background
                     overrides.append("mux.workers=0")
@@ -110,8 +116,9 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
         results = list(renderer.render(requests, out_dir))
         host = host_gib()  # with every stage still loaded
     finally:
+        closing = time.perf_counter()
         results += renderer.close()
-    ended = time.perf_counter()
+    unloaded = time.perf_counter()
     failed = [r.error for r in results if not r.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} clip(s) failed: {failed[0]}")
@@ -119,7 +126,10 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
     results = [r for r in results if not r.request.id.startswith("warmup")]
     # From the first timed clip: the first chunk's prompts were encoded before it; a batch past 8 clips (the first
     # encoding chunk, h3gen.run.render.chunk_sizes) has its later chunks' encoding in the wall, as a render does.
+    ended = max(reporter.finished[r.request.index] for r in results)  # the last file written
     wall = ended - reporter.started[results[0].request.id]
+    starts = [reporter.started[r.request.id] for r in results]
+    waits = [start - reporter.decoded[r.request.index] for r, start in zip(results, starts[1:])]
     per_clip = [reporter.stages.get(r.request.index, {}) | r.seconds for r in results]
     encoder_loads = getattr(renderer.stages["encode"], "encoder_loads", None)
     encode = sum(s.get("encode", 0.0) for s in per_clip)
@@ -138,6 +148,8 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
                 extra_per_clip_s=round(extra, 3),
                 # after the last clip's decode: its mux, which no next clip hides
                 last_clip_tail_s=round(ended - reporter.decoded[results[-1].request.index], 3),
+                between_clips_s=round(sum(waits) / len(waits), 3) if waits else None,
+                unload_s=round(unloaded - closing, 3),
                 clips_per_hour=round(3600 * len(results) / (wall + encode), 1),
                 full_forwards=full_forwards,
                 clips_per_hour_full=round(clips_per_hour(full_forwards, per_forward, extra, encode / len(results)), 1),
@@ -149,7 +161,7 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
 
 
 BATCH_COLUMNS = ("clips", "encode_s", "per_forward_s", "vae_s_per_clip", "mux_s_per_clip", "extra_per_clip_s",
-                 "last_clip_tail_s", "clips_per_hour", "clips_per_hour_full", "vs_baseline",
+                 "last_clip_tail_s", "between_clips_s", "clips_per_hour", "clips_per_hour_full", "vs_baseline",
                  "vs_baseline_same_forwards", "vram_gib", "peak_gib", "host_gib")
 
 

@@ -44,6 +44,7 @@ class BenchPlan:
     seed: int = 1101
     warm_cache: bool = False  # --batch: each batch twice over one fresh embedding cache, cold then warm
     baseline_clips: int | None = None  # --batch: the baseline's clip count, when not the batch's
+    baseline_forwards: int | None = None  # --batch: the baseline's forwards per clip, when not `forwards`
     overrides: list[str] = dataclasses.field(default_factory=list)  # --set, on every preset but the baseline
 
     def preset(self, name: str, baseline: bool, registry, *more: str):

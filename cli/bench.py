@@ -41,7 +41,8 @@ def weights_source(random_weights, model):
 
 
 def run_bench_command(presets, baseline, durations, size, repeat, warmup, random_weights, model, stages, forwards,
-                      text_tokens, output, batch=None, warm_cache=False, baseline_clips=None, sets=()):
+                      text_tokens, output, batch=None, warm_cache=False, baseline_clips=None, sets=(),
+                      baseline_forwards=None):
     import sys
 
     from h3gen.bench.sweep import run_bench
@@ -52,11 +53,13 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     from h3gen.run.quiet import quiet_libraries
     from h3gen.run.render import pick_device
 
-    if (warm_cache or baseline_clips) and not batch:
-        option = "--warm-cache" if warm_cache else "--baseline-clips"
+    if (warm_cache or baseline_clips or baseline_forwards) and not batch:
+        option = ("--warm-cache" if warm_cache else "--baseline-clips" if baseline_clips
+                  else "--baseline-forwards")
         raise UsageError(f"{option} belongs to a batch benchmark", "add --batch N")
     plan = parse_plan(presets, baseline, durations, size, repeat, warmup, stages, forwards, text_tokens)
     plan.warm_cache, plan.baseline_clips, plan.overrides = warm_cache, baseline_clips, list(sets)
+    plan.baseline_forwards = baseline_forwards
     found = registry()
     for name in plan.presets:
         preset = resolve(name, found, plan.overrides)  # a typo fails now, not after the first preset's minutes

@@ -197,6 +197,9 @@ def bench(
     baseline_clips: Annotated[Optional[int], typer.Option("--baseline-clips", metavar="N", min=1,
                                                           help="With --batch: clips the baseline renders (default: "
                                                                "the batch's N).")] = None,
+    baseline_forwards: Annotated[Optional[int], typer.Option("--baseline-forwards", metavar="K", min=1,
+                                                             help="With --batch: DiT forwards per baseline clip "
+                                                                  "(default: --forwards).")] = None,
     vram: Annotated[Optional[str], typer.Option("--vram", metavar="GIB", help=VRAM_HELP + " On the "
                                                   "measured presets, not the baseline.")] = None,
     sets: Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE", autocompletion=set_keys,
@@ -218,7 +221,7 @@ def bench(
     try:
         run_bench_command(presets or ["h3-base"], baseline, durations, size, repeat, warmup, random_weights, model,
                           stages, forwards, text_tokens, output, batch, warm_cache, baseline_clips,
-                          [*(sets or ()), *vram_setting(vram)])
+                          [*(sets or ()), *vram_setting(vram)], baseline_forwards)
     except H3genError as e:
         fail(e)
 

@@ -54,20 +54,27 @@ def test_bench_rejects_unknown_stage(tmp_path):
 
 def test_bench_batch_times_clips_through_the_renderer(tmp_path):
     # The baseline renders clip by clip (mux in line), here one clip; the preset's muxes run behind the next clip's DiT.
+    # The preset at its own 3 forwards, the baseline at 1 (--baseline-forwards): compared at 3 all the same.
     result = h3gen("bench", "--batch", "2", "--baseline-clips", "1", "--preset", "tiny", "--durations", "5", "--size",
-                   "64x32", "--random-weights", "tiny", "--forwards", "1", "--text-tokens", "8", "-o", tmp_path,
-                   check_code=0)
+                   "64x32", "--random-weights", "tiny", "--baseline-forwards", "1", "--text-tokens", "8", "-o",
+                   tmp_path, check_code=0)
     paths = result.stdout.split()
     assert [p.rsplit(".", 1)[1] for p in paths] == ["json", "md"]
     records = {r["preset"]: r for r in json.loads(open(paths[0]).read())["records"]}
     tiny, base = records["tiny"], records["diffusers"]
     assert base["baseline"] and not tiny["baseline"] and (tiny["clips"], base["clips"]) == (2, 1)
-    assert tiny["forwards"] == 1 and tiny["full_forwards"] == 3 and base["full_forwards"] == 49
+    assert tiny["forwards"] == 3 and base["forwards"] == 1
+    assert tiny["full_forwards"] == 3 and base["full_forwards"] == 49
     assert tiny["warmup_clips"] == base["warmup_clips"] == 1  # --warmup's default: one untimed clip first
     assert tiny["extra_per_clip_s"] > 0 and tiny["vae_s_per_clip"] > 0 and tiny["mux_s_per_clip"] > 0
     assert 0 < tiny["last_clip_tail_s"] < tiny["wall_s"] and 0 < base["last_clip_tail_s"] < base["wall_s"]
+    # The wall ends at the last file written; the unload after it is reported apart.
+    assert tiny["unload_s"] > 0 and 0 < tiny["between_clips_s"] < tiny["extra_per_clip_s"]
+    assert base["between_clips_s"] is None  # one timed clip: no next clip to wait for
     expected = 3600 / (3 * tiny["per_forward_s"] + tiny["extra_per_clip_s"] + tiny["encode_s"] / 2)
     assert abs(tiny["clips_per_hour_full"] - expected) < 0.05 * expected
+    # Run at its own forwards, the projection is the measured rate itself.
+    assert abs(tiny["clips_per_hour_full"] - tiny["clips_per_hour"]) < 0.05 * tiny["clips_per_hour"]
     assert tiny["vs_baseline"] == round(tiny["clips_per_hour_full"] / base["clips_per_hour_full"], 3)
     # Against the baseline run on the preset's own 3 forwards, from the baseline's measured costs.
     base_same = 3600 / (3 * base["per_forward_s"] + base["extra_per_clip_s"] + base["encode_s"])
@@ -76,6 +83,8 @@ def test_bench_batch_times_clips_through_the_renderer(tmp_path):
     assert "| tiny | 2 |" in open(paths[1]).read()
     rejected = h3gen("bench", "--baseline-clips", "1", "-o", tmp_path)
     assert rejected.returncode == 2 and "--baseline-clips" in rejected.stderr and "--batch" in rejected.stderr
+    rejected = h3gen("bench", "--baseline-forwards", "1", "-o", tmp_path)
+    assert rejected.returncode == 2 and "--baseline-forwards" in rejected.stderr and "--batch" in rejected.stderr
 
 
 def test_full_size_random_weights_have_no_repository_directory():
