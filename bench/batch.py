@@ -2,8 +2,9 @@
 another, to measure what a batch costs beyond its DiT forwards.
 
 Per clip, the critical path is the clip's DiT plus whatever the device waits for before the next clip's DiT can
-start (decode, transfer, and the mux when it is not in the background). `extra_per_clip_s` is that wait: the
-batch's wall time (the text encoding and loading excluded) minus the DiT time, over the clips. With `forwards`
+start (the sampler's layout and noise, decode, transfer, and the mux when it is not in the background).
+`extra_per_clip_s` is that wait: the batch's wall time (the text encoding and loading excluded) minus the time of
+the DiT forwards, over the clips. With `forwards`
 set, clips per hour are also given for the preset's own forward count, from the measured per-forward time and
 the measured extra. The baseline renders clip by clip, so nothing overlaps across its clips: `baseline_clips` can
 give it fewer clips than the batch at the same per-clip costs. `warmup` clips go first in the same render and are
@@ -27,6 +28,7 @@ from pathlib import Path
 from h3gen.bench.sweep import (BenchPlan, adapter_overrides, bench_frames, cache_overrides, forward_overrides,
                                host_gib, preset_forwards)
 from h3gen.run.report import SilentReporter
+from h3gen.stages.clip import FORWARDS_PART
 from h3gen.inputs.request import Request
 
 
@@ -133,7 +135,8 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
     per_clip = [reporter.stages.get(r.request.index, {}) | r.seconds for r in results]
     encoder_loads = getattr(renderer.stages["encode"], "encoder_loads", None)
     encode = sum(s.get("encode", 0.0) for s in per_clip)
-    dit = [s.get("sampler", 0.0) for s in per_clip]
+    # The forwards alone where the sampler times them: its work outside them (layout, noise) is a per-clip cost.
+    dit = [s.get(FORWARDS_PART, s.get("sampler", 0.0)) for s in per_clip]
     forwards = max(r.forwards for r in results) or 1
     per_forward = sum(dit) / len(dit) / forwards
     extra = (wall - sum(dit)) / len(results)

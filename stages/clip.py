@@ -32,6 +32,9 @@ FLOW = (
     Step("mux", reads=("frames", "audio", "sample_rate", "arriving", "path"), writes=(), on_device=False),
 )
 PIPELINE = tuple(step.kind for step in FLOW)  # quant is applied at load time by the stages that load weights
+# The sampler's DiT forwards alone, a part of its seconds: the rest (the packed layout, the seeded noise, the steps)
+# is paid once a clip, whatever the forward count.
+FORWARDS_PART = "dit_forwards"
 DEVICE_STAGES = tuple(step.kind for step in FLOW if step.on_device)  # spread over a group (`Stage.parallelize`)
 CLIP_DEVICE_STAGES = tuple(step.kind for step in FLOW if step.on_device and not step.ahead)  # clip by clip
 

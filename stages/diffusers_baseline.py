@@ -7,8 +7,10 @@ diffusers' own text encoding, denoise loop and decode. The stages share h3gen's 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from h3gen.stages.base import Stage
+from h3gen.stages.clip import FORWARDS_PART
 
 
 def modular_pipeline(block_cls, **components):
@@ -94,7 +96,16 @@ class DiffusersSampler(Stage):
             forwards += 1
             self.runtime.on_step(clip, forwards, self.config.steps - 1)
 
-        hook = self.pipe.transformer.register_forward_hook(count_forward)
+        transformer = self.pipe.transformer
+        hook = transformer.register_forward_hook(count_forward)
+        forward, own = transformer.forward, "forward" in vars(transformer)
+
+        @functools.wraps(forward)  # diffusers passes the inputs the forward's signature names
+        def timed_forward(*args, **kwargs):
+            with self.runtime.timer.measure(clip, FORWARDS_PART, report=False):
+                return forward(*args, **kwargs)
+
+        transformer.forward = timed_forward
         try:
             with sdpa_context(self.config.sdpa_backend):
                 state = self.pipe(prompt_embeds=clip.prompt_embeds.to(self.runtime.device),
@@ -105,6 +116,10 @@ class DiffusersSampler(Stage):
                                   output=["latents", "audio_latents"])
         finally:
             hook.remove()
+            if own:
+                transformer.forward = forward
+            else:
+                del transformer.forward
         clip.video_latents, clip.audio_latents = state["latents"], state["audio_latents"]
         clip.forwards, clip.attention = forwards, f"sdpa ({self.config.sdpa_backend})"
         return clip

@@ -14,6 +14,7 @@ from h3gen.errors import ClipError, UsageError
 from h3gen.inputs.request import AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
 from h3gen.models.dit.tags import AUDIO_TAG, VIDEO_TAG
 from h3gen.stages.base import Stage
+from h3gen.stages.clip import FORWARDS_PART
 
 # The t (= 1 - sigma) a visual condition is held at: H3 was trained with its anchors noised just short of clean
 # (diffusers' keyframe_noise_aug). Reference soundtracks ride along clean, at t = 1. Checkpoint contracts, both.
@@ -288,12 +289,13 @@ class EulerSampler(Stage):
                 layout["video_indices"], layout["audio_indices"], held_video, held_audio,
                 layout["text_indices"].numel(), float(t), float(audio_t), max(float(t), CONDITION_T),
                 AUDIO_CONDITION_T)
-            video_velocity, audio_velocity = self.dit(
-                hidden_states=video_rows[None], audio_hidden_states=audio_rows[None],
-                encoder_hidden_states=prompt_embeds, timestep=timestep.to(self.runtime.device),
-                timestep_indices=timestep_indices.to(self.runtime.device), token_tags=layout["token_tags"],
-                position_ids=layout["position_ids"], video_indices=layout["video_indices"],
-                audio_indices=layout["audio_indices"], text_indices=layout["text_indices"], **reuse)[:2]
+            with self.runtime.timer.measure(clip, FORWARDS_PART, report=False):
+                video_velocity, audio_velocity = self.dit(
+                    hidden_states=video_rows[None], audio_hidden_states=audio_rows[None],
+                    encoder_hidden_states=prompt_embeds, timestep=timestep.to(self.runtime.device),
+                    timestep_indices=timestep_indices.to(self.runtime.device), token_tags=layout["token_tags"],
+                    position_ids=layout["position_ids"], video_indices=layout["video_indices"],
+                    audio_indices=layout["audio_indices"], text_indices=layout["text_indices"], **reuse)[:2]
             # Only the generated rows step: the conditioning rows ahead of them stay as they were drawn.
             video_rows[held_video:] = video_schedule.step(video_velocity[0, held_video:].float(), t,
                                                           video_rows[held_video:], return_dict=False)[0]

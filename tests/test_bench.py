@@ -1,6 +1,7 @@
 """`h3gen bench` on the CPU with the tiny model: the same code path the GPU benchmark runs."""
 
 import json
+import re
 
 import torch
 
@@ -24,7 +25,9 @@ def test_bench_tiny_writes_json_table_and_chart(tmp_path):
     assert by[("diffusers", "dit")]["baseline"] and by[("diffusers", "dit")]["forwards"] == 49
     assert by[("fasth3", "dit")]["forwards"] == 4 and by[("tiny", "dit")]["forwards"] == 3
     dit = by[("fasth3", "dit")]
-    assert abs(dit["median_s"] - 4 * dit["per_forward_s"]) < 1e-3
+    # A forward alone scales to the preset's 4; the sampler's layout, noise and steps are counted once.
+    outside = float(re.search(r"([0-9.]+) s of the sampler's work outside them once a clip", dit["notes"])[1])
+    assert outside > 0 and abs(dit["median_s"] - (4 * dit["per_forward_s"] + outside)) < 2e-3
     assert "2 forwards timed, scaled to 4" in dit["notes"]
     e2e = by[("tiny", "e2e")]
     # rtf is rounded from the unrounded median: within one unit of its last digit of the rounded median's ratio
