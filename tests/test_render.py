@@ -19,8 +19,8 @@ def test_render_writes_valid_clips_and_json_lines(prompts_file, tmp_path):
     assert [r["id"] for r in records] == [None, "waves"]
     assert [r["seed"] for r in records] == [0, 5]
     for record in records:
-        assert record["ok"] and set(record["seconds"]) == {"encode", "sampler", "vae", "mux", "vae_video",
-                                                           "vae_audio", "transfer"}
+        assert record["ok"] and set(record["seconds"]) == {"encode", "sampler", "dit_forwards", "vae", "mux",
+                                                           "vae_video", "vae_audio", "transfer"}
         assert record["rtf"] > 0 and record["frames"] == 124 and record["forwards"] == 3
         assert record["attention"] == "sdpa (PyTorch's choice)"
         assert validate_clip(record["path"], expected_frames=124) == []
