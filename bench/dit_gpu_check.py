@@ -619,12 +619,34 @@ def profile_forward(model, inputs, label):
     """The CUDA kernels of one forward, by total time: where the seconds beyond matmuls and attention go."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        timed(lambda: model(**inputs))
+    with profile(activities=[ProfilerActivity.CUDA if DEVICE.type == "cuda" else ProfilerActivity.CPU]) as prof:
+        _, seconds = timed(lambda: model(**inputs))
     rows = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.device_time_total for e in rows)
     top = [dict(kernel=e.key[:90], ms=round(e.device_time_total / 1e3, 1), calls=e.count) for e in rows[:25]]
-    log(f"profile_{label}", dict(total_ms=round(total / 1e3, 1), top=top))
+    log(f"profile_{label}", dict(total_ms=round(total / 1e3, 1), wall_ms=round(seconds * 1e3, 1), top=top))
+    log(f"gaps_{label}", idle_gaps(prof))
+
+
+def idle_gaps(prof, largest=12):
+    """Where the device sat idle inside the forward: the time between one kernel's end (the latest end so far) and
+    the next kernel's start, with the kernels on either side of the largest gaps."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA)
+    if not kernels:
+        return {}
+    gaps, reach, last = [], kernels[0][1], kernels[0][2]
+    for start, end, name in kernels[1:]:
+        if start > reach:
+            gaps.append((start - reach, last, name))
+        if end >= reach:
+            reach, last = end, name
+    gaps.sort(reverse=True)
+    return dict(span_ms=round((reach - kernels[0][0]) / 1e3, 1), idle_ms=round(sum(g[0] for g in gaps) / 1e3, 1),
+                gaps=len(gaps), over_1ms=sum(g[0] > 1e3 for g in gaps),
+                largest=[dict(ms=round(g / 1e3, 2), after=a[:70], before=b[:70]) for g, a, b in gaps[:largest]])
 
 
 def block_parity(model, inputs):
