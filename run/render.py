@@ -154,14 +154,16 @@ class Renderer:
         yield from self.collect(wait=True)
 
     def render_chunk(self, clips: list[Clip], failed: set, force: bool) -> Iterator[ClipResult]:
+        clips = [clip for clip in clips if clip.request.index not in failed]
+        sampler = self.stages["sampler"]
         while clips:  # popped as they go, so nothing keeps a finished clip alive
             clip = clips.pop(0)
-            if clip.request.index in failed:
-                continue
             status, claim, error = self.admit(clip, force)
             if status or error:
                 yield self.finish(clip, error, status=status)
                 continue
+            if clips:  # the next clip's host-side inputs get ready while this one is on the device
+                sampler.prepare(clips[0])
             self.render_one(clip, claim)
             self.claim_on_device = None
             memory.release(self.runtime.device)

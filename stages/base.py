@@ -98,6 +98,10 @@ class Stage:
     def run(self, clip):
         raise NotImplementedError
 
+    def prepare(self, clip) -> None:
+        """Called with the next clip while the device still works on this one: start host-side work `run` will need
+        (the built-in sampler draws the clip's seeded noise), on a thread. The default does nothing."""
+
     def submit(self, clip, stage=None):
         """A background mux (`background = True`): start muxing `clip` on a thread by calling `stage(clip, False)`
         (`stage` is a wrapper of this mux, or None for this one), and return a Future of the clip; or return None to
@@ -152,6 +156,9 @@ class Wrapper(Stage):
 
     def run(self, clip):
         return self.inner.run(clip)
+
+    def prepare(self, clip) -> None:
+        self.inner.prepare(clip)
 
     def submit(self, clip, stage=None):
         return self.inner.submit(clip, stage or self)  # on the inner mux's threads, through this wrapper's run

@@ -51,6 +51,7 @@ class Clip:
     encode_cached: bool = False  # the embeddings came from the embedding cache
     video_latents: Any = None  # (1, 24, latent frames, H/16, W/16) on the device
     audio_latents: Any = None  # (2, 32, audio latents) on the device
+    noise: Any = None  # the sampler's seeded draws, started ahead of its run on a host thread (a Future)
     forwards: int = 0  # DiT forwards the sampler ran
     forwards_reused: int = 0  # of those, the ones whose middle blocks a step cache skipped
     attention: str = ""  # the attention backend the DiT ran on
@@ -63,6 +64,6 @@ class Clip:
 
     def drop_tensors(self, keep_media: bool = False) -> None:
         """Let go of what the stages made, so the next clip starts from the same memory."""
-        self.prompt_embeds = self.text_token_tags = self.video_latents = self.audio_latents = None
+        self.prompt_embeds = self.text_token_tags = self.video_latents = self.audio_latents = self.noise = None
         if not keep_media:
             self.frames = self.audio = self.arriving = None

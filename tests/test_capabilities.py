@@ -8,7 +8,7 @@ from conftest import ROOT
 PROMPTS = '{"id": "a", "prompt": "a fox"}\n{"id": "b", "prompt": "waves"}\n'
 
 
-def render_with(tmp_path, tiny_model, vae=None, mux=None):
+def render_with(tmp_path, tiny_model, vae=None, mux=None, sampler=None):
     from h3gen.config.preset import resolve
     from h3gen.inputs.prompts import read_prompts
     from h3gen.models.repo import ModelRepo
@@ -17,9 +17,10 @@ def render_with(tmp_path, tiny_model, vae=None, mux=None):
     from h3gen.run.report import SilentReporter
 
     found, text = registry(), (ROOT / "presets" / "tiny.toml").read_text()
-    for stage in filter(None, (vae, mux)):
+    for stage in filter(None, (vae, mux, sampler)):
         found.stages[(stage.kind, stage.name)] = Registered(stage.kind, stage.name, stage, "test")
-        text = text.replace({"vae": 'use = "reference"', "mux": 'use = "pyav"'}[stage.kind], f'use = "{stage.name}"')
+        text = text.replace({"vae": 'use = "reference"', "mux": 'use = "pyav"', "sampler": 'use = "euler"'}[stage.kind],
+                            f'use = "{stage.name}"')
     preset_file = tmp_path / "preset.toml"
     preset_file.write_text(text)
     preset = resolve(str(preset_file), found)
@@ -83,6 +84,30 @@ def test_a_decode_that_declares_no_handover_gives_the_mux_finished_frames(tmp_pa
 
     render_with(tmp_path, tiny_model, vae=FinishedFrames, mux=RecordingMux)
     assert seen == [None, None]
+
+
+def test_the_sampler_draws_the_next_clip_s_noise_while_this_one_renders(tmp_path, tiny_model):
+    """The renderer hands the sampler the next clip before this one goes to the device; the sampler draws its seeded
+    noise on a host thread, the very draws `run` would make in line."""
+    import torch
+
+    from h3gen.stages.sampler import EulerSampler
+
+    ahead = []
+
+    class Recording(EulerSampler):
+        name = "recording"
+
+        def run(self, clip):
+            ahead.append(clip.noise is not None)
+            if clip.noise is not None:
+                conditions, video, audio = clip.noise.result()
+                again = self.draw(clip)
+                assert conditions == again[0] == [] and torch.equal(video, again[1]) and torch.equal(audio, again[2])
+            return super().run(clip)
+
+    render_with(tmp_path, tiny_model, sampler=Recording)
+    assert ahead == [False, True]
 
 
 def test_a_plugin_stage_that_declares_nothing_works_in_line(tmp_path, tiny_model):
