@@ -154,9 +154,9 @@ class Renderer:
         yield from self.collect(wait=True)
 
     def render_chunk(self, clips: list[Clip], failed: set, force: bool) -> Iterator[ClipResult]:
-        clips = [clip for clip in clips if clip.request.index not in failed]
+        clips[:] = [clip for clip in clips if clip.request.index not in failed]
         sampler = self.stages["sampler"]
-        while clips:  # popped as they go, so nothing keeps a finished clip alive
+        while clips:  # popped as they go (the caller's list too), so nothing keeps a finished clip alive
             clip = clips.pop(0)
             status, claim, error = self.admit(clip, force)
             if status or error:

@@ -25,18 +25,18 @@ class Step:
 FLOW = (
     Step("encode", reads=("request",), writes=("prompt_embeds", "text_token_tags", "conditions", "encode_cached"),
          on_device=True, ahead=True),
-    Step("sampler", reads=("request", "prompt_embeds", "text_token_tags", "conditions"),
+    Step("sampler", reads=("request", "prompt_embeds", "text_token_tags", "conditions", "noise"),
          writes=("video_latents", "audio_latents", "forwards", "forwards_reused", "attention"), on_device=True),
     Step("vae", reads=("video_latents", "audio_latents"), writes=("frames", "audio", "sample_rate", "arriving"),
          on_device=True),
     Step("mux", reads=("frames", "audio", "sample_rate", "arriving", "path"), writes=(), on_device=False),
 )
 PIPELINE = tuple(step.kind for step in FLOW)  # quant is applied at load time by the stages that load weights
+DEVICE_STAGES = tuple(step.kind for step in FLOW if step.on_device)  # spread over a group (`Stage.parallelize`)
+CLIP_DEVICE_STAGES = tuple(step.kind for step in FLOW if step.on_device and not step.ahead)  # clip by clip
 # The sampler's DiT forwards alone, a part of its seconds: the rest (the packed layout, the seeded noise, the steps)
 # is paid once a clip, whatever the forward count.
 FORWARDS_PART = "dit_forwards"
-DEVICE_STAGES = tuple(step.kind for step in FLOW if step.on_device)  # spread over a group (`Stage.parallelize`)
-CLIP_DEVICE_STAGES = tuple(step.kind for step in FLOW if step.on_device and not step.ahead)  # clip by clip
 
 
 @dataclasses.dataclass
