@@ -13,6 +13,18 @@ from h3gen.stages.base import Stage
 from h3gen.stages.clip import FORWARDS_PART
 
 
+def timed(stage, part, fn):
+    """`fn`, timed into the part `part` of the clip `stage` runs (`stage.clip`), with its signature kept: diffusers
+    passes a forward the inputs its signature names."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with stage.runtime.timer.measure(stage.clip, part, report=False):
+            return fn(*args, **kwargs)
+
+    return run
+
+
 def modular_pipeline(block_cls, **components):
     pipe = block_cls().init_pipeline()
     pipe.update_components(**components)
@@ -85,6 +97,7 @@ class DiffusersSampler(Stage):
         self.pipe = modular_pipeline(MiniMaxH3CoreDenoiseStep, transformer=transformer,
                                      scheduler=MiniMaxH3Scheduler(shift=12.0),
                                      audio_scheduler=MiniMaxH3Scheduler(shift=3.0))
+        transformer.forward = timed(self, FORWARDS_PART, transformer.forward)
 
     def run(self, clip):
         import torch
@@ -96,16 +109,8 @@ class DiffusersSampler(Stage):
             forwards += 1
             self.runtime.on_step(clip, forwards, self.config.steps - 1)
 
-        transformer = self.pipe.transformer
-        hook = transformer.register_forward_hook(count_forward)
-        forward, own = transformer.forward, "forward" in vars(transformer)
-
-        @functools.wraps(forward)  # diffusers passes the inputs the forward's signature names
-        def timed_forward(*args, **kwargs):
-            with self.runtime.timer.measure(clip, FORWARDS_PART, report=False):
-                return forward(*args, **kwargs)
-
-        transformer.forward = timed_forward
+        self.clip = clip
+        hook = self.pipe.transformer.register_forward_hook(count_forward)
         try:
             with sdpa_context(self.config.sdpa_backend):
                 state = self.pipe(prompt_embeds=clip.prompt_embeds.to(self.runtime.device),
@@ -116,10 +121,6 @@ class DiffusersSampler(Stage):
                                   output=["latents", "audio_latents"])
         finally:
             hook.remove()
-            if own:
-                transformer.forward = forward
-            else:
-                del transformer.forward
         clip.video_latents, clip.audio_latents = state["latents"], state["audio_latents"]
         clip.forwards, clip.attention = forwards, f"sdpa ({self.config.sdpa_backend})"
         return clip
@@ -145,14 +146,7 @@ class DiffusersDecode(Stage):
                                 device_map=device).eval())
         # Time each decoder inside diffusers' block without changing what the block does.
         for part, module in (("vae_video", self.pipe.vae), ("vae_audio", self.pipe.audio_vae)):
-            module.decode = self.timed(part, module.decode)
-
-    def timed(self, part, decode):
-        def run(*args, **kwargs):
-            with self.runtime.timer.measure(self.clip, part, report=False):
-                return decode(*args, **kwargs)
-
-        return run
+            module.decode = timed(self, part, module.decode)
 
     def run(self, clip):
         import numpy as np
