@@ -14,9 +14,9 @@ part of the batch, as loading them is not (`unload_s` gives it). `last_clip_tail
 decode to that end: its mux, which no next clip hides. `between_clips_s` is the mean time from one clip's decode to
 the next clip's start: what the device waits for between clips beyond the mux. `baseline_forwards` runs the
 baseline at fewer forwards than the measured presets (each preset is compared at its own count all the same, from
-the baseline's per-forward seconds). With `warm_cache`, each preset's batch runs twice over one fresh embedding cache: the second
-run's encode seconds are what a rerun over the same prompts pays (`encoder_loads` says whether it loaded the
-encoder).
+the baseline's per-forward seconds). With `warm_cache`, each preset's batch runs twice over one fresh embedding
+cache: the second run's encode seconds are what a rerun over the same prompts pays (`encoder_loads` says whether it
+loaded the encoder).
 """
 
 from __future__ import annotations
