@@ -228,7 +228,8 @@ def warm_then_time(model, inputs, call, capture=None):
 
 
 def phase_kernels():
-    from h3gen.kernels import gated_residual, head_amax, qk_norm_rope, quantize_rows, rmsnorm_modulate, swiglu
+    from h3gen.kernels import (gated_residual, head_amax, qk_norm_rope, qk_norm_rope_fp8, quantize_rows,
+                               rmsnorm_modulate, swiglu)
     from h3gen.models.dit.blocks import rotary_angles, rotary_inv_freq
 
     def bench(fn):
@@ -255,7 +256,7 @@ def phase_kernels():
         "rmsnorm_modulate_quantized": (rmsnorm_modulate, (x, weight, 1e-5, table, rows, 3, 4)),
         # v's per-head scale for fa3-fp8, on its strided view of the projection
         "head_amax": (head_amax, (qkv[..., 2 * heads * 128:].unflatten(-1, (heads, 128)),)),
-        "qk_norm_rope_fp8": (qk_norm_rope, (qkv, heads, 1 + 0.1 * rnd(128), 1 + 0.1 * rnd(128), 1e-5, cos, sin)),
+        "qk_norm_rope_fp8": (qk_norm_rope_fp8, (qkv, heads, 1 + 0.1 * rnd(128), 1 + 0.1 * rnd(128), 1e-5, cos, sin)),
     }
     for name, (module, case_args) in cases.items():
         fast, ref = getattr(module, name), getattr(module, f"{name}_reference")
@@ -289,20 +290,23 @@ def qk_norm_rope_launch_shapes(bench, cases):
 
 
 def qk_norm_rope_fp8_launch_shapes(bench, cases):
-    """The e4m3 Q/K/V kernel of fa3-fp8 per launch shape, with the bytes it moves per second: it reads the whole
-    projection in bf16 and writes q, k and v once in e4m3."""
-    from h3gen.kernels.qk_norm_rope import qk_norm_rope_fp8_triton
+    """The e4m3 Q/K/V kernel of fa3-fp8 per launch shape (rows and heads a program, warps), with the bytes it moves
+    per second: it reads the whole projection in bf16 and v once more for its scale, and writes q, k and v once in
+    e4m3. A program's shape does not change its values: every reduction is over one head."""
+    from h3gen.kernels.qk_norm_rope_fp8 import qk_norm_rope_fp8_triton
 
     for label, args in cases.items():
-        moved = args[0].numel() * (2 + 1)
+        moved = args[0].numel() * (2 + 1) + args[0].numel() // 3 * 2
         expected = qk_norm_rope_fp8_triton(*args)
-        for heads_block in (4, 8, 16, 32, 64):
-            for warps in (1, 2, 4, 8):
-                run = lambda: qk_norm_rope_fp8_triton(*args, heads_block=heads_block, num_warps=warps)
-                equal = all(torch.equal(a, e) for a, e in zip(run(), expected))
-                ms = bench(run)
-                log(f"qk_norm_rope_fp8_{label}_h{heads_block}w{warps}",
-                    dict(ms=ms, tb_per_s=round(moved / ms / 1e9, 2), equal=equal))
+        for rows in (1, 2, 4, 8):
+            for heads_block in (8, 16, 32):
+                for warps in (2, 4, 8):
+                    run = lambda: qk_norm_rope_fp8_triton(*args, rows_block=rows, heads_block=heads_block,
+                                                          num_warps=warps)
+                    equal = all(torch.equal(a, e) for a, e in zip(run(), expected))
+                    ms = bench(run)
+                    log(f"qk_norm_rope_fp8_{label}_r{rows}h{heads_block}w{warps}",
+                        dict(ms=ms, tb_per_s=round(moved / ms / 1e9, 2), equal=equal))
 
 
 def rmsnorm_modulate_launch_shapes(bench, args):

@@ -5,7 +5,7 @@ Every multiplier is a power of two, so scaling is exact and e4m3's rounding is t
 bits whatever the scale, so a finer scale buys range only (fewer values below its smallest normal, 2^-6 of the
 scale): on an H200, per head against per tensor moved the error by under 1 %, and taking the key's mean out by as
 little (bench/results/2026-12-01T2134-fa3-probe.json). `FP8Heads` is what the DiT's QK-norm kernel writes directly
-(`h3gen.kernels.qk_norm_rope.qk_norm_rope_fp8`); `attention_fa3_fp8` quantizes bf16 inputs itself.
+(`h3gen.kernels.qk_norm_rope_fp8`); `attention_fa3_fp8` quantizes bf16 inputs itself.
 """
 import math
 from typing import NamedTuple

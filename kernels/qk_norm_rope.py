@@ -1,16 +1,11 @@
-"""Per-head RMSNorm of query and key, then rotary embedding on the leading `rotary_dim` channels of each head; with
-`qk_norm_rope_fp8` the same kernel writes q, k and v in e4m3 for FlashAttention-3's FP8 forward."""
-import os
-
+"""Per-head RMSNorm of query and key, then rotary embedding on the leading `rotary_dim` channels of each head
+(`qk_norm_rope_fp8` writes q, k and v in e4m3 instead)."""
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from h3gen.kernels.attention_fa3_fp8 import (FP8, FP8Heads, descale, norm_bound_multiplier,
-                                             power_of_two_multiplier, quantize_heads)
-from h3gen.kernels.head_amax import head_amax
-from h3gen.kernels.rounding import NO_FMA, to_fp8
+from h3gen.kernels.rounding import NO_FMA
 
 
 def apply_rotary_reference(x, cos, sin):
@@ -44,11 +39,10 @@ def qk_norm_rope_reference(qkv, heads, q_weight, k_weight, eps, cos=None, sin=No
 
 
 @triton.jit
-def _qk_norm_rope_kernel(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, rstd_ptr, out_ptr, multiplier_ptr,
+def _qk_norm_rope_kernel(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, rstd_ptr, out_ptr,
                          seq_len, heads, qkv_row_stride, source_offset, out_row_stride, out_offset, eps,
                          HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, HEADS_BLOCK: tl.constexpr,
-                         HAS_ROPE: tl.constexpr, HAS_RSTD: tl.constexpr, NORM: tl.constexpr = True,
-                         FP8_OUT: tl.constexpr = False, EMULATE_ROUNDING: tl.constexpr = False):
+                         HAS_ROPE: tl.constexpr, HAS_RSTD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * HEADS_BLOCK + tl.arange(0, HEADS_BLOCK)
     dim = tl.arange(0, HEAD_DIM)
@@ -56,14 +50,11 @@ def _qk_norm_rope_kernel(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, rstd_ptr, out_pt
     src = qkv_ptr + row * qkv_row_stride + source_offset + head[:, None] * HEAD_DIM
     x = tl.load(src + dim[None, :], mask=mask, other=0.0).to(tl.float32)
     dtype = qkv_ptr.dtype.element_ty
-    if NORM:
-        if HAS_RSTD:
-            rstd = tl.load(rstd_ptr + row * heads + head, mask=head < heads, other=1.0)[:, None]
-        else:
-            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-        out = x * rstd * tl.load(weight_ptr + dim).to(tl.float32)[None, :]
+    if HAS_RSTD:
+        rstd = tl.load(rstd_ptr + row * heads + head, mask=head < heads, other=1.0)[:, None]
     else:
-        out = x
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+    out = x * rstd * tl.load(weight_ptr + dim).to(tl.float32)[None, :]
     if HAS_ROPE:
         # Rounded wherever the reference's separate ops round: norm output, each product, the sum.
         out = out.to(dtype).to(tl.float32)
@@ -82,13 +73,7 @@ def _qk_norm_rope_kernel(qkv_ptr, weight_ptr, cos_ptr, sin_ptr, rstd_ptr, out_pt
         out = (out * cos[None, :]).to(dtype).to(tl.float32) + rotated
     # In place, this program overwrites only the head rows it loaded (both rotary halves) before it stores.
     dst = out_ptr + row * out_row_stride + out_offset + head[:, None] * HEAD_DIM + dim[None, :]
-    if FP8_OUT:
-        # The value the bf16 path stores, times its head's power of two (exact), rounded once to e4m3.
-        multiplier = tl.load(multiplier_ptr + (row // seq_len) * heads + head, mask=head < heads, other=1.0)
-        out = out.to(dtype).to(tl.float32) * multiplier[:, None]
-        tl.store(dst, to_fp8(tl.minimum(tl.maximum(out, -448.0), 448.0), EMULATE_ROUNDING), mask=mask)
-    else:
-        tl.store(dst, out.to(dtype), mask=mask)
+    tl.store(dst, out.to(dtype), mask=mask)
 
 
 def qk_norm_rope_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, rstd=None,
@@ -123,7 +108,7 @@ def qk_norm_rope_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None,
             out, out_row_stride, out_offset = qkv, row_stride, offset
         else:
             out, out_row_stride, out_offset = qkv.new_empty(view.shape), inner, 0
-        _qk_norm_rope_kernel[grid](qkv, weight, cos, sin, statistic if statistic is not None else weight, out, weight,
+        _qk_norm_rope_kernel[grid](qkv, weight, cos, sin, statistic if statistic is not None else weight, out,
                                    seq_len, heads, row_stride, offset, out_row_stride, out_offset, eps,
                                    HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, HEADS_BLOCK=heads_block,
                                    HAS_ROPE=has_rope, HAS_RSTD=statistic is not None, num_warps=num_warps,
@@ -136,52 +121,3 @@ def qk_norm_rope(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_pla
     fn = qk_norm_rope_triton if qkv.is_cuda else qk_norm_rope_reference
     return fn(qkv, heads, q_weight, k_weight, eps, cos, sin, in_place, rstd)
 
-
-def fp8_multipliers(q_weight, k_weight, v, head_dim):
-    """(B, heads) powers of two for q, k and v. q's and k's come from their norm's weight (a bound on any normed,
-    rotated head), so the kernel that norms them can write e4m3 straight away; v's from its heads' largest values."""
-    batch, _, heads, _ = v.shape
-    bounds = [norm_bound_multiplier(w, head_dim).expand(batch, heads) for w in (q_weight, k_weight)]
-    return [m.contiguous() for m in (*bounds, power_of_two_multiplier(head_amax(v)))]
-
-
-def qk_norm_rope_fp8_reference(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None) -> FP8Heads:
-    """What `qk_norm_rope_reference` gives, each of q, k, v times its power of two and rounded to e4m3."""
-    q, k, v = qk_norm_rope_reference(qkv, heads, q_weight, k_weight, eps, cos, sin)
-    multipliers = fp8_multipliers(q_weight, k_weight, v, q.shape[-1])
-    return FP8Heads(*(quantize_heads(t, m) for t, m in zip((q, k, v), multipliers)),
-                    *(descale(m, *m.shape) for m in multipliers))
-
-
-def qk_norm_rope_fp8_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, heads_block=None,
-                            num_warps=None) -> FP8Heads:
-    qkv = qkv.contiguous()
-    inner = qkv.shape[-1] // 3
-    head_dim, seq_len = inner // heads, qkv.shape[-2]
-    # 32 heads of 128 channels a program on 2 warps: 1.98-2.03 ms for the DiT's q, k and v against 2.22-2.31 ms with
-    # 8 heads, the same values (H200, bench/results/2026-12-02T2210-kernel-launch-defaults.json and the runs before
-    # it). The decoder's 64-channel heads keep 8 on 4 warps: no shape was clearly faster there (0.51-0.53 ms).
-    wide = head_dim >= 128
-    heads_block = heads_block or (min(32, triton.next_power_of_2(heads)) if wide else 8)
-    num_warps = num_warps or (2 if wide else 4)
-    rows, row_stride, offsets = qkv.numel() // qkv.shape[-1], qkv.shape[-1], (0, inner, 2 * inner)
-    has_rope = cos is not None
-    cos, sin = (cos.contiguous(), sin.contiguous()) if has_rope else (q_weight, q_weight)  # never read without
-    views = split_qkv(qkv, heads)
-    multipliers = fp8_multipliers(q_weight, k_weight, views[2], head_dim)
-    grid = (rows, triton.cdiv(heads, heads_block))
-    outputs = [qkv.new_empty(views[0].shape, dtype=FP8) for _ in range(3)]
-    # q and k normed (and rotated), v only scaled: three launches of one kernel, each writing e4m3 once.
-    for offset, weight, multiplier, out, norm in zip(offsets, (q_weight, k_weight, q_weight), multipliers, outputs,
-                                                     (True, True, False)):
-        _qk_norm_rope_kernel[grid](qkv, weight, cos, sin, weight, out, multiplier, seq_len, heads, row_stride, offset,
-                                   inner, 0, eps, HEAD_DIM=head_dim, ROTARY_DIM=cos.shape[-1] if has_rope else 0,
-                                   HEADS_BLOCK=heads_block, HAS_ROPE=has_rope and norm, HAS_RSTD=False, NORM=norm,
-                                   FP8_OUT=True, EMULATE_ROUNDING=os.environ.get("TRITON_INTERPRET") == "1",
-                                   num_warps=num_warps, **NO_FMA)
-    return FP8Heads(*outputs, *(descale(m, *m.shape) for m in multipliers))
-
-
-def qk_norm_rope_fp8(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None) -> FP8Heads:
-    fn = qk_norm_rope_fp8_triton if qkv.is_cuda else qk_norm_rope_fp8_reference
-    return fn(qkv, heads, q_weight, k_weight, eps, cos, sin)

@@ -57,11 +57,11 @@ def test_norm_bound_multiplier_covers_any_normed_rotated_head(dtype):
 def test_parity_qk_norm_rope_fp8(dtype, rope):
     from test_kernels import QK_SHAPE, interpreted, qk_norm_rope_args
 
-    kernel = interpreted("qk_norm_rope")
+    kernel = interpreted("qk_norm_rope_fp8")
     batch, seq_len, heads, head_dim, _ = QK_SHAPE
     args = qk_norm_rope_args(dtype, rope, 0.3)
     expected = kernel.qk_norm_rope_fp8_reference(*args)
-    actual = kernel.qk_norm_rope_fp8_triton(*args, heads_block=2)
+    actual = kernel.qk_norm_rope_fp8_triton(*args, rows_block=2, heads_block=2)
     for a, e in zip(actual[3:], expected[3:]):
         assert a.shape == (batch, heads) and torch.equal(a, e)
     for a, e in zip(actual[:3], expected[:3]):
@@ -96,7 +96,8 @@ def test_fa3_against_fp32_attention_on_the_gpu():
 def test_fa3_fp8_fused_and_unfused_against_fp32_attention_on_the_gpu():
     # Logits ~N(0, 1): e4m3 inputs and probabilities give about 5.4e-2 (the probe, per head or per tensor alike).
     from h3gen.kernels.attention_fa3_fp8 import attend_fp8
-    from h3gen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_fp8, qk_norm_rope_fp8_reference
+    from h3gen.kernels.qk_norm_rope import qk_norm_rope
+    from h3gen.kernels.qk_norm_rope_fp8 import qk_norm_rope_fp8, qk_norm_rope_fp8_reference
 
     heads, head_dim = 28, 128
     qkv = torch.randn(1, 4096, 3 * heads * head_dim, device="cuda", dtype=torch.bfloat16)

@@ -10,7 +10,8 @@ from h3gen.kernels.attention import attention, choose_backend
 from h3gen.kernels.attention_fa3_fp8 import attend_fp8
 from h3gen.kernels.gated_residual import gated_residual, gated_residual_reference
 from h3gen.kernels.norm_statistic import torch_rstd
-from h3gen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_fp8, qk_norm_rope_reference, split_qkv
+from h3gen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference, split_qkv
+from h3gen.kernels.qk_norm_rope_fp8 import qk_norm_rope_fp8
 from h3gen.kernels.rmsnorm_modulate import rmsnorm_modulate, rmsnorm_modulate_quantized, rmsnorm_modulate_reference
 from h3gen.kernels.swiglu import swiglu, swiglu_reference
 from h3gen.models.dit.tags import MODALITIES

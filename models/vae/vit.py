@@ -21,7 +21,8 @@ from torch import nn
 
 from h3gen.kernels.attention import attention, choose_backend
 from h3gen.kernels.attention_fa3_fp8 import attend_fp8
-from h3gen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_fp8
+from h3gen.kernels.qk_norm_rope import qk_norm_rope
+from h3gen.kernels.qk_norm_rope_fp8 import qk_norm_rope_fp8
 from h3gen.kernels.residual_rmsnorm import residual_rmsnorm, residual_rmsnorm_quantized
 from h3gen.kernels.swiglu import swiglu, swiglu_reference
 from h3gen.models.quant_linear import FP8Rows, FP8RowwiseLinear, project, swiglu_linear
