@@ -24,14 +24,26 @@ def quantize_rows_reference(rows):
 
 
 @triton.jit
+def fp8_multiplier(amax, dtype: tl.constexpr, dtype_max, EMULATE: tl.constexpr):
+    """448 / amax in the reference's arithmetic: rounded to `dtype`, never above its largest value."""
+    amax = tl.maximum(amax, 1e-12)
+    # div_rn: IEEE division as torch's (Triton's `/` on fp32 is an approximate division on the GPU)
+    return round_to(tl.minimum(tl.math.div_rn(tl.full([], 448.0, tl.float32), amax), dtype_max), dtype, EMULATE)
+
+
+@triton.jit
+def store_fp8(x, multiplier, out_ptrs, mask, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """`x` (fp32 holding values of `dtype`) times `multiplier`, rounded to `dtype`, then to FP8 at `out_ptrs`."""
+    scaled = tl.minimum(tl.maximum(round_to(x * multiplier, dtype, EMULATE), -448.0), 448.0)
+    tl.store(out_ptrs, to_fp8(scaled, EMULATE), mask=mask)
+
+
+@triton.jit
 def store_fp8_row(x, out_ptrs, scale_ptr, mask, dtype: tl.constexpr, dtype_max, EMULATE: tl.constexpr):
     """One row `x` (fp32 holding values of `dtype`) stored as FP8 at `out_ptrs` with its scale at `scale_ptr`, in
     the reference's arithmetic."""
-    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
-    # div_rn: IEEE division as torch's (Triton's `/` on fp32 is an approximate division on the GPU)
-    multiplier = round_to(tl.minimum(tl.math.div_rn(tl.full([], 448.0, tl.float32), amax), dtype_max), dtype, EMULATE)
-    scaled = tl.minimum(tl.maximum(round_to(x * multiplier, dtype, EMULATE), -448.0), 448.0)
-    tl.store(out_ptrs, to_fp8(scaled, EMULATE), mask=mask)
+    multiplier = fp8_multiplier(tl.max(tl.abs(x), axis=0), dtype, dtype_max, EMULATE)
+    store_fp8(x, multiplier, out_ptrs, mask, dtype, EMULATE)
     tl.store(scale_ptr, tl.math.div_rn(tl.full([], 1.0, tl.float32), multiplier))
 
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from h3gen.kernels.quantize_rows import fp8_rows_launch, quantize_rows_reference, store_fp8_row
+from h3gen.kernels.quantize_rows import fp8_multiplier, fp8_rows_launch, quantize_rows_reference, store_fp8
 from h3gen.kernels.rounding import NO_FMA
 
 
@@ -31,42 +31,95 @@ def rmsnorm_modulate_quantized_reference(x, weight, eps, modulation=None, row_in
 
 
 @triton.jit
-def _rmsnorm_modulate_kernel(x_ptr, weight_ptr, modulation_ptr, row_index_ptr, rstd_ptr, out_ptr,
-                             seq_len, hidden, modulation_stride, shift_offset, scale_offset, eps,
-                             HAS_MODULATION: tl.constexpr, HAS_RSTD: tl.constexpr, BLOCK: tl.constexpr,
-                             scale_ptr=None, dtype_max=0.0, FP8_OUT: tl.constexpr = False,
-                             EMULATE: tl.constexpr = False):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < hidden
-    x = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RSTD:
-        rstd = tl.load(rstd_ptr + row)
-    else:
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden + eps)
+def _modulated(x, cols, mask, rstd, weight_ptr, table_row_ptr, shift_offset, scale_offset, dtype: tl.constexpr,
+               HAS_MODULATION: tl.constexpr):
     out = x * rstd * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    dtype = x_ptr.dtype.element_ty
     if HAS_MODULATION:
         # Round where the reference's separate ops round (norm output, 1 + scale, product): tracking diffusers'
         # bf16 result matters more than being more precise than it.
-        table_row = tl.load(row_index_ptr + row % seq_len).to(tl.int64)
-        base = modulation_ptr + table_row * modulation_stride
-        shift = tl.load(base + shift_offset + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.load(base + scale_offset + cols, mask=mask, other=0.0).to(tl.float32)
+        shift = tl.load(table_row_ptr + shift_offset + cols, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(table_row_ptr + scale_offset + cols, mask=mask, other=0.0).to(tl.float32)
         out = out.to(dtype).to(tl.float32) * (1.0 + scale).to(dtype).to(tl.float32)
         out = out.to(dtype).to(tl.float32) + shift
-    if FP8_OUT:  # the value the bf16 kernel stores, then quantize_rows' arithmetic on it
-        store_fp8_row(out.to(dtype).to(tl.float32), out_ptr + row * hidden + cols, scale_ptr + row, mask, dtype,
-                      dtype_max, EMULATE)
+    return out.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rmsnorm_modulate_kernel(x_ptr, weight_ptr, modulation_ptr, row_index_ptr, rstd_ptr, out_ptr,
+                             seq_len, hidden, modulation_stride, shift_offset, scale_offset, eps,
+                             HAS_MODULATION: tl.constexpr, HAS_RSTD: tl.constexpr, PIECE0: tl.constexpr,
+                             PIECE1: tl.constexpr, PIECE2: tl.constexpr, scale_ptr=None, dtype_max=0.0,
+                             FP8_OUT: tl.constexpr = False, EMULATE: tl.constexpr = False):
+    """A row as up to three power-of-two pieces side by side (5,376 = 4,096 + 1,024 + 256), so no lane of a block
+    idles past the row's end; PIECE1 and PIECE2 are 0 when absent."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * hidden
+    cols0 = tl.arange(0, PIECE0)
+    mask0 = cols0 < hidden
+    x0 = tl.load(x_row + cols0, mask=mask0, other=0.0).to(tl.float32)
+    squares = tl.sum(x0 * x0, axis=0)
+    if PIECE1 > 0:
+        cols1 = PIECE0 + tl.arange(0, PIECE1)
+        mask1 = cols1 < hidden
+        x1 = tl.load(x_row + cols1, mask=mask1, other=0.0).to(tl.float32)
+        squares += tl.sum(x1 * x1, axis=0)
+    if PIECE2 > 0:
+        cols2 = PIECE0 + PIECE1 + tl.arange(0, PIECE2)
+        mask2 = cols2 < hidden
+        x2 = tl.load(x_row + cols2, mask=mask2, other=0.0).to(tl.float32)
+        squares += tl.sum(x2 * x2, axis=0)
+    if HAS_RSTD:
+        rstd = tl.load(rstd_ptr + row)
     else:
-        tl.store(out_ptr + row * hidden + cols, out.to(dtype), mask=mask)
+        rstd = tl.rsqrt(squares / hidden + eps)
+    dtype = x_ptr.dtype.element_ty
+    table_row_ptr = modulation_ptr
+    if HAS_MODULATION:
+        table_row_ptr = modulation_ptr + tl.load(row_index_ptr + row % seq_len).to(tl.int64) * modulation_stride
+    out0 = _modulated(x0, cols0, mask0, rstd, weight_ptr, table_row_ptr, shift_offset, scale_offset, dtype,
+                      HAS_MODULATION)
+    amax = tl.max(tl.abs(out0), axis=0)
+    if PIECE1 > 0:
+        out1 = _modulated(x1, cols1, mask1, rstd, weight_ptr, table_row_ptr, shift_offset, scale_offset, dtype,
+                          HAS_MODULATION)
+        amax = tl.maximum(amax, tl.max(tl.abs(out1), axis=0))
+    if PIECE2 > 0:
+        out2 = _modulated(x2, cols2, mask2, rstd, weight_ptr, table_row_ptr, shift_offset, scale_offset, dtype,
+                          HAS_MODULATION)
+        amax = tl.maximum(amax, tl.max(tl.abs(out2), axis=0))
+    out_row = out_ptr + row * hidden
+    if FP8_OUT:  # the values the bf16 kernel stores, then quantize_rows' arithmetic on them
+        multiplier = fp8_multiplier(amax, dtype, dtype_max, EMULATE)
+        store_fp8(out0, multiplier, out_row + cols0, mask0, dtype, EMULATE)
+        if PIECE1 > 0:
+            store_fp8(out1, multiplier, out_row + cols1, mask1, dtype, EMULATE)
+        if PIECE2 > 0:
+            store_fp8(out2, multiplier, out_row + cols2, mask2, dtype, EMULATE)
+        tl.store(scale_ptr + row, tl.math.div_rn(tl.full([], 1.0, tl.float32), multiplier))
+    else:
+        tl.store(out_row + cols0, out0.to(dtype), mask=mask0)
+        if PIECE1 > 0:
+            tl.store(out_row + cols1, out1.to(dtype), mask=mask1)
+        if PIECE2 > 0:
+            tl.store(out_row + cols2, out2.to(dtype), mask=mask2)
 
 
-def launch_options(block: int, num_warps=None) -> dict:
-    """A warp per 512 channels, at most 8: the DiT's 5,376-channel rows take 8 warps, 0.47 ms a call in bf16 and
-    0.54 ms to FP8 rows against 0.52 and 0.65 on 16 (H200, bench/results/2026-12-02T2210-kernel-launch-defaults.json).
-    The warps set the order a row's squares are summed in, so both forms launch alike and stay bit-equal."""
-    return dict(num_warps=num_warps or min(8, max(1, block // 512)), **NO_FMA)
+def row_pieces(hidden: int) -> dict:
+    """`hidden` as at most three powers of two, largest first; one masked power of two where it takes more."""
+    pieces = [1 << bit for bit in reversed(range(hidden.bit_length())) if hidden >> bit & 1]
+    if len(pieces) > 3:
+        pieces = [triton.next_power_of_2(hidden)]
+    pieces += [0] * (3 - len(pieces))
+    return dict(PIECE0=pieces[0], PIECE1=pieces[1], PIECE2=pieces[2])
+
+
+def launch_options(hidden: int, num_warps=None) -> dict:
+    """The row in pieces on a warp per 1,024 lanes, at most 4: the DiT's 5,376-channel rows in 0.43 ms a call in bf16
+    and 0.46 ms to FP8 rows, against 0.46 and 0.54 ms as one masked block of 8,192 lanes on 8 warps, the fastest
+    shape before (H200, bench/results/2026-12-03T0604-triton-rates-norm-pieces.json). The warps set the order a row's
+    squares are summed in, so both forms launch alike and stay bit-equal."""
+    warps = min(4, max(1, triton.next_power_of_2(hidden) // 1024))
+    return dict(num_warps=num_warps or warps, **row_pieces(hidden), **NO_FMA)
 
 
 def rmsnorm_modulate_triton(x, weight, eps, modulation=None, row_index=None, shift_chunk=0, scale_chunk=1,
@@ -82,11 +135,10 @@ def rmsnorm_modulate_triton(x, weight, eps, modulation=None, row_index=None, shi
     if rstd is not None:
         assert rstd.dtype == torch.float32 and rstd.numel() == x.numel() // hidden
         rstd = rstd.contiguous()
-    block = triton.next_power_of_2(hidden)
     _rmsnorm_modulate_kernel[(x.numel() // hidden,)](
         x, weight, modulation, row_index, rstd if rstd is not None else weight, out,
         seq_len, hidden, modulation.stride(0), shift_chunk * hidden, scale_chunk * hidden, eps,
-        HAS_MODULATION=has_modulation, HAS_RSTD=rstd is not None, BLOCK=block, **launch_options(block, num_warps))
+        HAS_MODULATION=has_modulation, HAS_RSTD=rstd is not None, **launch_options(hidden, num_warps))
     return out
 
 
@@ -99,12 +151,12 @@ def rmsnorm_modulate_quantized_triton(x, weight, eps, modulation=None, row_index
         modulation, row_index = weight, weight  # never read
     else:
         assert modulation.stride(-1) == 1 and row_index.numel() == seq_len
-    out, scale, block, options = fp8_rows_launch(x.numel() // hidden, hidden, x.device)
+    out, scale, _, options = fp8_rows_launch(x.numel() // hidden, hidden, x.device)
     _rmsnorm_modulate_kernel[(out.shape[0],)](
         x, weight, modulation, row_index, weight, out, seq_len, hidden, modulation.stride(0), shift_chunk * hidden,
-        scale_chunk * hidden, eps, HAS_MODULATION=has_modulation, HAS_RSTD=False, BLOCK=block,
-        scale_ptr=scale, dtype_max=torch.finfo(x.dtype).max, FP8_OUT=True, EMULATE=options["EMULATE"],
-        **launch_options(block, num_warps))
+        scale_chunk * hidden, eps, HAS_MODULATION=has_modulation, HAS_RSTD=False, scale_ptr=scale,
+        dtype_max=torch.finfo(x.dtype).max, FP8_OUT=True, EMULATE=options["EMULATE"],
+        **launch_options(hidden, num_warps))
     return out, scale
 
 

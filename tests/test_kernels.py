@@ -43,10 +43,11 @@ def make_modulation(rows, chunks, hidden, dtype, seq_len):
 @parity
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("modulated", [True, False])
-def test_parity_rmsnorm_modulate(dtype, modulated):
+@pytest.mark.parametrize("hidden", [112, 120])  # 64 + 32 + 16: a row in three pieces; 120 takes four: one block
+def test_parity_rmsnorm_modulate(dtype, modulated, hidden):
     k = interpreted("rmsnorm_modulate")
     torch.manual_seed(0)
-    batch, seq_len, hidden = 2, 7, 96
+    batch, seq_len = 2, 7
     x = torch.randn(batch, seq_len, hidden).to(dtype)
     weight = (1 + 0.1 * torch.randn(hidden)).to(dtype)
     modulation, rows = make_modulation(6, 6, hidden, dtype, seq_len) if modulated else (None, None)
@@ -144,7 +145,7 @@ def test_parity_rmsnorm_modulate_quantized(dtype, modulated):
     reference's values (their scales to an fp32 ulp, see test_parity_quantize_rows). Rows of magnitudes 1e-2 to 1e2."""
     k, rows_kernel = interpreted("rmsnorm_modulate"), interpreted("quantize_rows")
     torch.manual_seed(0)
-    batch, seq_len, hidden = 2, 7, 96
+    batch, seq_len, hidden = 2, 7, 112  # 64 + 32 + 16: three pieces
     x = (torch.randn(batch, seq_len, hidden) * torch.logspace(-2, 2, seq_len)[:, None]).to(dtype)
     weight = (1 + 0.1 * torch.randn(hidden)).to(dtype)
     modulation, rows = make_modulation(6, 6, hidden, dtype, seq_len) if modulated else (None, None)
