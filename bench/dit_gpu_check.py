@@ -292,7 +292,7 @@ def qk_norm_rope_launch_shapes(bench, cases):
 def qk_norm_rope_fp8_launch_shapes(bench, cases):
     """The e4m3 Q/K/V kernel of fa3-fp8 per launch shape (rows and heads a program, warps), with the bytes it moves
     per second: it reads the whole projection in bf16 and v once more for its scale, and writes q, k and v once in
-    e4m3. A program's shape does not change its values: every reduction is over one head."""
+    e4m3; `equal` says whether a shape keeps the default's values."""
     from h3gen.kernels.qk_norm_rope_fp8 import qk_norm_rope_fp8_triton
 
     for label, args in cases.items():

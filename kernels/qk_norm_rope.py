@@ -27,8 +27,8 @@ def split_qkv(qkv, heads):
 
 def qk_norm_rope_reference(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, in_place=False, rstd=None):
     """`qkv` (B, L, 3 * heads * head_dim) -> q, k, v each (B, L, heads, head_dim); v is a view. With `in_place`
-    the kernel writes q and k over their own part of `qkv` (all three are views then); the reference never does. `rstd`, (q's, k's) statistic as torch computes it
-    (`kernels.norm_statistic.torch_rstd`), is for the kernel."""
+    the kernel writes q and k over their own part of `qkv` (all three are views then); the reference never does.
+    `rstd`, (q's, k's) statistic as torch computes it (`kernels.norm_statistic.torch_rstd`), is for the kernel."""
     q, k, v = split_qkv(qkv, heads)
     head_dim = q.shape[-1]
     q = F.rms_norm(q, (head_dim,), q_weight, eps)

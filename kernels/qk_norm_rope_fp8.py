@@ -115,6 +115,7 @@ def _qk_norm_rope_fp8_kernel(qkv_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_p
     _store_e4m3(tl.load(v + rest_dim[None, :], mask=rest_mask, other=0.0).to(tl.float32), out + rest_dim[None, :],
                 rest_mask, multiplier, DTYPE, EMULATE)
 
+
 def launch_shape(head_dim: int) -> tuple[int, int, int]:
     """(rows, heads, warps) a program, the fastest of a sweep on an H200 (bench/triton_rates.py,
     bench/results/2026-12-03T0533-triton-rates.json): the DiT's q, k, v with v's scale in 2.02 ms a block (the
