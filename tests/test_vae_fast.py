@@ -299,8 +299,8 @@ def test_fp8_presets_load_the_decoder_quantized(tiny_model):
     assert all(isinstance(linear, FP8RowwiseLinear) and linear.fast_accum
                for linear in (weights.qkv, weights.out, weights.up_gate, weights.down))
     assert weights.qkv.out_features == 3 * vae.vae.decoder.transformer_blocks[0].attn.to_q.out_features
-    # The preset asks for FlashAttention-3 in the decoder; here the run says what runs instead, and why.
-    assert vae.load_note().startswith("decoder attention sdpa (fa3 not used, sdpa instead: ")
+    # The preset asks for FlashAttention-3's FP8 forward in the decoder; here the run says what runs instead, and why.
+    assert vae.load_note().startswith("decoder attention sdpa (fa3-fp8 not used, sdpa instead: ")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
