@@ -12,8 +12,8 @@ import torch
 import triton.testing
 
 
-from h3gen.kernels import (head_amax, qk_norm_rope, qk_norm_rope_fp8, quantize_rows, residual_rmsnorm,
-                           rmsnorm_modulate, swiglu)
+from h3gen.kernels import (gated_residual, head_amax, qk_norm_rope, qk_norm_rope_fp8, quantize_rows,
+                           residual_rmsnorm, rmsnorm_modulate, swiglu)
 from h3gen.models.dit.blocks import rotary_angles, rotary_inv_freq
 
 OUT = Path(os.environ.get("OUT", "."))
@@ -109,7 +109,6 @@ def main(sections):
         rate("quantize_rows 5376 wide", lambda: quantize_rows.quantize_rows_triton(x[0]), x.numel() * 3)
         modulate_pieces(x, weight, table, rows)
         y = rnd(1, seq, hidden)
-        from h3gen.kernels import gated_residual
         rate("gated_residual", lambda: gated_residual.gated_residual_triton(x, y, table, rows, 5), x.numel() * 6)
         rate("torch add (same bytes)", lambda: torch.add(x, y), x.numel() * 6)
         up_gate = rnd(16384, 2 * 14336)

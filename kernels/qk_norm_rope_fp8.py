@@ -16,7 +16,8 @@ from h3gen.kernels.attention_fa3_fp8 import (FP8Heads, descale, norm_bound_multi
                                              quantize_heads)
 from h3gen.kernels.head_amax import head_amax
 from h3gen.kernels.qk_norm_rope import qk_norm_rope_reference, split_qkv
-from h3gen.kernels.rounding import NO_FMA, round_to, to_fp8
+from h3gen.kernels.quantize_rows import store_fp8
+from h3gen.kernels.rounding import NO_FMA, round_to
 
 
 def fp8_multipliers(q_weight, k_weight, v, head_dim):
@@ -36,20 +37,11 @@ def qk_norm_rope_fp8_reference(qkv, heads, q_weight, k_weight, eps, cos=None, si
 
 
 @triton.jit
-def _store_e4m3(value, ptrs, mask, multiplier, DTYPE: tl.constexpr, EMULATE: tl.constexpr):
-    """`value` (fp32 holding DTYPE values) times its pair's power of two (exact), rounded once to e4m3."""
-    scaled = round_to(value, DTYPE, EMULATE) * multiplier[:, None]
-    tl.store(ptrs, to_fp8(tl.minimum(tl.maximum(scaled, -448.0), 448.0), EMULATE), mask=mask)
-
-
-@triton.jit
-def _normed_rotated(src, weight_ptr, cos_ptrs, sin_ptrs, half, rest, rest_dim, pair_mask, eps,
+def _normed_rotated(src, weight_ptr, cos_ptrs, sin_ptrs, half, rest, rest_dim, half_mask, rest_mask, eps,
                     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr, HAS_ROPE: tl.constexpr,
                     DTYPE: tl.constexpr, EMULATE: tl.constexpr):
     """One head per pair: its first rotary half, second half and the channels past them, normed and rotated,
     each rounded where the reference's separate ops round (norm output, each product, the sum)."""
-    half_mask = pair_mask & (half < HALF)[None, :]
-    rest_mask = pair_mask & (rest < REST)[None, :]
     a = tl.load(src + half[None, :], mask=half_mask, other=0.0).to(tl.float32)
     b = tl.load(src + HALF + half[None, :], mask=half_mask, other=0.0).to(tl.float32)
     c = tl.load(src + rest_dim[None, :], mask=rest_mask, other=0.0).to(tl.float32)
@@ -93,27 +85,29 @@ def _qk_norm_rope_fp8_kernel(qkv_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_p
     cos_ptrs, sin_ptrs = cos_ptr + angle, sin_ptr + angle
     half_mask = pair_mask & (half < HALF)[None, :]
     rest_mask = pair_mask & (rest < REST)[None, :]
-    # (B, heads) multipliers for q, k, v, stacked; the batch of a row is row // seq_len.
+    # (B, heads) multipliers for q, k, v, stacked; the batch of a row is row // seq_len. Each is a power of two, so
+    # quantize_rows' store (scale, round to DTYPE, e4m3) rounds to DTYPE exactly where the reference does.
     scale_index = (row // seq_len) * heads + head
     batch_heads = (rows // seq_len) * heads
     for part in tl.static_range(2):  # q, then k
         a, b, c = _normed_rotated(src + part * inner, q_weight_ptr if part == 0 else k_weight_ptr, cos_ptrs, sin_ptrs,
-                                  half, rest, rest_dim, pair_mask, eps, HEAD_DIM, HALF, REST, HAS_ROPE, DTYPE, EMULATE)
+                                  half, rest, rest_dim, half_mask, rest_mask, eps, HEAD_DIM, HALF, REST, HAS_ROPE,
+                                  DTYPE, EMULATE)
         out = (q_out_ptr if part == 0 else k_out_ptr) + dst
-        multiplier = tl.load(multiplier_ptr + part * batch_heads + scale_index, mask=pair_ok, other=1.0)
-        _store_e4m3(a, out + half[None, :], half_mask, multiplier, DTYPE, EMULATE)
-        _store_e4m3(b, out + HALF + half[None, :], half_mask, multiplier, DTYPE, EMULATE)
-        _store_e4m3(c, out + rest_dim[None, :], rest_mask, multiplier, DTYPE, EMULATE)
+        multiplier = tl.load(multiplier_ptr + part * batch_heads + scale_index, mask=pair_ok, other=1.0)[:, None]
+        store_fp8(a, multiplier, out + half[None, :], half_mask, DTYPE, EMULATE)
+        store_fp8(b, multiplier, out + HALF + half[None, :], half_mask, DTYPE, EMULATE)
+        store_fp8(c, multiplier, out + rest_dim[None, :], rest_mask, DTYPE, EMULATE)
     # v, only scaled
-    multiplier = tl.load(multiplier_ptr + 2 * batch_heads + scale_index, mask=pair_ok, other=1.0)
+    multiplier = tl.load(multiplier_ptr + 2 * batch_heads + scale_index, mask=pair_ok, other=1.0)[:, None]
     v = src + 2 * inner
     out = v_out_ptr + dst
-    _store_e4m3(tl.load(v + half[None, :], mask=half_mask, other=0.0).to(tl.float32), out + half[None, :], half_mask,
-                multiplier, DTYPE, EMULATE)
-    _store_e4m3(tl.load(v + HALF + half[None, :], mask=half_mask, other=0.0).to(tl.float32),
-                out + HALF + half[None, :], half_mask, multiplier, DTYPE, EMULATE)
-    _store_e4m3(tl.load(v + rest_dim[None, :], mask=rest_mask, other=0.0).to(tl.float32), out + rest_dim[None, :],
-                rest_mask, multiplier, DTYPE, EMULATE)
+    store_fp8(tl.load(v + half[None, :], mask=half_mask, other=0.0).to(tl.float32), multiplier, out + half[None, :],
+              half_mask, DTYPE, EMULATE)
+    store_fp8(tl.load(v + HALF + half[None, :], mask=half_mask, other=0.0).to(tl.float32), multiplier,
+              out + HALF + half[None, :], half_mask, DTYPE, EMULATE)
+    store_fp8(tl.load(v + rest_dim[None, :], mask=rest_mask, other=0.0).to(tl.float32), multiplier,
+              out + rest_dim[None, :], rest_mask, DTYPE, EMULATE)
 
 
 def launch_shape(head_dim: int) -> tuple[int, int, int]:

@@ -78,17 +78,19 @@ def _rmsnorm_modulate_kernel(x_ptr, weight_ptr, modulation_ptr, row_index_ptr, r
         table_row_ptr = modulation_ptr + tl.load(row_index_ptr + row % seq_len).to(tl.int64) * modulation_stride
     out0 = _modulated(x0, cols0, mask0, rstd, weight_ptr, table_row_ptr, shift_offset, scale_offset, dtype,
                       HAS_MODULATION)
-    amax = tl.max(tl.abs(out0), axis=0)
     if PIECE1 > 0:
         out1 = _modulated(x1, cols1, mask1, rstd, weight_ptr, table_row_ptr, shift_offset, scale_offset, dtype,
                           HAS_MODULATION)
-        amax = tl.maximum(amax, tl.max(tl.abs(out1), axis=0))
     if PIECE2 > 0:
         out2 = _modulated(x2, cols2, mask2, rstd, weight_ptr, table_row_ptr, shift_offset, scale_offset, dtype,
                           HAS_MODULATION)
-        amax = tl.maximum(amax, tl.max(tl.abs(out2), axis=0))
     out_row = out_ptr + row * hidden
     if FP8_OUT:  # the values the bf16 kernel stores, then quantize_rows' arithmetic on them
+        amax = tl.max(tl.abs(out0), axis=0)
+        if PIECE1 > 0:
+            amax = tl.maximum(amax, tl.max(tl.abs(out1), axis=0))
+        if PIECE2 > 0:
+            amax = tl.maximum(amax, tl.max(tl.abs(out2), axis=0))
         multiplier = fp8_multiplier(amax, dtype, dtype_max, EMULATE)
         store_fp8(out0, multiplier, out_row + cols0, mask0, dtype, EMULATE)
         if PIECE1 > 0:
