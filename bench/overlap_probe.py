@@ -23,8 +23,10 @@ def main() -> None:
 
     from h3gen.bench.batch import batch_requests
     from h3gen.bench.sweep import BenchPlan, adapter_overrides, cache_overrides, forward_overrides
-    from h3gen.cli.bench import weights_source
+    from h3gen.bench.random_weights import FullSizeRandom
     from h3gen.config.preset import resolve
+    from h3gen.models.repo import ModelRepo
+    from h3gen.models.tiny import ensure_tiny_model
     from h3gen.plugins.manager import registry
     from h3gen.run.render import Renderer
     from h3gen.run.report import SilentReporter
@@ -45,7 +47,7 @@ def main() -> None:
     preset = resolve(args.preset, found, overrides)
     plan = BenchPlan(presets=[args.preset])
     requests = batch_requests(plan, args.seconds, 3)
-    renderer = Renderer(preset, found, weights_source("full", None), SilentReporter())
+    renderer = Renderer(preset, found, FullSizeRandom(ModelRepo(ensure_tiny_model())), SilentReporter())
     stages = renderer.stages
     clips = [Clip(request=r, path=Path(f"/tmp/{r.id}.mp4"), preset=preset.name) for r in requests]
     for clip in clips:
