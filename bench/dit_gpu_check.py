@@ -293,20 +293,17 @@ def qk_norm_rope_fp8_launch_shapes(bench, cases):
     """The e4m3 Q/K/V kernel of fa3-fp8 per launch shape (rows and heads a program, warps), with the bytes it moves
     per second: it reads the whole projection in bf16 and v once more for its scale, and writes q, k and v once in
     e4m3; `equal` says whether a shape keeps the default's values."""
-    from h3gen.kernels.qk_norm_rope_fp8 import qk_norm_rope_fp8_triton
+    from h3gen.kernels.qk_norm_rope_fp8 import SWEPT_LAUNCH_SHAPES, bytes_moved, qk_norm_rope_fp8_triton
 
     for label, args in cases.items():
-        moved = args[0].numel() * (2 + 1) + args[0].numel() // 3 * 2
+        moved = bytes_moved(args[0])
         expected = qk_norm_rope_fp8_triton(*args)
-        for rows in (1, 2, 4, 8):
-            for heads_block in (8, 16, 32):
-                for warps in (2, 4, 8):
-                    run = lambda: qk_norm_rope_fp8_triton(*args, rows_block=rows, heads_block=heads_block,
-                                                          num_warps=warps)
-                    equal = all(torch.equal(a, e) for a, e in zip(run(), expected))
-                    ms = bench(run)
-                    log(f"qk_norm_rope_fp8_{label}_r{rows}h{heads_block}w{warps}",
-                        dict(ms=ms, tb_per_s=round(moved / ms / 1e9, 2), equal=equal))
+        for rows, heads_block, warps in SWEPT_LAUNCH_SHAPES:
+            run = lambda: qk_norm_rope_fp8_triton(*args, rows_block=rows, heads_block=heads_block, num_warps=warps)
+            equal = all(torch.equal(a, e) for a, e in zip(run(), expected))
+            ms = bench(run)
+            log(f"qk_norm_rope_fp8_{label}_r{rows}h{heads_block}w{warps}",
+                dict(ms=ms, tb_per_s=round(moved / ms / 1e9, 2), equal=equal))
 
 
 def rmsnorm_modulate_launch_shapes(bench, args):

@@ -34,20 +34,18 @@ def rate(name, fn, moved_bytes, expected=None):
     return out
 
 
-def fp8_launch_shapes(label, args, moved_bytes):
+def fp8_launch_shapes(label, args):
     """The e4m3 Q/K/V kernel per launch shape (rows, heads, warps a program), against the default shape's bytes."""
     old = qk_norm_rope_fp8.qk_norm_rope_fp8_triton(*args)
-    for rows in (1, 2, 4, 8):
-        for heads_block in (8, 16, 32):
-            for warps in (2, 4, 8):
-                if rows * heads_block > 128:
-                    continue
-                run = lambda: qk_norm_rope_fp8.qk_norm_rope_fp8_triton(*args, rows_block=rows, heads_block=heads_block,
-                                                                      num_warps=warps)
-                out = rate(f"{label} fp8 r{rows}h{heads_block}w{warps}", run, moved_bytes)
-                results[f"{label} fp8 r{rows}h{heads_block}w{warps}"]["bytes_differing"] = sum(
-                    int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in zip(out[:3], old[:3]))
-                assert all(torch.equal(a, b) for a, b in zip(out[3:], old[3:]))
+    for rows, heads_block, warps in qk_norm_rope_fp8.SWEPT_LAUNCH_SHAPES:
+        if rows * heads_block > 128:
+            continue
+        run = lambda: qk_norm_rope_fp8.qk_norm_rope_fp8_triton(*args, rows_block=rows, heads_block=heads_block,
+                                                              num_warps=warps)
+        out = rate(f"{label} fp8 r{rows}h{heads_block}w{warps}", run, qk_norm_rope_fp8.bytes_moved(args[0]))
+        results[f"{label} fp8 r{rows}h{heads_block}w{warps}"]["bytes_differing"] = sum(
+            int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in zip(out[:3], old[:3]))
+        assert all(torch.equal(a, b) for a, b in zip(out[3:], old[3:]))
 
 
 def modulate_pieces(x, weight, table, rows):
@@ -95,8 +93,8 @@ def main(sections):
              2 * qk_bytes)
         rate("qk_norm_rope fp8 (q, k, v and v's amax), rope",
              lambda: qk_norm_rope_fp8.qk_norm_rope_fp8_triton(qkv, heads, w, w, 1e-5, cos, sin),
-             qkv.numel() * 3 + seq * inner * 2)
-        fp8_launch_shapes("dit", (qkv, heads, w, w, 1e-5, cos, sin), qkv.numel() * 3 + seq * inner * 2)
+             qk_norm_rope_fp8.bytes_moved(qkv))
+        fp8_launch_shapes("dit", (qkv, heads, w, w, 1e-5, cos, sin))
         v = qkv[..., 2 * inner:].unflatten(-1, (heads, 128))
         rate("head_amax of v", lambda: head_amax.head_amax(v), seq * inner * 2)
         del qkv, v
@@ -122,8 +120,7 @@ def main(sections):
         ones = torch.ones(64, device="cuda")
         dcos, dsin = (t.float() for t in rnd(2, tokens, 48))
         dq_bytes = 2 * tokens * width * 2
-        fp8_launch_shapes("decoder", (dqkv, dheads, ones, ones, 1e-5, dcos, dsin),
-                          dqkv.numel() * 3 + tokens * width * 2)
+        fp8_launch_shapes("decoder", (dqkv, dheads, ones, ones, 1e-5, dcos, dsin))
         expected = qk_norm_rope.qk_norm_rope_triton(dqkv, dheads, ones, ones, 1e-5, dcos, dsin)
         rate("decoder qk_norm_rope bf16 h8w4 (torch's order)",
              lambda: qk_norm_rope.qk_norm_rope_triton(dqkv, dheads, ones, ones, 1e-5, dcos, dsin), dq_bytes * 2,

@@ -118,6 +118,17 @@ def launch_shape(head_dim: int) -> tuple[int, int, int]:
     return (1, 32, 4) if head_dim >= 128 else (2, 32, 8)
 
 
+# (rows, heads, warps) a program that the launch-shape sweeps try (bench/triton_rates.py, bench/dit_gpu_check.py)
+SWEPT_LAUNCH_SHAPES = tuple((rows, heads, warps) for rows in (1, 2, 4, 8) for heads in (8, 16, 32)
+                            for warps in (2, 4, 8))
+
+
+def bytes_moved(qkv) -> int:
+    """What one call must move: the projection read in bf16 and v once more for its scale, q, k and v written in
+    e4m3."""
+    return qkv.numel() * (2 + 1) + qkv.numel() // 3 * 2
+
+
 def qk_norm_rope_fp8_triton(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, rows_block=None,
                             heads_block=None, num_warps=None) -> FP8Heads:
     qkv = qkv.contiguous()
