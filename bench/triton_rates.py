@@ -109,6 +109,19 @@ def main(sections):
         y = rnd(1, seq, hidden)
         rate("gated_residual", lambda: gated_residual.gated_residual_triton(x, y, table, rows, 5), x.numel() * 6)
         rate("torch add (same bytes)", lambda: torch.add(x, y), x.numel() * 6)
+        # The gated residual and the next norm in one pass: x, y read, the sum and the norm written; `equal` to the
+        # two kernels' outputs chained.
+        flat = lambda total, norm: (total, norm[0].view(torch.uint8), norm[1]) if isinstance(norm, tuple) \
+            else (total, norm)
+        for fp8 in (False, True):
+            total = gated_residual.gated_residual_triton(x, y, table, rows, 2)
+            norm = (rmsnorm_modulate.rmsnorm_modulate_quantized_triton if fp8
+                    else rmsnorm_modulate.rmsnorm_modulate_triton)(total, weight, 1e-5, table, rows, 3, 4)
+            run = lambda: flat(*rmsnorm_modulate.gated_residual_rmsnorm_modulate_triton(
+                x, y, table, rows, 2, weight, 1e-5, 3, 4, fp8=fp8))
+            rate(f"gated_residual + rmsnorm_modulate {'fp8' if fp8 else 'bf16'} in one pass", run,
+                 x.numel() * (7 if fp8 else 8), flat(total, norm))
+            del total, norm
         up_gate = rnd(16384, 2 * 14336)
         rate("swiglu to fp8 rows (16k-row pass)", lambda: swiglu.swiglu_quantized_triton(up_gate),
              up_gate.numel() * 2.5)

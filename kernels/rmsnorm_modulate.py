@@ -1,11 +1,13 @@
 """RMSNorm followed by AdaLN modulation, with the modulation rows gathered per packed row; for an FP8 linear that
 takes the result, the same values straight to FP8 rows with one scale per row (`quantize_rows`' arithmetic), so
-the bf16 rows are never written nor read again."""
+the bf16 rows are never written nor read again. The same kernel can first add a gated branch to the residual
+(`gated_residual`'s arithmetic) and norm the sum it writes, so the sum is not read back."""
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from h3gen.kernels.gated_residual import gated_residual_reference
 from h3gen.kernels.quantize_rows import fp8_multiplier, fp8_rows_launch, quantize_rows_reference, store_fp8
 from h3gen.kernels.rounding import NO_FMA
 
@@ -30,6 +32,27 @@ def rmsnorm_modulate_quantized_reference(x, weight, eps, modulation=None, row_in
     return quantize_rows_reference(out.reshape(-1, out.shape[-1]))
 
 
+def gated_residual_rmsnorm_modulate_reference(x, y, modulation, row_index, gate_chunk, weight, eps, shift_chunk=0,
+                                              scale_chunk=1, fp8=False):
+    """(`gated_residual` of `x` and `y`, the modulated norm of that sum): the norm as (fp8 rows, scales) with `fp8`."""
+    x = gated_residual_reference(x, y, modulation, row_index, gate_chunk)
+    norm = rmsnorm_modulate_quantized_reference if fp8 else rmsnorm_modulate_reference
+    return x, norm(x, weight, eps, modulation, row_index, shift_chunk, scale_chunk)
+
+
+@triton.jit
+def _gated_sum(x, y_row, sum_row, cols, mask, table_row_ptr, gate_offset, dtype: tl.constexpr,
+               HAS_MODULATION: tl.constexpr):
+    """x + gate * y stored at `sum_row`, rounded as `gated_residual` rounds it, and returned as the norm reads it."""
+    y = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_MODULATION:
+        gate = tl.load(table_row_ptr + gate_offset + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (gate * y).to(dtype).to(tl.float32)
+    total = (x + y).to(dtype)
+    tl.store(sum_row + cols, total, mask=mask)
+    return total.to(tl.float32)
+
+
 @triton.jit
 def _modulated(x, cols, mask, rstd, weight_ptr, table_row_ptr, shift_offset, scale_offset, dtype: tl.constexpr,
                HAS_MODULATION: tl.constexpr):
@@ -49,33 +72,44 @@ def _rmsnorm_modulate_kernel(x_ptr, weight_ptr, modulation_ptr, row_index_ptr, r
                              seq_len, hidden, modulation_stride, shift_offset, scale_offset, eps,
                              HAS_MODULATION: tl.constexpr, HAS_RSTD: tl.constexpr, PIECE0: tl.constexpr,
                              PIECE1: tl.constexpr, PIECE2: tl.constexpr, scale_ptr=None, dtype_max=0.0,
-                             FP8_OUT: tl.constexpr = False, EMULATE: tl.constexpr = False):
+                             FP8_OUT: tl.constexpr = False, EMULATE: tl.constexpr = False, y_ptr=None, sum_ptr=None,
+                             gate_offset=0, HAS_RESIDUAL: tl.constexpr = False):
     """A row as up to three power-of-two pieces side by side (5,376 = 4,096 + 1,024 + 256), so no lane of a block
-    idles past the row's end; PIECE1 and PIECE2 are 0 when absent."""
+    idles past the row's end; PIECE1 and PIECE2 are 0 when absent. With HAS_RESIDUAL the row normed is x + gate * y,
+    written to `sum_ptr` on the way."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * hidden
+    dtype = x_ptr.dtype.element_ty
+    table_row_ptr = modulation_ptr
+    if HAS_MODULATION:
+        table_row_ptr = modulation_ptr + tl.load(row_index_ptr + row % seq_len).to(tl.int64) * modulation_stride
     cols0 = tl.arange(0, PIECE0)
     mask0 = cols0 < hidden
     x0 = tl.load(x_row + cols0, mask=mask0, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x0 = _gated_sum(x0, y_ptr + row * hidden, sum_ptr + row * hidden, cols0, mask0, table_row_ptr, gate_offset,
+                        dtype, HAS_MODULATION)
     squares = tl.sum(x0 * x0, axis=0)
     if PIECE1 > 0:
         cols1 = PIECE0 + tl.arange(0, PIECE1)
         mask1 = cols1 < hidden
         x1 = tl.load(x_row + cols1, mask=mask1, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            x1 = _gated_sum(x1, y_ptr + row * hidden, sum_ptr + row * hidden, cols1, mask1, table_row_ptr,
+                            gate_offset, dtype, HAS_MODULATION)
         squares += tl.sum(x1 * x1, axis=0)
     if PIECE2 > 0:
         cols2 = PIECE0 + PIECE1 + tl.arange(0, PIECE2)
         mask2 = cols2 < hidden
         x2 = tl.load(x_row + cols2, mask=mask2, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            x2 = _gated_sum(x2, y_ptr + row * hidden, sum_ptr + row * hidden, cols2, mask2, table_row_ptr,
+                            gate_offset, dtype, HAS_MODULATION)
         squares += tl.sum(x2 * x2, axis=0)
     if HAS_RSTD:
         rstd = tl.load(rstd_ptr + row)
     else:
         rstd = tl.rsqrt(squares / hidden + eps)
-    dtype = x_ptr.dtype.element_ty
-    table_row_ptr = modulation_ptr
-    if HAS_MODULATION:
-        table_row_ptr = modulation_ptr + tl.load(row_index_ptr + row % seq_len).to(tl.int64) * modulation_stride
     out0 = _modulated(x0, cols0, mask0, rstd, weight_ptr, table_row_ptr, shift_offset, scale_offset, dtype,
                       HAS_MODULATION)
     if PIECE1 > 0:
@@ -173,3 +207,38 @@ def rmsnorm_modulate_quantized(x, weight, eps, modulation=None, row_index=None, 
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float32):
         return rmsnorm_modulate_quantized_triton(x, weight, eps, modulation, row_index, shift_chunk, scale_chunk)
     return rmsnorm_modulate_quantized_reference(x, weight, eps, modulation, row_index, shift_chunk, scale_chunk)
+
+
+def gated_residual_rmsnorm_modulate_triton(x, y, modulation, row_index, gate_chunk, weight, eps, shift_chunk=0,
+                                           scale_chunk=1, fp8=False, num_warps=None):
+    x, y = x.contiguous(), y.contiguous()
+    hidden, seq_len = x.shape[-1], x.shape[-2]
+    count = x.numel() // hidden
+    assert y.shape == x.shape and y.dtype == x.dtype
+    has_modulation = modulation is not None
+    if not has_modulation:
+        modulation, row_index = weight, weight  # never read
+    else:
+        assert modulation.stride(-1) == 1 and row_index.numel() == seq_len
+    total = torch.empty_like(x)
+    if fp8:
+        out, scale, _, options = fp8_rows_launch(count, hidden, x.device)
+        fp8_args = dict(scale_ptr=scale, dtype_max=torch.finfo(x.dtype).max, FP8_OUT=True,
+                        EMULATE=options["EMULATE"])
+    else:
+        out, fp8_args = torch.empty_like(x), {}
+    _rmsnorm_modulate_kernel[(count,)](
+        x, weight, modulation, row_index, weight, out, seq_len, hidden, modulation.stride(0), shift_chunk * hidden,
+        scale_chunk * hidden, eps, HAS_MODULATION=has_modulation, HAS_RSTD=False, y_ptr=y, sum_ptr=total,
+        gate_offset=gate_chunk * hidden, HAS_RESIDUAL=True, **fp8_args, **launch_options(hidden, num_warps))
+    return total, ((out, scale) if fp8 else out)
+
+
+def gated_residual_rmsnorm_modulate(x, y, modulation, row_index, gate_chunk, weight, eps, shift_chunk=0, scale_chunk=1,
+                                    fp8=False):
+    """(`gated_residual(x, y, ...)`, `rmsnorm_modulate` of that sum): with `fp8`, the norm as
+    `rmsnorm_modulate_quantized` gives it. One Triton kernel on a GPU: the same values as the two kernels, the sum
+    written once and never read back."""
+    triton_ok = x.is_cuda and (not fp8 or x.dtype in (torch.bfloat16, torch.float32))
+    fn = gated_residual_rmsnorm_modulate_triton if triton_ok else gated_residual_rmsnorm_modulate_reference
+    return fn(x, y, modulation, row_index, gate_chunk, weight, eps, shift_chunk, scale_chunk, fp8)

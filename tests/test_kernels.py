@@ -167,6 +167,33 @@ def test_parity_rmsnorm_modulate_quantized(dtype, modulated):
 
 @parity
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("modulated", [True, False])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_parity_gated_residual_rmsnorm_modulate(dtype, modulated, fp8):
+    """The gated residual add and the modulated norm of its sum in one kernel: the very sum the residual kernel
+    writes, and the very norm (or FP8 rows and scales) the norm kernel makes of that sum. Rows of magnitudes 1e-2 to
+    1e2, 112 channels in three pieces."""
+    k, residual = interpreted("rmsnorm_modulate"), interpreted("gated_residual")
+    torch.manual_seed(0)
+    batch, seq_len, hidden = 2, 7, 112
+    x = (torch.randn(batch, seq_len, hidden) * torch.logspace(-2, 2, seq_len)[:, None]).to(dtype)
+    y = torch.randn(batch, seq_len, hidden).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden)).to(dtype)
+    modulation, rows = make_modulation(6, 6, hidden, dtype, seq_len) if modulated else (None, None)
+    total, normed = k.gated_residual_rmsnorm_modulate_triton(x, y, modulation, rows, 5, weight, 1e-5, 3, 4, fp8=fp8)
+    expected_total = residual.gated_residual_triton(x, y, modulation, rows, 5)
+    norm = k.rmsnorm_modulate_quantized_triton if fp8 else k.rmsnorm_modulate_triton
+    expected = norm(expected_total, weight, 1e-5, modulation, rows, 3, 4)
+    assert torch.equal(total, expected_total)
+    # Compared as values: the emulated FP8 rounding in the interpreter loses the sign of a zero.
+    for actual, chained in zip(normed if fp8 else (normed,), expected if fp8 else (expected,)):
+        assert actual.shape == chained.shape and torch.equal(actual.float(), chained.float())
+    reference_total, _ = k.gated_residual_rmsnorm_modulate_reference(x, y, modulation, rows, 5, weight, 1e-5, 3, 4)
+    assert_close(total, reference_total, dtype)
+
+
+@parity
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_parity_head_amax(dtype):
     """Each (batch, head)'s largest magnitude of v, a strided view of the fused projection, over rows that do not
     fill the last block: exactly torch's."""

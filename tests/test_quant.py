@@ -219,7 +219,7 @@ def test_fp8_linears_take_the_norm_as_fp8_rows_bit_for_bit(tiny_model, device, c
     """Attention's projection and the feed-forward's gate/up take their input as FP8 rows from the norm itself
     (`rmsnorm_modulate_fp8`): the velocities equal those of quantizing the bf16 norm's output, with the feed-forward
     unchunked or over row chunks (parts of the whole sequence's FP8 rows). On a GPU the Triton kernels run, the
-    fused one included."""
+    fused ones included: the feed-forward's rows come from the kernel that also adds attention's gated residual."""
     import copy
 
     from h3gen.models.dit import blocks
@@ -230,6 +230,12 @@ def test_fp8_linears_take_the_norm_as_fp8_rows_bit_for_bit(tiny_model, device, c
         dit.configure(use_triton=True, ffn_chunk_rows=chunk_rows)
         ops = copy.copy(blocks.TRITON_OPS)  # on the CPU each Triton op runs its torch reference
         calls = []
+
+        def residual_norm(*args, fp8):
+            calls.extend([1] if fp8 else [])
+            return blocks.gated_residual_rmsnorm_modulate(*args, fp8=fp8)
+
+        ops.gated_residual_norm = residual_norm
         if fused:
             ops.rmsnorm_modulate_fp8 = lambda *args: calls.append(1) or blocks.rmsnorm_modulate_quantized(*args)
         else:
@@ -239,6 +245,32 @@ def test_fp8_linears_take_the_norm_as_fp8_rows_bit_for_bit(tiny_model, device, c
         probe = probe or make_probe(dit.config, REQUEST, text_tokens=8, sigma=0.5)
         outputs.append(velocity(dit, probe, device, torch.bfloat16))
         assert len(calls) == (2 if fused else 0) * len(dit.transformer_blocks)
+    assert all(torch.equal(a, b) for a, b in zip(outputs[0], outputs[1]))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_gated_residual_and_norm_in_one_pass_give_the_velocities_of_two(tiny_model, device, quantized):
+    """Attention's gated residual add and the feed-forward's norm of the sum, in one pass (`gated_residual_norm`)
+    and as the two ops: the same velocities bit for bit, in bf16 and with FP8 linears taking FP8 rows. On a GPU the
+    one-pass Triton kernel runs against the two Triton kernels; on the CPU both are the torch references."""
+    import copy
+
+    from h3gen.models.dit import blocks
+
+    probe, outputs = None, []
+    for one_pass in (False, True):
+        dit = tiny_dit(tiny_model, fast=True).to(device)
+        if quantized:
+            dit = quant_stage("fp8-rowwise", tiny_model).transform("dit", dit)
+        dit.configure(use_triton=True)
+        ops = copy.copy(blocks.TRITON_OPS)
+        if not one_pass:
+            ops.gated_residual_norm = None
+        for block in dit.transformer_blocks:
+            block.ops = ops
+        probe = probe or make_probe(dit.config, REQUEST, text_tokens=8, sigma=0.5)
+        outputs.append(velocity(dit, probe, device, torch.bfloat16))
     assert all(torch.equal(a, b) for a, b in zip(outputs[0], outputs[1]))
 
 

@@ -12,7 +12,8 @@ from h3gen.kernels.gated_residual import gated_residual, gated_residual_referenc
 from h3gen.kernels.norm_statistic import torch_rstd
 from h3gen.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference, split_qkv
 from h3gen.kernels.qk_norm_rope_fp8 import qk_norm_rope_fp8
-from h3gen.kernels.rmsnorm_modulate import rmsnorm_modulate, rmsnorm_modulate_quantized, rmsnorm_modulate_reference
+from h3gen.kernels.rmsnorm_modulate import (gated_residual_rmsnorm_modulate, rmsnorm_modulate,
+                                            rmsnorm_modulate_quantized, rmsnorm_modulate_reference)
 from h3gen.kernels.swiglu import swiglu, swiglu_reference
 from h3gen.models.dit.tags import MODALITIES
 from h3gen.models.quant_linear import FP8Rows, FP8RowwiseLinear, project, swiglu_linear
@@ -21,12 +22,14 @@ from h3gen.models.quant_linear import FP8Rows, FP8RowwiseLinear, project, swiglu
 
 # `qk_norm_rope_fp8`: the kernel that writes q, k, v in e4m3 for fa3-fp8 (None: attention quantizes bf16 inputs).
 # `rmsnorm_modulate_fp8`: the norm that writes an FP8 linear's input rows directly (None: the linear quantizes them).
+# `gated_residual_norm`: a gated residual add and the modulated norm of its sum in one pass (None: the two ops).
 REFERENCE_OPS = SimpleNamespace(rmsnorm_modulate=rmsnorm_modulate_reference, gated_residual=gated_residual_reference,
                                 qk_norm_rope=qk_norm_rope_reference, swiglu=swiglu_reference, qk_norm_rope_fp8=None,
-                                rmsnorm_modulate_fp8=None)
+                                rmsnorm_modulate_fp8=None, gated_residual_norm=None)
 TRITON_OPS = SimpleNamespace(rmsnorm_modulate=rmsnorm_modulate, gated_residual=gated_residual,
                              qk_norm_rope=qk_norm_rope, swiglu=swiglu, qk_norm_rope_fp8=qk_norm_rope_fp8,
-                             rmsnorm_modulate_fp8=rmsnorm_modulate_quantized)
+                             rmsnorm_modulate_fp8=rmsnorm_modulate_quantized,
+                             gated_residual_norm=gated_residual_rmsnorm_modulate)
 
 
 def rmsnorm_modulate_exact(x, weight, eps, *modulation):
@@ -43,7 +46,12 @@ def qk_norm_rope_exact(qkv, heads, q_weight, k_weight, eps, cos=None, sin=None, 
 # with the same attention kernel the two are bit-equal, for one more read of each normed tensor.
 EXACT_NORM_OPS = SimpleNamespace(rmsnorm_modulate=rmsnorm_modulate_exact, gated_residual=gated_residual,
                                  qk_norm_rope=qk_norm_rope_exact, swiglu=swiglu, qk_norm_rope_fp8=None,
-                                 rmsnorm_modulate_fp8=None)
+                                 rmsnorm_modulate_fp8=None, gated_residual_norm=None)
+
+
+def fp8_input(ops, linear) -> bool:
+    """Whether `linear` takes a norm as FP8 rows written by the norm kernel itself."""
+    return isinstance(linear, FP8RowwiseLinear) and ops.rmsnorm_modulate_fp8 is not None
 
 
 class Normed:
@@ -59,7 +67,7 @@ class Normed:
 
     def input_for(self, linear):
         """The norm as `linear` takes it: FP8 rows from the norm kernel for an FP8 linear, else the bf16 tensor."""
-        if isinstance(linear, FP8RowwiseLinear) and self.ops.rmsnorm_modulate_fp8 is not None:
+        if fp8_input(self.ops, linear):
             rows, scale = self.ops.rmsnorm_modulate_fp8(self.x, *self.norm)
             return FP8Rows(rows, scale, self.x.shape, self.x.dtype)
         return self.tensor()
@@ -68,9 +76,23 @@ class Normed:
         return project(linear, self.input_for(linear))
 
 
+def gated_residual_normed(ops, x, branch, gate_chunk, linear, weight, eps, modulation, row_index, shift_chunk,
+                          scale_chunk):
+    """(x + gate * branch, the modulated norm of that sum for `linear`). With `ops.gated_residual_norm` one kernel
+    writes the sum and the norm as `linear` takes it (the values of the two ops, the sum not read back); without,
+    the sum and a `Normed` of it."""
+    if ops.gated_residual_norm is None:
+        x = ops.gated_residual(x, branch, modulation, row_index, gate_chunk)
+        return x, Normed(ops, x, weight, eps, modulation, row_index, shift_chunk, scale_chunk)
+    fp8 = fp8_input(ops, linear)
+    x, normed = ops.gated_residual_norm(x, branch, modulation, row_index, gate_chunk, weight, eps, shift_chunk,
+                                        scale_chunk, fp8=fp8)
+    return x, FP8Rows(*normed, x.shape, x.dtype) if fp8 else normed
+
+
 def take(linear, x):
-    """`linear(x)` for a tensor, `x.into(linear)` for a norm not yet computed."""
-    return x.into(linear) if isinstance(x, Normed) else linear(x)
+    """`linear(x)` for a tensor or FP8 rows, `x.into(linear)` for a norm not yet computed."""
+    return x.into(linear) if isinstance(x, Normed) else project(linear, x)
 
 
 def rotary_angles(position_ids, inv_freq):
@@ -220,9 +242,9 @@ class H3Block(nn.Module):
         # The normed rows go straight into attention's projection, which frees them once projected.
         attended = self.attn(Normed(ops, x, self.norm1.weight, self.norm1.eps, modulation, adaln_index, 0, 1),
                              cos, sin, ops, self.attention_backend)
-        x = ops.gated_residual(x, attended, modulation, adaln_index, 2)
+        x, h = gated_residual_normed(ops, x, attended, 2, self.ff.up_gate, self.norm2.weight, self.norm2.eps,
+                                     modulation, adaln_index, 3, 4)
         del attended
-        h = Normed(ops, x, self.norm2.weight, self.norm2.eps, modulation, adaln_index, 3, 4)
         return ops.gated_residual(x, self.ff(h, ops), modulation, adaln_index, 5)
 
 
