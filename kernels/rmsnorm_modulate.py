@@ -158,42 +158,56 @@ def launch_options(hidden: int, num_warps=None) -> dict:
     return dict(num_warps=num_warps or warps, **row_pieces(hidden), **NO_FMA)
 
 
-def rmsnorm_modulate_triton(x, weight, eps, modulation=None, row_index=None, shift_chunk=0, scale_chunk=1,
-                            rstd=None, num_warps=None):
+def _launch(x, weight, eps, modulation, row_index, shift_chunk, scale_chunk, num_warps, fp8=False, rstd=None,
+            residual=None):
+    """The norm kernel over `x`'s rows: (the norm, or (fp8 rows, fp32 scales (M, 1)) with `fp8`; the sum it wrote
+    with `residual` = (y, gate_chunk), else None)."""
     x = x.contiguous()
     hidden, seq_len = x.shape[-1], x.shape[-2]
-    out = torch.empty_like(x)
+    count = x.numel() // hidden
     has_modulation = modulation is not None
     if not has_modulation:
         modulation, row_index = weight, weight  # never read
     else:
         assert modulation.stride(-1) == 1 and row_index.numel() == seq_len
     if rstd is not None:
-        assert rstd.dtype == torch.float32 and rstd.numel() == x.numel() // hidden
+        assert rstd.dtype == torch.float32 and rstd.numel() == count
         rstd = rstd.contiguous()
-    _rmsnorm_modulate_kernel[(x.numel() // hidden,)](
-        x, weight, modulation, row_index, rstd if rstd is not None else weight, out,
-        seq_len, hidden, modulation.stride(0), shift_chunk * hidden, scale_chunk * hidden, eps,
-        HAS_MODULATION=has_modulation, HAS_RSTD=rstd is not None, **launch_options(hidden, num_warps))
-    return out
+    options = {}
+    if fp8:
+        out, scale, _, rows_options = fp8_rows_launch(count, hidden, x.device)
+        options.update(scale_ptr=scale, dtype_max=torch.finfo(x.dtype).max, FP8_OUT=True,
+                       EMULATE=rows_options["EMULATE"])
+    else:
+        out = torch.empty_like(x)
+    total = None
+    if residual is not None:
+        y, gate_chunk = residual
+        y, total = y.contiguous(), torch.empty_like(x)
+        assert y.shape == x.shape and y.dtype == x.dtype
+        options.update(y_ptr=y, sum_ptr=total, gate_offset=gate_chunk * hidden, HAS_RESIDUAL=True)
+    _rmsnorm_modulate_kernel[(count,)](
+        x, weight, modulation, row_index, rstd if rstd is not None else weight, out, seq_len, hidden,
+        modulation.stride(0), shift_chunk * hidden, scale_chunk * hidden, eps, HAS_MODULATION=has_modulation,
+        HAS_RSTD=rstd is not None, **options, **launch_options(hidden, num_warps))
+    return ((out, scale) if fp8 else out), total
+
+
+def rmsnorm_modulate_triton(x, weight, eps, modulation=None, row_index=None, shift_chunk=0, scale_chunk=1,
+                            rstd=None, num_warps=None):
+    return _launch(x, weight, eps, modulation, row_index, shift_chunk, scale_chunk, num_warps, rstd=rstd)[0]
 
 
 def rmsnorm_modulate_quantized_triton(x, weight, eps, modulation=None, row_index=None, shift_chunk=0,
                                       scale_chunk=1, num_warps=None):
-    x = x.contiguous()
-    hidden, seq_len = x.shape[-1], x.shape[-2]
-    has_modulation = modulation is not None
-    if not has_modulation:
-        modulation, row_index = weight, weight  # never read
-    else:
-        assert modulation.stride(-1) == 1 and row_index.numel() == seq_len
-    out, scale, _, options = fp8_rows_launch(x.numel() // hidden, hidden, x.device)
-    _rmsnorm_modulate_kernel[(out.shape[0],)](
-        x, weight, modulation, row_index, weight, out, seq_len, hidden, modulation.stride(0), shift_chunk * hidden,
-        scale_chunk * hidden, eps, HAS_MODULATION=has_modulation, HAS_RSTD=False, scale_ptr=scale,
-        dtype_max=torch.finfo(x.dtype).max, FP8_OUT=True, EMULATE=options["EMULATE"],
-        **launch_options(hidden, num_warps))
-    return out, scale
+    return _launch(x, weight, eps, modulation, row_index, shift_chunk, scale_chunk, num_warps, fp8=True)[0]
+
+
+def gated_residual_rmsnorm_modulate_triton(x, y, modulation, row_index, gate_chunk, weight, eps, shift_chunk=0,
+                                           scale_chunk=1, fp8=False, num_warps=None):
+    normed, total = _launch(x, weight, eps, modulation, row_index, shift_chunk, scale_chunk, num_warps, fp8=fp8,
+                            residual=(y, gate_chunk))
+    return total, normed
 
 
 def rmsnorm_modulate(x, weight, eps, modulation=None, row_index=None, shift_chunk=0, scale_chunk=1, rstd=None):
@@ -207,31 +221,6 @@ def rmsnorm_modulate_quantized(x, weight, eps, modulation=None, row_index=None, 
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float32):
         return rmsnorm_modulate_quantized_triton(x, weight, eps, modulation, row_index, shift_chunk, scale_chunk)
     return rmsnorm_modulate_quantized_reference(x, weight, eps, modulation, row_index, shift_chunk, scale_chunk)
-
-
-def gated_residual_rmsnorm_modulate_triton(x, y, modulation, row_index, gate_chunk, weight, eps, shift_chunk=0,
-                                           scale_chunk=1, fp8=False, num_warps=None):
-    x, y = x.contiguous(), y.contiguous()
-    hidden, seq_len = x.shape[-1], x.shape[-2]
-    count = x.numel() // hidden
-    assert y.shape == x.shape and y.dtype == x.dtype
-    has_modulation = modulation is not None
-    if not has_modulation:
-        modulation, row_index = weight, weight  # never read
-    else:
-        assert modulation.stride(-1) == 1 and row_index.numel() == seq_len
-    total = torch.empty_like(x)
-    if fp8:
-        out, scale, _, options = fp8_rows_launch(count, hidden, x.device)
-        fp8_args = dict(scale_ptr=scale, dtype_max=torch.finfo(x.dtype).max, FP8_OUT=True,
-                        EMULATE=options["EMULATE"])
-    else:
-        out, fp8_args = torch.empty_like(x), {}
-    _rmsnorm_modulate_kernel[(count,)](
-        x, weight, modulation, row_index, weight, out, seq_len, hidden, modulation.stride(0), shift_chunk * hidden,
-        scale_chunk * hidden, eps, HAS_MODULATION=has_modulation, HAS_RSTD=False, y_ptr=y, sum_ptr=total,
-        gate_offset=gate_chunk * hidden, HAS_RESIDUAL=True, **fp8_args, **launch_options(hidden, num_warps))
-    return total, ((out, scale) if fp8 else out)
 
 
 def gated_residual_rmsnorm_modulate(x, y, modulation, row_index, gate_chunk, weight, eps, shift_chunk=0, scale_chunk=1,
