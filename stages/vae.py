@@ -113,10 +113,8 @@ class FastVAEConfig:
     tile_width: int = DIFFUSERS_TILE
     overlap: int = DIFFUSERS_OVERLAP
     # Tiles per decoder forward; 0 picks the most that half the free device memory holds, up to max_tile_batch.
-    # Any grouping gives the same frames; larger ones run larger GEMMs: the 10 s clip's 392 tiles decode in 4.31 s at
-    # 49 a forward against 4.37 s at 16 (FP8 presets, H200, bench/results/2026-12-03T095737Z.md).
     tile_batch: int = 0
-    max_tile_batch: int = 49
+    max_tile_batch: int = 16
     # Attention backend of the fast decoder (h3gen.kernels.attention): sdpa (PyTorch's own pick, the kernel diffusers'
     # decoder runs), auto, fa3, fa3-fp8, flash-attn-4, sdpa-cudnn, sdpa-flash.
     attention: str = "sdpa"
