@@ -64,7 +64,7 @@ VARIANTS["fast-fp8-fast-accum-cudnn-fp8"] = dict(fp8=dict(fast_accum=True), exac
 # FlashAttention-3 there, bf16 and FP8 (fa3-fwd takes 64-wide heads).
 VARIANTS.update({f"fast-fp8-fast-accum-{backend}": dict(fp8=dict(fast_accum=True), exact_norms=False, attention=backend)
                  for backend in ("fa3", "fa3-fp8")})
-# The FP8 presets' decoder at more tiles a forward than the 16 it picks (392 tiles at the 10 s clip = 14 x 28 = 8 x 49).
+# The FP8 presets' decoder at more tiles a forward than 16 (392 tiles at the 10 s clip = 14 x 28 = 8 x 49).
 VARIANTS.update({f"fast-fp8-fast-accum-fa3-fp8-b{n}": dict(VARIANTS["fast-fp8-fast-accum-fa3-fp8"], tile_batch=n)
                  for n in (28, 49)})
 TINY_VARIANTS = {"exact": dict(exact=True, tile_batch=1), "fast-b3": dict(tile_batch=3),

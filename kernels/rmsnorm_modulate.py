@@ -83,28 +83,27 @@ def _rmsnorm_modulate_kernel(x_ptr, weight_ptr, modulation_ptr, row_index_ptr, r
     table_row_ptr = modulation_ptr
     if HAS_MODULATION:
         table_row_ptr = modulation_ptr + tl.load(row_index_ptr + row % seq_len).to(tl.int64) * modulation_stride
+    if HAS_RESIDUAL:
+        y_row, sum_row = y_ptr + row * hidden, sum_ptr + row * hidden
     cols0 = tl.arange(0, PIECE0)
     mask0 = cols0 < hidden
     x0 = tl.load(x_row + cols0, mask=mask0, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        x0 = _gated_sum(x0, y_ptr + row * hidden, sum_ptr + row * hidden, cols0, mask0, table_row_ptr, gate_offset,
-                        dtype, HAS_MODULATION)
+        x0 = _gated_sum(x0, y_row, sum_row, cols0, mask0, table_row_ptr, gate_offset, dtype, HAS_MODULATION)
     squares = tl.sum(x0 * x0, axis=0)
     if PIECE1 > 0:
         cols1 = PIECE0 + tl.arange(0, PIECE1)
         mask1 = cols1 < hidden
         x1 = tl.load(x_row + cols1, mask=mask1, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            x1 = _gated_sum(x1, y_ptr + row * hidden, sum_ptr + row * hidden, cols1, mask1, table_row_ptr,
-                            gate_offset, dtype, HAS_MODULATION)
+            x1 = _gated_sum(x1, y_row, sum_row, cols1, mask1, table_row_ptr, gate_offset, dtype, HAS_MODULATION)
         squares += tl.sum(x1 * x1, axis=0)
     if PIECE2 > 0:
         cols2 = PIECE0 + PIECE1 + tl.arange(0, PIECE2)
         mask2 = cols2 < hidden
         x2 = tl.load(x_row + cols2, mask=mask2, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            x2 = _gated_sum(x2, y_ptr + row * hidden, sum_ptr + row * hidden, cols2, mask2, table_row_ptr,
-                            gate_offset, dtype, HAS_MODULATION)
+            x2 = _gated_sum(x2, y_row, sum_row, cols2, mask2, table_row_ptr, gate_offset, dtype, HAS_MODULATION)
         squares += tl.sum(x2 * x2, axis=0)
     if HAS_RSTD:
         rstd = tl.load(rstd_ptr + row)
