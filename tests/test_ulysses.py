@@ -88,11 +88,10 @@ def forward_worker(rank, ranks, folder):
     leave_group()
 
 
-@pytest.fixture(scope="module")
-def forward_run(tmp_path_factory):
+def save_four_head_dit(folder):
+    """diffusers' DiT with FOUR_HEADS, random weights, in `folder`/transformer; the forward's inputs in inputs.pt."""
     from diffusers import MiniMaxH3Transformer3DModel
 
-    folder = tmp_path_factory.mktemp("ulysses-forward")
     torch.manual_seed(0)
     reference = MiniMaxH3Transformer3DModel(**FOUR_HEADS).eval()
     with torch.no_grad():
@@ -101,6 +100,13 @@ def forward_run(tmp_path_factory):
     reference.save_pretrained(folder / "transformer")
     inputs = forward_inputs()
     torch.save(inputs, folder / "inputs.pt")
+    return inputs
+
+
+@pytest.fixture(scope="module")
+def forward_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ulysses-forward")
+    inputs = save_four_head_dit(folder)
     spawn(forward_worker, 4, str(folder))
     return folder, inputs
 
@@ -194,3 +200,60 @@ def test_the_reference_dit_refuses_ulysses(tiny_model):
     with pytest.raises(UsageError, match='needs sampler.dit = "h3gen"'):
         sampler_for(tiny_model, dit="diffusers").parallelize(group=None)
 
+
+
+# FlashAttention-3 on a head slice: two gloo ranks share one GPU (NCCL refuses two ranks on one device; gloo stages
+# the all-to-all through host memory), each attending over all rows for 2 of the 4 heads, as 8 ranks attend over 7 of
+# the full model's 56. (attention backend, FP8 linears): the presets' bf16 and FP8 DiTs.
+GPU_VARIANTS = (("fa3", False), ("fa3-fp8", False), ("fa3-fp8", True))
+
+
+def gpu_dit(checkpoint, backend, fp8_linears, inputs):
+    from h3gen.models.dit.transformer import FastH3Transformer
+    from h3gen.models.quant_linear import FP8RowwiseLinear, swap_linears
+    from h3gen.stages.quant import SCOPES
+
+    dit = FastH3Transformer.from_pretrained(checkpoint, dtype=torch.bfloat16, device="cuda", use_triton=True,
+                                            adaln_timesteps=inputs["timestep"], attention_backend=backend)
+    if fp8_linears:
+        swap_linears(dit, lambda linear: FP8RowwiseLinear.from_linear(linear, "scaled_mm", fast_accum=True),
+                     SCOPES["dit"], ())
+    return dit
+
+
+def gpu_forward(dit, inputs):
+    with torch.inference_mode():
+        return [output.float().cpu() for output in dit(**inputs)]
+
+
+def gpu_forward_worker(rank, ranks, folder):
+    torch.cuda.set_device(0)
+    join_group(rank, ranks, folder)
+    inputs = {name: value.cuda() for name, value in torch.load(f"{folder}/inputs.pt").items()}
+    for backend, fp8_linears in GPU_VARIANTS:
+        dit = apply_ulysses(gpu_dit(f"{folder}/transformer", backend, fp8_linears, inputs), dist.group.WORLD)
+        torch.save(gpu_forward(dit, inputs), f"{folder}/{backend}-{fp8_linears}-rank{rank}.pt")
+        del dit
+    leave_group()
+
+
+@pytest.mark.cuda
+def test_ulysses_with_fa3_backends_on_one_gpu(tmp_path):
+    from h3gen.kernels.attention import choose_backend
+
+    if torch.cuda.get_device_capability()[0] != 9 or choose_backend("cuda", "fa3").fallback_reason is not None:
+        pytest.skip("needs an sm90 GPU and fa3-fwd")
+    inputs = save_four_head_dit(tmp_path)
+    spawn(gpu_forward_worker, 2, str(tmp_path))
+    inputs = {name: value.cuda() for name, value in inputs.items()}
+    single = {variant: gpu_forward(gpu_dit(tmp_path / "transformer", *variant, inputs), inputs)
+              for variant in GPU_VARIANTS}
+    bf16 = single[("fa3", False)]
+    for variant in GPU_VARIANTS:
+        ranks = [torch.load(tmp_path / f"{variant[0]}-{variant[1]}-rank{rank}.pt") for rank in range(2)]
+        assert all(torch.equal(a, b) for a, b in zip(*ranks))  # both ranks return the same velocities
+        for ulysses, alone, reference in zip(ranks[0], single[variant], bf16):
+            # bf16: the same kernels on the same rows and heads, so the same values but for a GEMM over half the
+            # rows rounding otherwise. FP8 attention: the ranks quantize the bf16 q, k, v that arrive, one process
+            # the norm kernel's e4m3; either lands about as far from the bf16 forward.
+            assert relative_error(ulysses, reference) <= 1.25 * relative_error(alone, reference) + 2e-3
