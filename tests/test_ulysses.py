@@ -201,7 +201,6 @@ def test_the_reference_dit_refuses_ulysses(tiny_model):
         sampler_for(tiny_model, dit="diffusers").parallelize(group=None)
 
 
-
 # FlashAttention-3 on a head slice: two gloo ranks share one GPU (NCCL refuses two ranks on one device; gloo stages
 # the all-to-all through host memory), each attending over all rows for 2 of the 4 heads, as 8 ranks attend over 7 of
 # the full model's 56. (attention backend, FP8 linears): the presets' bf16 and FP8 DiTs.
