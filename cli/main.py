@@ -109,7 +109,8 @@ def render(
     vram: Annotated[Optional[str], typer.Option("--vram", metavar="GIB", help=VRAM_HELP)] = None,
     save_latents: Annotated[bool, typer.Option("--save-latents", help="Also write each clip's final latents.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each prompt's output file and whether it would "
-                                                            "render, skip or conflict; render nothing.")] = False,
+                                                            "render, skip or conflict; render nothing. Exits 1 when a "
+                                                            "clip would conflict, as the run would.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Render clips whose output already exists and validates "
                                                         "(by default they are skipped).")] = False,
     strict_plugins: Annotated[bool, typer.Option("--strict-plugins", envvar="H3GEN_STRICT_PLUGINS",

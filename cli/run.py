@@ -46,20 +46,23 @@ def _run_render(settings: RunSettings) -> int:
 
 
 def dry_run(batch, settings: RunSettings) -> int:
-    """One line per clip on stdout (a JSON record with --json): render, skip or conflict, and why."""
+    """One line per clip on stdout (a JSON record with --json): render, skip or conflict, and why. Exits 1 when a
+    clip would conflict, as the run itself would."""
     import json
 
     from h3gen.run.loop import plan
 
+    conflicts = 0
     for request, path, found in plan(batch, settings):
         action = "render" if found is None else "skip" if found.status == "skipped" else "conflict"
         why = found.error if found is not None and found.error else None
+        conflicts += action == "conflict"
         if settings.json_out:
             print(json.dumps({"path": str(path), "id": request.id, "line": request.line, "seed": request.seed,
                               "preset": batch.preset.name, "action": action, "error": why}), flush=True)
         else:
             print(f"{action:8s} {path}" + (f": {why}" if why else ""), flush=True)
-    return 0
+    return 1 if conflicts else 0
 
 
 def check_one_process(settings: RunSettings) -> None:

@@ -11,6 +11,7 @@ from h3gen.errors import UsageError
 
 FIELDS = {"prompt": str, "id": str, "seed": int, "duration": (int, float), "width": int, "height": int,
           "first_frame": str, "last_frame": str, "references": list}
+KINDS = {str: "a string", int: "a whole number", (int, float): "a number", list: "a list of file paths"}
 KEYFRAMES = ("first_frame", "last_frame")
 SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MIN_ASPECT, MAX_ASPECT = 1 / 4, 4
@@ -19,6 +20,8 @@ MIN_ASPECT, MAX_ASPECT = 1 / 4, 4
 def read_prompts(path: Path, base_seed: int, defaults: dict) -> list[Request]:
     """Parse and check every line before anything loads, so a bad line costs seconds, not a run."""
     path = Path(path)
+    if not 0 <= base_seed < 2**63:
+        raise UsageError(f"base seed {base_seed} is out of range", "give --seed between 0 and 2**63 - 1")
     try:
         text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
@@ -70,7 +73,8 @@ def _parse_line(line: str, where: str) -> dict:
         if key not in FIELDS:
             raise UsageError(f"{where}: unknown field {key!r}", f"allowed fields: {', '.join(FIELDS)}")
         if not isinstance(value, FIELDS[key]) or isinstance(value, bool):
-            raise UsageError(f"{where}: field '{key}' has the wrong type ({_short(value)})", "see the README for each field's type")
+            raise UsageError(f"{where}: field '{key}' has the wrong type ({_short(value)})",
+                             f"give {KINDS[FIELDS[key]]}, unquoted if a number (the README's prompts file table)")
     if not str(fields.get("prompt", "")).strip():
         raise UsageError(f"{where}: missing or empty 'prompt'", 'every JSON line needs {"prompt": "..."}')
     return fields
@@ -95,6 +99,9 @@ def _request(fields: dict, index: int, line: int, base_seed: int, defaults: dict
                          "use letters, digits, '.', '_' and '-' only, not starting with '.'")
     seed = int(fields.get("seed", base_seed + index))
     if not 0 <= seed < 2**63:
+        if "seed" not in fields:
+            raise UsageError(f"{where}: seed {seed} (the base seed {base_seed} plus the clip's index {index}) is out "
+                             "of range", "give a smaller --seed, or the line a seed of its own")
         raise UsageError(f"{where}: seed {seed} is out of range", "use a seed between 0 and 2**63 - 1")
     request = Request(index=index, prompt=fields["prompt"].strip(), seed=seed, width=width, height=height,
                       frames=frames_for_duration(duration), id=clip_id, line=line, **conditions)

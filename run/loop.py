@@ -135,7 +135,8 @@ def check_writable(directory: Path) -> None:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".h3gen-probe-"):
             pass
     except OSError as e:
-        raise UsageError(f"output directory {directory} is not writable ({e.strerror or e})",
+        what = "cannot be created" if not directory.is_dir() else "is not writable"
+        raise UsageError(f"output directory {directory} {what} ({e.strerror or e})",
                          "pass -o with a directory you can write to") from None
 
 

@@ -42,6 +42,25 @@ def test_bad_prompts_files(tmp_path, text, message):
         parse(tmp_path, text)
 
 
+def test_wrong_type_names_the_type_it_takes(tmp_path):
+    with pytest.raises(UsageError) as refused:
+        parse(tmp_path, '{"prompt": "x", "duration": "10"}\n')
+    assert "field 'duration' has the wrong type ('10')" in str(refused.value)
+    assert "give a number, unquoted" in refused.value.fix
+
+
+def test_a_base_seed_out_of_range_is_blamed_on_the_base_seed_not_a_line(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text('x\n{"prompt": "y", "seed": 3}\nz\n')
+    with pytest.raises(UsageError, match=r"^base seed -1 is out of range") as refused:
+        read_prompts(path, base_seed=-1, defaults=DEFAULTS)
+    assert "--seed" in refused.value.fix
+    # A valid base seed that the clip's index carries past the range: the line, and where its seed came from.
+    carried = r"p.txt:3: seed 9223372036854775808 \(the base seed 9223372036854775806 plus the clip's index 2\)"
+    with pytest.raises(UsageError, match=carried):
+        read_prompts(path, base_seed=2**63 - 2, defaults=DEFAULTS)
+
+
 def test_missing_prompts_file_exits_2_with_one_line(tmp_path):
     result = h3gen("render", tmp_path / "nope.txt", "-o", tmp_path / "out")
     assert result.returncode == 2
@@ -58,7 +77,7 @@ def test_unwritable_output_directory(prompts_file, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     result = h3gen("render", prompts_file("x\n"), "-o", blocker / "out")
-    assert result.returncode == 2 and "is not writable" in result.stderr
+    assert result.returncode == 2 and "out cannot be created (Not a directory)" in result.stderr
 
 
 # -- line endings, a byte-order mark, what a line may hold ----------------------------------------------------------

@@ -37,7 +37,7 @@ def test_one_process_and_cpu_workers_print_the_same_records_but_for_timings(prom
     assert "smoke-test model" not in again.stderr  # nothing renders: no note about the model that would
 
     (tmp_path / "more.txt").write_text(PROMPTS + "a third prompt\n")
-    dry = h3gen("render", "more.txt", "-o", "one", "--dry-run", "--set", "mux.crf=20", cwd=tmp_path, check_code=0)
+    dry = h3gen("render", "more.txt", "-o", "one", "--dry-run", "--set", "mux.crf=20", cwd=tmp_path, check_code=1)
     first, second, third = dry.stdout.splitlines()
     assert first.startswith("conflict one/h3-") and "mux.crf: 18 -> 20" in first
     assert second.startswith("conflict one/waves.mp4: exists, rendered with different settings")
