@@ -11,7 +11,8 @@ from h3gen.errors import UsageError
 
 FIELDS = {"prompt": str, "id": str, "seed": int, "duration": (int, float), "width": int, "height": int,
           "first_frame": str, "last_frame": str, "references": list}
-KINDS = {str: "a string", int: "a whole number", (int, float): "a number", list: "a list of file paths"}
+KINDS = {str: "a string", int: "a whole number, unquoted", (int, float): "a number, unquoted",
+         list: "a list of file paths"}
 KEYFRAMES = ("first_frame", "last_frame")
 SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MIN_ASPECT, MAX_ASPECT = 1 / 4, 4
@@ -74,7 +75,7 @@ def _parse_line(line: str, where: str) -> dict:
             raise UsageError(f"{where}: unknown field {key!r}", f"allowed fields: {', '.join(FIELDS)}")
         if not isinstance(value, FIELDS[key]) or isinstance(value, bool):
             raise UsageError(f"{where}: field '{key}' has the wrong type ({_short(value)})",
-                             f"give {KINDS[FIELDS[key]]}, unquoted if a number (the README's prompts file table)")
+                             f"give {KINDS[FIELDS[key]]} (the README's prompts file table)")
     if not str(fields.get("prompt", "")).strip():
         raise UsageError(f"{where}: missing or empty 'prompt'", 'every JSON line needs {"prompt": "..."}')
     return fields
