@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import leave_group
+from test_attention_fa3 import on_hopper_with_fa3
 from h3gen.errors import UsageError
 from h3gen.parallel.ulysses import apply_ulysses, row_counts
 
@@ -237,11 +238,8 @@ def gpu_forward_worker(rank, ranks, folder):
 
 
 @pytest.mark.cuda
+@on_hopper_with_fa3
 def test_ulysses_with_fa3_backends_on_one_gpu(tmp_path):
-    from h3gen.kernels.attention import choose_backend
-
-    if torch.cuda.get_device_capability()[0] != 9 or choose_backend("cuda", "fa3").fallback_reason is not None:
-        pytest.skip("needs an sm90 GPU and fa3-fwd")
     inputs = save_four_head_dit(tmp_path)
     spawn(gpu_forward_worker, 2, str(tmp_path))
     inputs = {name: value.cuda() for name, value in inputs.items()}
