@@ -250,7 +250,10 @@ def test_ulysses_with_fa3_backends_on_one_gpu(tmp_path):
         ranks = [torch.load(tmp_path / f"{variant[0]}-{variant[1]}-rank{rank}.pt") for rank in range(2)]
         assert all(torch.equal(a, b) for a, b in zip(*ranks))  # both ranks return the same velocities
         for ulysses, alone, reference in zip(ranks[0], single[variant], bf16):
-            # bf16: the same kernels on the same rows and heads, so the same values but for a GEMM over half the
-            # rows rounding otherwise. FP8 attention: the ranks quantize the bf16 q, k, v that arrive, one process
-            # the norm kernel's e4m3; either lands about as far from the bf16 forward.
-            assert relative_error(ulysses, reference) <= 1.25 * relative_error(alone, reference) + 2e-3
+            # The ranks quantize the bf16 q, k, v that arrive with the same per-head scales the one process's norm
+            # kernel takes, and each GEMM's rows do not depend on how many rows run beside them: measured on an
+            # H200, every variant's Ulysses velocities equal the one process's bit for bit (relative error 0; the
+            # FP8 variants are 4.9e-3 to 2.3e-2 from the bf16 forward).
+            assert relative_error(ulysses, alone) <= 1e-3
+            if variant[0] == "fa3-fp8":  # FP8 ran, not a fallback to bf16
+                assert 0 < relative_error(alone, reference) <= 5e-2
