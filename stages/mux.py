@@ -10,6 +10,7 @@ from pathlib import Path
 
 import av
 import numpy as np
+from av.video.reformatter import VideoReformatter
 
 from h3gen.run.fingerprint import stamp
 from h3gen.stages.base import Stage
@@ -97,14 +98,22 @@ class MuxCancelled(Exception):
 
 
 def _encode_video(container, stream, frames, cancelled):
+    reformatter = VideoReformatter()  # one swscale context and thread pool for the clip
     for index, pixels in enumerate(frames):
         if cancelled():
             raise MuxCancelled("stopped while muxing")
-        frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels), format="rgb24")
+        frame = _yuv420p(reformatter, pixels, stream.codec_context.thread_count)
         frame.pts = index
         frame.time_base = stream.codec_context.time_base
         container.mux(stream.encode(frame))
     container.mux(stream.encode(None))
+
+
+def _yuv420p(reformatter, pixels, threads):
+    """One RGB frame as the encoder's yuv420p: wrapped without a copy and converted by swscale on `threads` slices.
+    Handed RGB, the encoder would copy it and convert it on one thread, to the same bytes."""
+    frame = av.VideoFrame.from_numpy_buffer(np.ascontiguousarray(pixels), format="rgb24")
+    return reformatter.reformat(frame, format="yuv420p", threads=threads)
 
 
 def _encode_audio(container, stream, audio, sample_rate):
