@@ -1,8 +1,8 @@
 """Decoded video to uint8 frames in one pass: denormalize, clamp, scale by 255, round, store as (T, H, W, RGB).
 
 RGB, not YUV 4:2:0: swscale's rgb24 -> yuv420p costs 0.79 s per 10 s 1344x768 clip on a 2-core CPU, against 7.1 s
-for the whole mux, and runs on the background mux threads; doing it here would have to match swscale's fixed-point
-coefficients and chroma filter bit for bit to keep the MP4 byte-identical.
+for the whole mux, and runs in the background mux, in slices over the encoder's thread count; doing it here would
+have to match swscale's fixed-point coefficients and chroma filter bit for bit to keep the MP4 byte-identical.
 """
 import torch
 import triton
