@@ -16,12 +16,13 @@ KINDS = {str: "a string", int: "a whole number, unquoted", (int, float): "a numb
 KEYFRAMES = ("first_frame", "last_frame")
 SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MIN_ASPECT, MAX_ASPECT = 1 / 4, 4
+SEEDS = range(2**63)  # what a seed may be: 0 to 2**63 - 1
 
 
 def read_prompts(path: Path, base_seed: int, defaults: dict) -> list[Request]:
     """Parse and check every line before anything loads, so a bad line costs seconds, not a run."""
     path = Path(path)
-    if not 0 <= base_seed < 2**63:
+    if base_seed not in SEEDS:
         raise UsageError(f"base seed {base_seed} is out of range", "give --seed between 0 and 2**63 - 1")
     try:
         text = path.read_bytes().decode("utf-8")
@@ -99,7 +100,7 @@ def _request(fields: dict, index: int, line: int, base_seed: int, defaults: dict
         raise UsageError(f"{where}: id {_short(clip_id)} is not a plain file name",
                          "use letters, digits, '.', '_' and '-' only, not starting with '.'")
     seed = int(fields.get("seed", base_seed + index))
-    if not 0 <= seed < 2**63:
+    if seed not in SEEDS:
         if "seed" not in fields:
             raise UsageError(f"{where}: seed {seed} (the base seed {base_seed} plus the clip's index {index}) is out "
                              "of range", "give a smaller --seed, or the line a seed of its own")
