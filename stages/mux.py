@@ -99,10 +99,11 @@ class MuxCancelled(Exception):
 
 def _encode_video(container, stream, frames, cancelled):
     reformatter = VideoReformatter()  # one swscale context and thread pool for the clip
+    threads = stream.codec_context.thread_count
     for index, pixels in enumerate(frames):
         if cancelled():
             raise MuxCancelled("stopped while muxing")
-        frame = _yuv420p(reformatter, pixels, stream.codec_context.thread_count)
+        frame = _yuv420p(reformatter, pixels, threads)
         frame.pts = index
         frame.time_base = stream.codec_context.time_base
         container.mux(stream.encode(frame))
