@@ -1,13 +1,15 @@
 """Times the mux of one 10 s 1344x768 clip on this machine's CPU: the RGB frames converted to yuv420p ahead of the
 encoder on several threads (the mux) against the encoder's own conversion on its calling thread, alone and beside
-a busy Python thread (the run loop launching the decode), and the conversion alone, on blocky and on noise frames
-(noise is the worst case for x264).
+a busy Python thread (the run loop launching the decode) at Python's default switch interval and at the background
+mux's (`MUX_SWITCH_INTERVAL_S`), and the conversion alone, on blocky and on noise frames (noise is the worst case for
+x264).
 
     python3 bench/mux_probe.py [--frames 243] [--json OUT]
 """
 
 import argparse
 import json
+import sys
 import tempfile
 import threading
 import time
@@ -53,17 +55,19 @@ def main():
     parser.add_argument("--frames", type=int, default=243)
     parser.add_argument("--json")
     args = parser.parse_args()
-    ahead = mux._yuv420p
+    ahead, default = mux._yuv420p, sys.getswitchinterval()
     encoder = lambda reformatter, pixels, threads: av.VideoFrame.from_ndarray(pixels, "rgb24")  # noqa: E731
     results = {}
     for kind in ("blocks", "noise"):
         frames = clip_frames(args.frames, kind)
         for name, convert in (("encoder converts", encoder), ("converted ahead", ahead)):
             mux._yuv420p = convert
-            for busy in (False, True):
-                key = f"{kind}, {name}{', busy thread' if busy else ''}"
+            for busy, interval in ((False, default), (True, default), (True, mux.MUX_SWITCH_INTERVAL_S)):
+                sys.setswitchinterval(interval)
+                key = f"{kind}, {name}" + (f", busy thread, switch interval {interval * 1e3:g} ms" if busy else "")
                 results[key] = timed_write(frames, busy)
                 print(key, results[key], flush=True)
+            sys.setswitchinterval(default)
         mux._yuv420p = ahead
         start, reformatter = time.perf_counter(), mux.VideoReformatter()
         for pixels in frames[:48]:

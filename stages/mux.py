@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import threading
 from fractions import Fraction
 from pathlib import Path
@@ -24,6 +25,12 @@ _BITEXACT = {"fflags": "+bitexact"}
 # x264's AVX-512 macroblock-tree code reads uninitialised memory, so with mbtree on
 # the bitstream changes from run to run on AVX-512 CPUs; off keeps it byte-identical.
 _X264_PARAMS = "mbtree=0"
+
+# A background mux thread drops and retakes the GIL around its calls into libav, many times a frame. While the run
+# loop's thread launches the decode's kernels, each retake waits until Python makes the loop drop the GIL, after
+# its switch interval (5 ms by default). Beside a busy Python thread a 10 s clip's mux took 25.8 s instead of 3.1 s
+# (`python3 bench/mux_probe.py` on an H200 host); the pool lowers the interval while it lives.
+MUX_SWITCH_INTERVAL_S = 5e-4
 
 
 def write_mp4(
@@ -168,6 +175,8 @@ class PyAVMux(Stage):
             from concurrent.futures import ThreadPoolExecutor
 
             self.pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="h3gen-mux")
+            self.switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(self.switch_interval, MUX_SWITCH_INTERVAL_S))
         return self.pool.submit(stage or self, clip, False)
 
     def discard_in_flight(self) -> None:
@@ -179,6 +188,7 @@ class PyAVMux(Stage):
         if self.pool is not None:
             self.pool.shutdown(wait=True)
             self.pool = None
+            sys.setswitchinterval(self.switch_interval)
 
     def __init__(self, config, runtime):
         super().__init__(config, runtime)

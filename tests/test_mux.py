@@ -1,4 +1,5 @@
 import errno
+import sys
 
 import numpy as np
 import pytest
@@ -152,3 +153,16 @@ def test_frames_converted_ahead_of_the_encoder_give_its_own_bytes(tmp_path, monk
     monkeypatch.setattr(mux, "_yuv420p", rgb)
     write_mp4(tmp_path / "encoder.mp4", frames, soundtrack(0.5), x264_threads=4)
     assert (tmp_path / "ahead.mp4").read_bytes() == (tmp_path / "encoder.mp4").read_bytes()
+
+
+def test_the_background_mux_lowers_the_switch_interval_while_its_threads_live():
+    """Its threads retake the GIL many times a frame; at Python's default 5 ms switch interval a busy render thread
+    kept a 10 s clip's mux waiting for most of its time."""
+    before = sys.getswitchinterval()
+    stage = mux.PyAVMux(mux.PyAVMuxConfig(workers=1), runtime=None)
+    seen = stage.submit("clip", stage=lambda clip, report: (clip, sys.getswitchinterval())).result()
+    assert seen == ("clip", min(before, mux.MUX_SWITCH_INTERVAL_S)) and before > mux.MUX_SWITCH_INTERVAL_S
+    stage.unload()
+    assert sys.getswitchinterval() == before
+    assert mux.PyAVMux(mux.PyAVMuxConfig(workers=0), runtime=None).submit("clip") is None
+    assert sys.getswitchinterval() == before
