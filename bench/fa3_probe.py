@@ -1,12 +1,14 @@
 """Which shapes FlashAttention-3's forward (PyPI `fa3-fwd`) takes on this GPU, and how to scale its FP8 inputs.
 
-Needs only torch and `fa3_fwd_interface`. Usage: python3 bench/fa3_probe.py [shapes,scales,time]
+Needs only torch and `fa3_fwd_interface`. Usage: python3 bench/fa3_probe.py [shapes,scales,time,decoder]
   shapes: bf16 and e4m3 (per-head descales) at Ulysses' head splits (56/28/14/7 x 128), the video decoder's
           32 x 64 heads, odd lengths, strided q/k/v views of one projection: accepted or refused (with the
           message), and the error of the accepted ones against fp32 attention.
   scales: FP8 error against fp32 attention per scale scheme (per tensor, per head, per head with the key's mean
           over the sequence taken out, which leaves the softmax unchanged), on three input distributions.
   time:   L = 73,642, 56 x 128: fa3 bf16, fa3 e4m3, SDPA cuDNN, and the per-head quantization pass.
+  decoder: the same at the video decoder's forward of 16 tiles: 16 x 1,797 rows (7 latent frames of 16 x 16, 4
+          registers and one pad row), 32 x 64.
 Results: $OUT/fa3_probe.json, written as it goes.
 """
 import json
@@ -136,10 +138,9 @@ def median_ms(fn, warmup=3, reps=10):
     return sorted(times)[len(times) // 2]
 
 
-def timing(fa3):
-    length, heads, dim = 73642, 56, 128
-    flop = 4 * length * length * heads * dim
-    q, k, v = draw(1, length, heads, dim)
+def timing(fa3, batch=1, length=73642, heads=56, dim=128, label=""):
+    flop = 4 * batch * length * length * heads * dim
+    q, k, v = draw(batch, length, heads, dim)
     (q8, qd), (k8, kd), (v8, vd) = (quantize(t) for t in (q, k, v))
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
 
@@ -152,17 +153,21 @@ def timing(fa3):
                 "sdpa cudnn bf16": cudnn}
     for name, fn in variants.items():
         ms = median_ms(fn)
-        log(f"time {name}", {"ms": round(ms, 2), "tflops": round(flop / ms / 1e9, 1)})
+        log(f"time{label} {name}", {"ms": round(ms, 2), "tflops": round(flop / ms / 1e9, 1)})
     ms = median_ms(lambda: quantize(q))
-    log("time per-head quantize of one (L, 56, 128) tensor (torch)", {"ms": round(ms, 3),
-                                                                      "gbps": round(q.numel() * 3 / ms / 1e6, 1)})
+    log(f"time{label} per-head quantize of one {tuple(q.shape)} tensor (torch)",
+        {"ms": round(ms, 3), "gbps": round(q.numel() * 3 / ms / 1e6, 1)})
+
+
+def decoder(fa3):
+    timing(fa3, batch=16, length=7 * 16 * 16 + 4 + 1, heads=32, dim=64, label=" decoder")
 
 
 def main():
     import fa3_fwd_interface
     fa3 = fa3_fwd_interface.flash_attn_func
     log("device", {"name": torch.cuda.get_device_name(), "torch": torch.__version__})
-    for phase, fn in (("shapes", shapes), ("scales", scales), ("time", timing)):
+    for phase, fn in (("shapes", shapes), ("scales", scales), ("time", timing), ("decoder", decoder)):
         if phase in PHASES:
             fn(fa3)
 
