@@ -29,8 +29,32 @@ _X264_PARAMS = "mbtree=0"
 # A background mux thread drops and retakes the GIL around its calls into libav, many times a frame. While the run
 # loop's thread launches the decode's kernels, each retake waits until Python makes the loop drop the GIL, after
 # its switch interval (5 ms by default). Beside a busy Python thread a 10 s clip's mux took 25.8 s instead of 3.1 s
-# (`python3 bench/mux_probe.py` on an H200 host); the pool lowers the interval while it lives.
+# (`python3 bench/mux_probe.py` on an H200 host).
 MUX_SWITCH_INTERVAL_S = 5e-4
+
+
+class _SwitchInterval:
+    """Python's switch interval at most MUX_SWITCH_INTERVAL_S while any mux's pool lives; the one before comes back
+    when the last pool ends."""
+
+    def __init__(self):
+        self.lock, self.pools, self.before = threading.Lock(), 0, None
+
+    def pool_started(self) -> None:
+        with self.lock:
+            if self.pools == 0:
+                self.before = sys.getswitchinterval()
+                sys.setswitchinterval(min(self.before, MUX_SWITCH_INTERVAL_S))
+            self.pools += 1
+
+    def pool_ended(self) -> None:
+        with self.lock:
+            self.pools -= 1
+            if self.pools == 0:
+                sys.setswitchinterval(self.before)
+
+
+_switch_interval = _SwitchInterval()
 
 
 def write_mp4(
@@ -175,8 +199,7 @@ class PyAVMux(Stage):
             from concurrent.futures import ThreadPoolExecutor
 
             self.pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="h3gen-mux")
-            self.switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(self.switch_interval, MUX_SWITCH_INTERVAL_S))
+            _switch_interval.pool_started()
         return self.pool.submit(stage or self, clip, False)
 
     def discard_in_flight(self) -> None:
@@ -188,7 +211,7 @@ class PyAVMux(Stage):
         if self.pool is not None:
             self.pool.shutdown(wait=True)
             self.pool = None
-            sys.setswitchinterval(self.switch_interval)
+            _switch_interval.pool_ended()
 
     def __init__(self, config, runtime):
         super().__init__(config, runtime)

@@ -157,12 +157,15 @@ def test_frames_converted_ahead_of_the_encoder_give_its_own_bytes(tmp_path, monk
 
 def test_the_background_mux_lowers_the_switch_interval_while_its_threads_live():
     """Its threads retake the GIL many times a frame; at Python's default 5 ms switch interval a busy render thread
-    kept a 10 s clip's mux waiting for most of its time."""
+    kept a 10 s clip's mux waiting for most of its time. The interval comes back when the last pool ends."""
     before = sys.getswitchinterval()
-    stage = mux.PyAVMux(mux.PyAVMuxConfig(workers=1), runtime=None)
-    seen = stage.submit("clip", stage=lambda clip, report: (clip, sys.getswitchinterval())).result()
+    first, second = (mux.PyAVMux(mux.PyAVMuxConfig(workers=1), runtime=None) for _ in range(2))
+    seen = first.submit("clip", stage=lambda clip, report: (clip, sys.getswitchinterval())).result()
     assert seen == ("clip", min(before, mux.MUX_SWITCH_INTERVAL_S)) and before > mux.MUX_SWITCH_INTERVAL_S
-    stage.unload()
+    second.submit("clip", stage=lambda clip, report: clip).result()
+    first.unload()
+    assert sys.getswitchinterval() == mux.MUX_SWITCH_INTERVAL_S  # the second pool still lives
+    second.unload()
     assert sys.getswitchinterval() == before
     assert mux.PyAVMux(mux.PyAVMuxConfig(workers=0), runtime=None).submit("clip") is None
     assert sys.getswitchinterval() == before
