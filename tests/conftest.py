@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+__import__("h3gen")  # first: importing h3gen takes the checkout's root off sys.path, where `python -m pytest` puts it
+
 # Every test, and every h3gen process a test starts, uses a cache of its own: the tiny model is written once per
 # test session, exactly as a user's first run writes it.
 os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="h3gen-test-cache-"))

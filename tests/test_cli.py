@@ -1,6 +1,7 @@
 """The command itself: fast help, a current man page, the tiny command."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -268,3 +269,13 @@ def test_install_completion_refuses_a_shell_it_does_not_know(tmp_path):
     refused = h3gen("--install-completion", "tcsh", env={"HOME": str(tmp_path)}, check_code=2)
     assert "--install-completion tcsh: not a shell h3gen completes in" in refused.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_a_run_started_in_the_checkout_finds_installed_packages_not_its_folders():
+    """`python -m` in the checkout (pytest, a render's torchrun workers) puts the checkout's root on sys.path, as ''
+    or as its path; its kernels/ must not stand in for Hugging Face's `kernels`, which transformers imports."""
+    root = str(ROOT.resolve())
+    probe = ("import importlib.util, sys; sys.path.insert(0, sys.argv[1]); import h3gen; "
+             "spec = importlib.util.find_spec('kernels'); print(spec.origin if spec else None)")
+    found = subprocess.run([sys.executable, "-c", probe, root], cwd=root, capture_output=True, text=True, check=True)
+    assert found.stdout.strip() != os.path.join(root, "kernels", "__init__.py"), found.stdout

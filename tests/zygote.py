@@ -33,7 +33,8 @@ def child(request) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.path[:] = [request["cwd"], *filter(None, request["env"].get("PYTHONPATH", "").split(os.pathsep)), *BASE_PATH]
+    entries = [request["cwd"], *filter(None, request["env"].get("PYTHONPATH", "").split(os.pathsep)), *BASE_PATH]
+    sys.path[:] = h3gen._without_checkout(entries)  # as importing h3gen leaves it in a fresh `python -m` process
     importlib.invalidate_caches()  # plugins installed under PYTHONPATH since: found by their entry points
     for fd, path in ((0, os.devnull), (1, request["stdout"]), (2, request["stderr"])):
         target = os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
