@@ -117,12 +117,19 @@ def adapter_files(preset, model_root) -> list[Path]:
 @cache
 def model_identity(root: str) -> str:
     """The repository's weights and configs without reading the weights: each file's path and size, the header of
-    each safetensors file, and the content of every other file up to 64 MiB."""
+    each safetensors file, and the content of every other file up to 64 MiB. The repository's own path, which a
+    saved modular_model_index.json records for each component, counts as ".": the same model written in another
+    cache folder is the same model."""
     hashed = hashlib.sha256()
     base = Path(root)
+    own = json.dumps(str(base))[1:-1].encode()
     for path in sorted(p for p in base.rglob("*") if p.is_file() and not p.name.startswith(".")):
-        hashed.update(f"{path.relative_to(base)}\0{path.stat().st_size}\0".encode())
-        hashed.update(file_summary(path))
+        summary, size = file_summary(path), path.stat().st_size
+        if own in summary:  # a file read whole
+            summary = summary.replace(own, b".")
+            size = len(summary)
+        hashed.update(f"{path.relative_to(base)}\0{size}\0".encode())
+        hashed.update(summary)
     return hashed.hexdigest()[:16]
 
 
