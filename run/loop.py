@@ -106,14 +106,22 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent) -> Batch
         check_model_kind(preset, repo, settings.model is None)
         check_adapters(preset, requests, repo.root)  # an adapter's step/shift/task contract, before any weight loads
         check_cache(preset, found)
+        for kind, (name, config) in preset.stages.items():
+            found.stage(kind, name).check_config(config)
         memory_plan = plan_memory_budget(preset, requests, repo, reporter)
     except BaseException:
-        if created and not any(settings.output.iterdir()):  # a refused run leaves no directory it made behind
-            settings.output.rmdir()
+        remove_if_empty(settings.output, created)  # a refused run leaves no directory it made behind
         raise
+    if settings.dry_run:
+        remove_if_empty(settings.output, created)  # nor does a dry run
     from h3gen.run.fingerprint import run_fields
 
     return Batch(preset, found, requests, repo, reporter, run_fields(preset, found, repo), memory_plan)
+
+
+def remove_if_empty(directory: Path, created: bool) -> None:
+    if created and directory.is_dir() and not any(directory.iterdir()):
+        directory.rmdir()
 
 
 def plan_memory_budget(preset, requests, repo, reporter):

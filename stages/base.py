@@ -53,6 +53,12 @@ class Stage:
     background: ClassVar[bool] = False  # mux: `submit(clip)` muxes on a thread, `discard_in_flight()` stops it
 
     @classmethod
+    def check_config(cls, config) -> None:
+        """Refuse preset values this stage cannot run with: raise h3gen.errors.UsageError naming the value and the
+        fix. Called for every stage of a run, a dry run's too, before any weight loads or output file is claimed.
+        The default accepts every config."""
+
+    @classmethod
     def refuses_split(cls, config) -> str:
         """Why this stage, with `config`, cannot render one clip across a group of ranks; '' when it can."""
         return "" if cls.splits_clip else f"the {cls.kind} stage '{cls.name}' renders a clip on one rank"
@@ -139,6 +145,12 @@ class Wrapper(Stage):
         self.inner = wrapped.stage(wrapped.config, runtime)
         self.splits_clip, self.hands_over_frames = self.inner.splits_clip, self.inner.hands_over_frames
         self.background, self.on_host = self.inner.background, self.inner.on_host
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        wrapped = config.wraps
+        if wrapped.stage is not None:
+            wrapped.stage.check_config(wrapped.config)
 
     @classmethod
     def refuses_split(cls, config) -> str:

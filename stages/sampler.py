@@ -97,12 +97,12 @@ class EulerSampler(Stage):
 
     def __init__(self, config, runtime):
         super().__init__(config, runtime)
-        self.check_config()
+        self.check_config(config)
         self.drawing = None  # the host thread `prepare` draws noise on
 
-    def check_config(self):
-        """The preset's sampler values, refused as the stage is built: before any weight loads or file is claimed."""
-        config = self.config
+    @classmethod
+    def check_config(cls, config) -> None:
+        """The preset's sampler values (Stage.check_config)."""
         if len(config.sigma_positions) == 1 or (not config.sigma_positions and config.steps < 2):
             raise UsageError("the sigma grid needs at least 2 points", "set sampler.steps >= 2")
         if config.dit not in ("h3gen", "diffusers"):

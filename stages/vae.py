@@ -137,10 +137,10 @@ class FastVAE(ReferenceVAE):
     def __init__(self, config, runtime):
         super().__init__(config, runtime)
         self.group = None
-        self.check_config()
+        self.check_config(config)
 
-    def check_config(self):
-        config = self.config
+    @classmethod
+    def check_config(cls, config) -> None:
         sizes = (config.tile_height, config.tile_width, config.overlap)
         if any(size <= 0 or size % 16 for size in sizes) or config.overlap >= min(sizes[:2]):
             raise UsageError(f"vae tile {config.tile_height}x{config.tile_width} with overlap {config.overlap} "
