@@ -87,6 +87,8 @@ def box_problem(path: Path) -> str:
             f.seek(offset)
             header = f.read(16)
             if len(header) < 8:
+                if offset == 0:
+                    return f"cannot read {path}: not an MP4 ({size} bytes, too short for a box)"
                 return f"truncated: {size - offset} stray byte(s) after the last box at offset {offset}"
             length, kind = int.from_bytes(header[:4], "big"), header[4:8]
             if offset == 0 and kind != b"ftyp":

@@ -123,6 +123,12 @@ def test_corrupt_file_is_a_problem(tmp_path):
     assert problem.startswith("cannot read")
 
 
+def test_a_few_bytes_of_text_are_not_an_mp4(tmp_path):
+    path = tmp_path / "notvideo.mp4"
+    path.write_text("hello\n")
+    assert validate_clip(path) == [f"cannot read {path}: not an MP4 (6 bytes, too short for a box)"]
+
+
 def test_missing_file_is_a_problem(tmp_path):
     (problem,) = validate_clip(tmp_path / "missing.mp4")
     assert problem.startswith("cannot read")
