@@ -197,8 +197,8 @@ def check_model_kind(preset, repo, embedded: bool) -> None:
         return
     anyway = f"or --set model.needs=any to run preset {preset.name} on it anyway"
     if needs == "MiniMax-H3":
-        given = "the embedded tiny model" if embedded else f"{repo.root}, a tiny model"
-        raise UsageError(f"preset {preset.name} needs a MiniMax-H3 repository, and {given} was given",
+        given = "the embedded tiny model was given" if embedded else f"{repo.root} holds a tiny model"
+        raise UsageError(f"preset {preset.name} needs a MiniMax-H3 repository, and {given}",
                          f"pass --model DIR (or H3GEN_MODEL) with the MiniMax-H3 repository, --preset tiny, {anyway}")
     raise UsageError(f"preset {preset.name} is made for the tiny smoke-test model, and {repo.root} is a MiniMax-H3 "
                      "repository", f"leave out --preset (h3-base), pick one from `h3gen presets list`, {anyway}")

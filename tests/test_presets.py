@@ -95,7 +95,7 @@ def test_a_preset_runs_only_on_the_model_it_is_made_for(prompts_file, tiny_model
     assert "--set model.needs=any" in real.stderr and "loaded on" not in real.stderr
     # --model without --preset is h3-base: refused on the tiny model for the same reason
     picked = h3gen("render", prompts, "-o", out, "--model", tiny_model, check_code=2)
-    assert "preset h3-base needs a MiniMax-H3 repository" in picked.stderr
+    assert f"preset h3-base needs a MiniMax-H3 repository, and {tiny_model} holds a tiny model" in picked.stderr
     looks_real = tmp_path / "model"
     shutil.copytree(tiny_model, looks_real)
     config = looks_real / "transformer" / "config.json"
