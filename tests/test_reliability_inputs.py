@@ -50,30 +50,27 @@ def test_bad_prompts_file_is_refused_before_anything_loads(tmp_path, text, messa
     assert not out.exists()
 
 
-
 @pytest.mark.parametrize("values, message", [
     (["sampler.steps=0"], "the sigma grid needs at least 2 points"),
     (["vae.use=fast", "vae.tile_height=100"], "vae tile 100x256 with overlap 64 is not a tiling"),
 ])
 @pytest.mark.parametrize("dry", [False, True])
-def test_a_stage_value_it_cannot_run_with_is_refused_before_the_run_a_dry_run_too(tmp_path, tiny_model, values,
-                                                                                 message, dry):
+def test_a_stage_value_it_cannot_run_with_is_refused_before_the_run_a_dry_run_too(prompts_file, tmp_path,
+                                                                                 tiny_model, values, message, dry):
     """The stages check their preset values as the run is checked, so a dry run promises no run that then fails;
     neither leaves the output directory it would have made."""
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a lighthouse at night\n")
     out = tmp_path / "out"
     settings = [arg for value in values for arg in ("--set", value)]
-    refused(h3gen("render", prompts, "-o", out, *settings, *(["--dry-run"] if dry else [])), message)
+    refused(h3gen("render", prompts_file("a lighthouse at night\n"), "-o", out, *settings,
+                  *(["--dry-run"] if dry else [])), message)
     assert not out.exists()
 
 
-def test_a_dry_run_leaves_no_directory_behind(tmp_path, tiny_model):
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a lighthouse at night\n")
+def test_a_dry_run_leaves_no_directory_behind(prompts_file, tmp_path, tiny_model):
     out = tmp_path / "new" / "out"
-    planned = h3gen("render", prompts, "-o", out, "--dry-run", check_code=0)
+    planned = h3gen("render", prompts_file("a lighthouse at night\n"), "-o", out, "--dry-run", check_code=0)
     assert planned.stdout.startswith("render ") and not out.exists()
+
 
 def test_unreadable_prompts_file(tmp_path, monkeypatch):
     """As root every file is readable, so the refusal of the operating system is simulated in process."""
