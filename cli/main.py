@@ -235,7 +235,7 @@ def validate(
                                                           "problems.")] = False,
 ):
     """Check that clips are valid: H.264 at 24 fps, AAC stereo 32 kHz, matching durations, not blank or silent.
-    Exit 0 when every file is valid, 1 when one is not, 2 when one does not exist.
+    Every file is checked; exit 0 when all are valid, 1 when one is not, 2 when one does not exist.
 
     \b
     Example:
@@ -246,13 +246,13 @@ def validate(
     from h3gen.run.validate import validate_clip
     from h3gen.text import shown
 
-    missing = [path for path in files if not path.exists()]
-    if missing:
-        typer.echo(f"h3gen: error: {shown(str(missing[0]))} does not exist (pass the MP4 files to check)", err=True)
-        raise typer.Exit(2)
-    bad = 0
+    bad = missing = 0
     for path in files:
-        problems = validate_clip(path, expected_frames=frames)
+        if not path.exists():
+            missing += 1
+            problems = ["does not exist"]
+        else:
+            problems = validate_clip(path, expected_frames=frames)
         bad += bool(problems)
         if json_out:
             typer.echo(json.dumps({"path": str(path), "ok": not problems, "problems": problems}))
@@ -260,7 +260,7 @@ def validate(
             typer.echo(f"{shown(str(path))}: INVALID: {shown('; '.join(problems))}", err=True)
         else:
             typer.echo(f"{shown(str(path))}: ok")
-    raise typer.Exit(1 if bad else 0)
+    raise typer.Exit(2 if missing else 1 if bad else 0)
 
 
 @app.command(cls=PlainCommand)

@@ -152,8 +152,8 @@ def test_dash_h_is_help():
 
 
 def test_small_things_read_right(tmp_path, prompts_file):
-    """An id ending in .mp4 is the file name; a stage without keys says so; validate --json; a missing file is a
-    usage error."""
+    """An id ending in .mp4 is the file name; a stage without keys says so; validate --json; a missing file is
+    reported among the others and exits 2."""
     from h3gen.errors import UsageError
     from h3gen.inputs.request import Request
     from h3gen.run.render import clip_name
@@ -170,8 +170,8 @@ def test_small_things_read_right(tmp_path, prompts_file):
     checked = h3gen("validate", "--json", bad, check_code=1)
     [record] = map(json.loads, checked.stdout.splitlines())
     assert record["path"] == str(bad) and record["ok"] is False and record["problems"]
-    missing = h3gen("validate", tmp_path / "nope.mp4", check_code=2)
-    assert "nope.mp4 does not exist" in missing.stderr
+    missing = h3gen("validate", tmp_path / "nope.mp4", bad, check_code=2)
+    assert "nope.mp4: INVALID: does not exist" in missing.stderr and "bad.mp4: INVALID" in missing.stderr
 
 
 def complete(words: str) -> list[str]:
