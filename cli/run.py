@@ -51,10 +51,11 @@ def dry_run(batch, settings: RunSettings) -> int:
     import json
 
     from h3gen.run.loop import plan
+    from h3gen.run.render import to_render
 
     conflicts = 0
     for request, path, found in plan(batch, settings):
-        action = "render" if found is None else "skip" if found.status == "skipped" else "conflict"
+        action = "render" if to_render(found) else "skip" if found.status == "skipped" else "conflict"
         why = found.error if found is not None and found.error else None
         conflicts += action == "conflict"
         if settings.json_out:

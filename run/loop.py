@@ -13,6 +13,7 @@ from pathlib import Path
 from h3gen.errors import UsageError, WriteError
 from h3gen.run.report import SilentReporter
 from h3gen.run.settings import RunSettings
+from h3gen.text import shown
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: a closed terminal, an ssh session dropped
@@ -241,15 +242,18 @@ def skip_finished(batch: Batch, output: Path, save_latents: bool) -> list:
     """Results for the clips a previous run already wrote (file there, valid, same fingerprint): a rerun resumes;
     and for those it wrote with other settings (conflicts), which this run leaves alone."""
     from h3gen.run.outputs import record
-    from h3gen.run.render import already_done
+    from h3gen.run.render import already_done, to_render
 
     preset_name, reporter = batch.preset.name, batch.reporter
-    finished = [already_done(request, output, preset_name, save_latents, batch.run_fields)
-                for request in batch.requests]
-    for result in filter(None, finished):
-        record(output, result, preset_name, result.status)
-        reporter.clip_done(result)
-    return [result for result in finished if result]
+    found = [already_done(request, output, preset_name, save_latents, batch.run_fields)
+             for request in batch.requests]
+    for result in filter(None, found):
+        if to_render(result):
+            reporter.say(f"note: {shown(str(result.path))} is {result.error}")
+        else:
+            record(output, result, preset_name, result.status)
+            reporter.clip_done(result)
+    return [result for result in found if not to_render(result)]
 
 
 def render_batch(settings: RunSettings, preset, found, make_reporter) -> int:

@@ -57,7 +57,9 @@ class ClipResult:
     skipped: bool = False  # the output was already there and valid, or another run is writing it
     note: str = ""  # why a clip was skipped when not because it was already there
     attention: str = ""  # the attention backend the DiT ran on
-    status: str = ""  # ok, failed, skipped, busy (another run has it) or conflict (there, other settings)
+    # ok, failed, skipped, busy (another run has it), conflict (there, other settings) or damaged (there, invalid:
+    # rendered again)
+    status: str = ""
     fingerprint: str = ""  # the digest of what decided the clip's bytes (h3gen.run.fingerprint)
     memory_plan: dict | None = None  # the run's memory plan (h3gen.run.budget.MemoryPlan.record), on a GPU
 
@@ -181,7 +183,7 @@ class Renderer:
         self.claim_on_device = claim  # from here a signal can land (the check below decodes): close() releases it
         there = None if force else already_done(clip.request, self.out_dir, self.preset.name, self.save_latents,
                                                  self.run_fields)
-        if there is not None:
+        if not to_render(there):
             claim.release()
             return there.status, None, there.error
         return "", claim, ""
@@ -421,14 +423,17 @@ MP4_BYTES_PER_PIXEL, AUDIO_BYTES = 0.5, 2**20
 def already_done(request: Request, out_dir: Path, preset: str, save_latents: bool,
                  run_fields: dict) -> ClipResult | None:
     """A skipped result when the clip's file is there, validates for this request and was rendered with the same
-    fingerprint, so a rerun resumes; a conflict when it was rendered with other settings; None to render it."""
+    fingerprint, so a rerun resumes; a conflict when it was rendered with other settings; a damaged one when it does
+    not validate, and None when it is not there: both are rendered (`to_render`)."""
     from h3gen.run.validate import validate_clip
 
     path = out_dir / clip_name(request, preset)
     if not path.is_file() or save_latents and not latents_path(path).is_file():
         return None
-    if validate_clip(path, expected_frames=request.frames):
-        return None  # rendered again; the atomic write replaces the bad file only once the new one is complete
+    problems = validate_clip(path, expected_frames=request.frames)
+    if problems:  # the atomic write replaces the bad file only once the new one is complete
+        return ClipResult(request, path, False, {}, 0.0, status="damaged",
+                          error=f"there but damaged: {problems[0]}; rendered again")
     wanted = fingerprint.clip_fields(run_fields, request)
     stored = fingerprint.read_stamp(path)
     if stored == wanted:
@@ -439,6 +444,11 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
                       error=f"exists, rendered with different settings ({'; '.join(changed[:3])}{more}); "
                             "--force to redo, or -o elsewhere",
                       fingerprint=fingerprint.digest(wanted))
+
+
+def to_render(found: ClipResult | None) -> bool:
+    """Whether `already_done`'s answer leaves the clip to render."""
+    return found is None or found.status == "damaged"
 
 
 def check_disk(out_dir: Path, request: Request) -> None:

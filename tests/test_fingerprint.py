@@ -49,6 +49,15 @@ def test_a_rerun_skips_only_on_a_matching_fingerprint(prompts_file, tmp_path, ti
     assert manifest == ["ok", "skipped", "conflict", "conflict", "conflict"]
     assert (out / "c.mp4").read_bytes() == clip  # a conflict leaves the clip as it was
 
+    (out / "c.mp4").write_bytes(clip[: len(clip) // 2])  # a damaged clip is named, and rendered again
+    prompts = prompts_file('{"id": "c", "prompt": "a lighthouse at night", "seed": 3}\n')
+    planned = h3gen("render", prompts, "-o", out, "--dry-run", check_code=0)
+    assert re.match(r"render +\S+c\.mp4: there but damaged: .*; rendered again$", planned.stdout.strip())
+    redone = h3gen("render", prompts, "-o", out, "--json", check_code=0)
+    assert json.loads(redone.stdout)["status"] == "ok"
+    assert re.search(r"note: \S+c\.mp4 is there but damaged: .*truncated.*; rendered again", redone.stderr)
+    assert (out / "c.mp4").read_bytes() == clip
+
 
 def record_error(out, index: int) -> str:
     return json.loads((out / "manifest.jsonl").read_text().splitlines()[index])["error"]
