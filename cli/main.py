@@ -47,8 +47,8 @@ def fail(error: H3genError) -> None:
     from h3gen.run.render import debugging
     from h3gen.text import shown
 
-    if debugging() and error.__cause__ is not None:
-        traceback.print_exception(error.__cause__, file=sys.stderr)
+    if debugging():  # where the failure came from, else where it was refused
+        traceback.print_exception(error.__cause__ or error, file=sys.stderr)
     typer.echo(f"h3gen: error: {shown(str(error))}", err=True)
     raise typer.Exit(error.exit_code)
 

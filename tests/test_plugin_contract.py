@@ -9,6 +9,7 @@ from test_reliability_faults import install
 
 FAULTY = '''
 import dataclasses, os
+from h3gen.errors import UsageError
 from h3gen.plugins.hookspecs import hookimpl
 from h3gen.stages.base import Wrapped
 from h3gen.stages.vae import FrameFilter
@@ -16,13 +17,18 @@ from h3gen.stages.vae import FrameFilter
 
 @dataclasses.dataclass
 class FaultyConfig:
-    fault: str = ""  # init, load, None (returned), raise, unload
+    fault: str = ""  # check, init, load, None (returned), raise, unload
     wraps: Wrapped = dataclasses.field(default_factory=Wrapped)
 
 
 class Faulty(FrameFilter):
     kind, name = "vae", "faulty"
     Config = FaultyConfig
+
+    @classmethod
+    def check_config(cls, config):
+        if config.fault == "check":
+            raise UsageError("vae.fault = check is refused", "pick another fault")
 
     def __init__(self, config, runtime):
         if config.fault == "init":
@@ -91,6 +97,15 @@ def test_a_stage_that_fails_to_start_or_load_ends_the_run_in_one_line(faulty, pr
         "stage, or pick another in the preset)")
     assert "Traceback" not in result.stderr and not list((tmp_path / "out").glob("*.mp4"))
     traced = render(faulty, prompts_file, tmp_path, fault, "--traceback")
+    assert "Traceback (most recent call last)" in traced.stderr and "faulty.py" in traced.stderr
+
+
+def test_a_refused_config_is_one_line_and_its_origin_only_with_traceback(faulty, prompts_file, tmp_path):
+    result = render(faulty, prompts_file, tmp_path, "check")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1].startswith("h3gen: error: vae.fault = check is refused")
+    traced = render(faulty, prompts_file, tmp_path, "check", "--traceback")
+    assert traced.returncode == 2 and traced.stderr.splitlines()[-1] == result.stderr.splitlines()[-1]
     assert "Traceback (most recent call last)" in traced.stderr and "faulty.py" in traced.stderr
 
 
