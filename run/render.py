@@ -422,27 +422,35 @@ MP4_BYTES_PER_PIXEL, AUDIO_BYTES = 0.5, 2**20
 
 def already_done(request: Request, out_dir: Path, preset: str, save_latents: bool,
                  run_fields: dict) -> ClipResult | None:
-    """A skipped result when the clip's file is there, validates for this request and was rendered with the same
-    fingerprint, so a rerun resumes; a conflict when it was rendered with other settings; a damaged one when it does
-    not validate, and None when it is not there: both are rendered (`to_render`)."""
-    from h3gen.run.validate import validate_clip
+    """What a run does with a clip whose file may be there: None when it is not (render it); skipped when it was
+    rendered with the same fingerprint and validates for this request, so a rerun resumes; a conflict (left alone)
+    when it was rendered with other settings or is a whole MP4 h3gen did not write; damaged (rendered again, see
+    `to_render`) when it does not validate and is h3gen's or cut short."""
+    from h3gen.run.validate import box_problem, validate_clip
 
     path = out_dir / clip_name(request, preset)
     if not path.is_file() or save_latents and not latents_path(path).is_file():
         return None
-    problems = validate_clip(path, expected_frames=request.frames)
-    if problems:  # the atomic write replaces the bad file only once the new one is complete
-        return ClipResult(request, path, False, {}, 0.0, status="damaged",
-                          error=f"there but damaged: {problems[0]}; rendered again")
     wanted = fingerprint.clip_fields(run_fields, request)
     stored = fingerprint.read_stamp(path)
-    if stored == wanted:
-        return ClipResult(request, path, True, {}, 0.0, skipped=True, fingerprint=fingerprint.digest(wanted))
-    changed = fingerprint.differences(stored, wanted)
-    more = f", and {len(changed) - 3} more" if len(changed) > 3 else ""
+    settings = fingerprint.differences(stored, wanted)
+    if stored is not None and settings:  # a changed duration too: not a clip of the wrong length to replace
+        return conflict(request, path, wanted, settings, "rendered with different settings")
+    problems = validate_clip(path, expected_frames=request.frames)
+    if problems and stored is None and not box_problem(path):
+        return conflict(request, path, wanted, problems, "a whole MP4 h3gen did not write")
+    if problems:  # the atomic write replaces it only once the new file is whole
+        return ClipResult(request, path, False, {}, 0.0, status="damaged",
+                          error=f"there but damaged: {problems[0]}; rendered again")
+    if stored is None:  # a clip from before fingerprints
+        return conflict(request, path, wanted, settings, "rendered with different settings")
+    return ClipResult(request, path, True, {}, 0.0, skipped=True, fingerprint=fingerprint.digest(wanted))
+
+
+def conflict(request: Request, path: Path, wanted: dict, reasons: list[str], what: str) -> ClipResult:
+    more = f", and {len(reasons) - 3} more" if len(reasons) > 3 else ""
     return ClipResult(request, path, False, {}, 0.0, skipped=True, status="conflict",
-                      error=f"exists, rendered with different settings ({'; '.join(changed[:3])}{more}); "
-                            "--force to redo, or -o elsewhere",
+                      error=f"exists, {what} ({'; '.join(reasons[:3])}{more}); --force to redo, or -o elsewhere",
                       fingerprint=fingerprint.digest(wanted))
 
 

@@ -32,9 +32,15 @@ def test_a_rerun_skips_only_on_a_matching_fingerprint(prompts_file, tmp_path, ti
     shutil.copytree(tiny_model, other_model)
     config = other_model / "transformer" / "config.json"
     config.write_text(config.read_text().replace('"norm_eps": 1e-05', '"norm_eps": 1e-06'))
+    def other(line: str):
+        path = tmp_path / f"other-{len(list(tmp_path.glob('other-*')))}.txt"
+        path.write_text(line + "\n")
+        return path
+
     changed = {"preset value": (prompts, "--set", "sampler.steps=3"),
-               "request": (prompts_file('{"id": "c", "prompt": "a lighthouse at night", "seed": 4}\n'),),
-               "model": (prompts, "--model", other_model, "--preset", "tiny")}
+               "request": (other('{"id": "c", "prompt": "a lighthouse at night", "seed": 4}'),),
+               "model": (prompts, "--model", other_model, "--preset", "tiny"),
+               "duration": (other('{"id": "c", "prompt": "a lighthouse at night", "seed": 3, "duration": 6}'),)}
     for what, args in changed.items():
         rerun = h3gen("render", args[0], "-o", out, "--json", *args[1:], check_code=1)
         record = json.loads(rerun.stdout)
@@ -42,21 +48,42 @@ def test_a_rerun_skips_only_on_a_matching_fingerprint(prompts_file, tmp_path, ti
         [line] = conflicts(rerun)
         assert "--force to redo, or -o elsewhere" in line, what
         assert "there from other settings" in rerun.stderr, what
-    assert "sampler.steps: 4 -> 3" in record_error(out, 2)
-    assert "request.seed: 3 -> 4" in record_error(out, 3)
+    assert record_error(out, 2).count(" -> ") == 1 and "sampler.steps: 4 -> 3" in record_error(out, 2)
+    assert record_error(out, 3).count(" -> ") == 1 and "request.seed: 3 -> 4" in record_error(out, 3)
     assert "model: " in record_error(out, 4)
+    assert record_error(out, 5).count(" -> ") == 1 and "request.frames: 124 -> " in record_error(out, 5)  # not a clip of the wrong length, rendered over
     manifest = [json.loads(line)["status"] for line in (out / "manifest.jsonl").read_text().splitlines()]
-    assert manifest == ["ok", "skipped", "conflict", "conflict", "conflict"]
+    assert manifest == ["ok", "skipped", "conflict", "conflict", "conflict", "conflict"]
     assert (out / "c.mp4").read_bytes() == clip  # a conflict leaves the clip as it was
 
     (out / "c.mp4").write_bytes(clip[: len(clip) // 2])  # a damaged clip is named, and rendered again
-    prompts = prompts_file('{"id": "c", "prompt": "a lighthouse at night", "seed": 3}\n')
     planned = h3gen("render", prompts, "-o", out, "--dry-run", check_code=0)
     assert re.match(r"render +\S+c\.mp4: there but damaged: .*; rendered again$", planned.stdout.strip())
     redone = h3gen("render", prompts, "-o", out, "--json", check_code=0)
     assert json.loads(redone.stdout)["status"] == "ok"
     assert re.search(r"note: \S+c\.mp4 is there but damaged: .*truncated.*; rendered again", redone.stderr)
     assert (out / "c.mp4").read_bytes() == clip
+
+
+def test_a_whole_mp4_h3gen_did_not_write_is_left_alone(prompts_file, tmp_path):
+    import av
+    import numpy as np
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with av.open(str(out / "drums.mp4"), "w") as container:  # video only, no stamp
+        stream = container.add_stream("libx264", rate=24)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        for i in range(4):
+            frame = av.VideoFrame.from_ndarray(np.full((32, 32, 3), 40 * i, np.uint8), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    before = (out / "drums.mp4").read_bytes()
+    planned = h3gen("render", prompts_file('{"id": "drums", "prompt": "drums"}\n'), "-o", out, "--dry-run",
+                    check_code=1)
+    assert re.match(r"conflict +\S+drums\.mp4: exists, a whole MP4 h3gen did not write \(.*\); --force to redo",
+                    planned.stdout.strip()), planned.stdout
+    assert (out / "drums.mp4").read_bytes() == before
 
 
 def record_error(out, index: int) -> str:
