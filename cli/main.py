@@ -309,7 +309,11 @@ def presets_list():
     found = registry()
     width = max(map(len, found.presets), default=0)
     for name, path in sorted(found.presets.items()):
-        typer.echo(f"{name:{width}s} {load_toml(path).get('description', '')}")
+        try:
+            description = load_toml(path).get("description", "")
+        except H3genError as e:  # the others are still listed
+            description = f"(unusable: {e})"
+        typer.echo(f"{name:{width}s} {description}")
     report_failed_plugins(found)
 
 

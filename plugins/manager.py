@@ -120,6 +120,9 @@ def collect(pm: pluggy.PluginManager, failed=(), left_out=()) -> Registry:
                 if taken is not None:
                     raise ValueError(f"{entry.kind} stage '{entry.name}' is already registered by {taken.origin}")
             for path in presets:
+                if not path.is_file():
+                    raise ValueError(f"registered preset {path} is not a file (a preset in a package ships as its "
+                                     "package data)")
                 if path.stem in registry.presets:
                     raise ValueError(f"preset '{path.stem}' is already registered by "
                                      f"{registry.preset_origins[path.stem]}")

@@ -104,3 +104,33 @@ def test_preset_using_a_stage_of_a_broken_plugin_says_why(site, prompts_file, tm
     assert result.returncode == 2
     assert "unknown sampler stage 'half' (registered sampler stages: " in result.stderr
     assert "euler; plugin 'raises' failed during registration: boom while registering" in result.stderr
+
+
+PRESETS = '''
+from pathlib import Path
+from h3gen.plugins.hookspecs import hookimpl
+
+
+@hookimpl
+def h3gen_register_presets(register):
+    here = Path(__file__).parent
+    if "{name}" == "broken":
+        (here / "broken.toml").write_text("version = [")
+    register(here / "{name}.toml")
+'''
+
+
+def test_a_registered_preset_that_is_missing_or_unreadable_is_named(tmp_path, prompts_file):
+    """A preset file the package did not ship fails its plugin's registration, as the docs say; one that is there
+    but not TOML is listed as unusable beside the others."""
+    for name in ("missing", "broken"):
+        site = install(tmp_path / "site", name, PRESETS.replace("{name}", name))
+    listed = h3gen("presets", "list", env=site, check_code=0)
+    assert (f"h3gen: plugin 'missing' failed during registration: registered preset {tmp_path}/site/missing.toml is "
+            "not a file (a preset in a package ships as its package data) (skipped)") in listed.stderr.splitlines()
+    [broken] = [line for line in listed.stdout.splitlines() if line.startswith("broken ")]
+    assert "(unusable: preset " in broken and "is not valid TOML" in broken
+    assert "h3-base " in listed.stdout
+    strict = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--strict-plugins",
+                   env={**site, "H3GEN_LOAD_PLUGINS": "missing"}, check_code=2)
+    assert strict.stderr.startswith("h3gen: error: plugin 'missing' failed during registration: registered preset ")
