@@ -180,12 +180,35 @@ class PyAVMuxConfig:
     workers: int = 2
 
 
+# x264's own list (x264_preset_names in x264.h). Asking libx264 instead prints its complaint straight to the
+# terminal, past libav's logging.
+X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow",
+                "placebo")
+
+
 class PyAVMux(Stage):
     kind, name = "mux", "pyav"
     Config = PyAVMuxConfig
     description = "PyAV: H.264 (libx264) + AAC stereo into an MP4, written atomically"
     on_host = True
     background = True  # with mux.workers > 0; `submit` returns None when it is 0
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """The encoder's values, before any clip renders rather than at its mux."""
+        from h3gen.errors import UsageError
+
+        if not 0 <= config.crf <= 51:
+            raise UsageError(f"mux.crf = {config.crf} is outside x264's 0-51",
+                             "give 0 (lossless) to 51 (smallest); the default 18 looks lossless")
+        if config.x264_threads < 1:
+            raise UsageError(f"mux.x264_threads = {config.x264_threads}: the encoder takes a fixed count of threads",
+                             "give 1 or more (x264's own 0 picks by the machine, so clips would differ between them)")
+        if config.workers < 0:
+            raise UsageError(f"mux.workers = {config.workers} is below 0", "0 muxes in line, 1 or more in the background")
+        if config.x264_preset not in X264_PRESETS:
+            raise UsageError(f"mux.x264_preset = {config.x264_preset!r} is not one of x264's presets",
+                             f"use one of {', '.join(X264_PRESETS)}")
 
     def submit(self, clip, stage=None):
         """Mux on a background thread, through `stage` (a wrapper of this mux) or this one; returns a Future of the

@@ -53,6 +53,10 @@ def test_bad_prompts_file_is_refused_before_anything_loads(tmp_path, text, messa
 @pytest.mark.parametrize("values, message", [
     (["sampler.steps=0"], "the sigma grid needs at least 2 points"),
     (["vae.use=fast", "vae.tile_height=100"], "vae tile 100x256 with overlap 64 is not a tiling"),
+    (["mux.x264_preset=warp"], "mux.x264_preset = 'warp' is not one of x264's presets (use one of ultrafast, "),
+    (["mux.crf=99"], "mux.crf = 99 is outside x264's 0-51"),
+    (["mux.x264_threads=0"], "mux.x264_threads = 0: the encoder takes a fixed count of threads"),
+    (["mux.workers=-1"], "mux.workers = -1 is below 0"),
 ])
 @pytest.mark.parametrize("dry", [False, True])
 def test_a_stage_value_it_cannot_run_with_is_refused_before_the_run_a_dry_run_too(prompts_file, tmp_path,
