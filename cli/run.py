@@ -35,13 +35,17 @@ def _run_render(settings: RunSettings) -> int:
     found = registry()
     preset = resolve(settings.preset, found, list(settings.overrides))
     settings = with_preset_workers(settings, preset)
-    if settings.dry_run:
-        return dry_run(prepare(settings, preset, found, reporter_for), settings)
+    layout = None
     if settings.parallel.workers:
-        from h3gen.parallel.launch import launch_workers
+        from h3gen.parallel.launch import launch_workers, layout_check
 
-        return launch_workers(prepare(settings, preset, found), settings, WORKER_ENTRY)
-    check_one_process(settings)
+        layout = layout_check(settings.parallel)
+    else:
+        check_one_process(settings)
+    if settings.dry_run:  # refused as the run would be
+        return dry_run(prepare(settings, preset, found, reporter_for, layout), settings)
+    if layout is not None:
+        return launch_workers(prepare(settings, preset, found, check_layout=layout), settings, WORKER_ENTRY)
     return render_batch(settings, preset, found, reporter_for)
 
 

@@ -33,10 +33,15 @@ def dit_heads(repo) -> int:
     return int(config["num_attention_heads"])
 
 
-def split_refusal(batch) -> str:
+def split_refusal(preset, found) -> str:
     """Why this preset's sampler cannot split a clip across a group ('' when it can), as the stage declares it."""
-    name, config = batch.preset.stages["sampler"]
-    return batch.found.stage("sampler", name).refuses_split(config)
+    name, config = preset.stages["sampler"]
+    return found.stage("sampler", name).refuses_split(config)
+
+
+def layout_check(parallel: Parallel):
+    """`prepare`'s check of a run of workers: the devices, the Ulysses split, the machines."""
+    return lambda preset, repo, found: check_workers(parallel, preset, dit_heads(repo), split_refusal(preset, found))
 
 
 def check_workers(parallel: Parallel, preset, heads: int, refusal: str) -> None:
@@ -87,10 +92,9 @@ def launch_config(parallel: Parallel, per_node: int):
 
 
 def launch_workers(batch, settings: RunSettings, entry: str) -> int:
-    """Start the workers of a checked run: `python -m ENTRY JOB` each (a module that calls h3gen.parallel.worker's
-    `main` with the reporters to draw with)."""
-    parallel, heads, refusal = settings.parallel, dit_heads(batch.repo), split_refusal(batch)
-    check_workers(parallel, batch.preset, heads, refusal)
+    """Start the workers of a run checked by `prepare` with `layout_check`: `python -m ENTRY JOB` each (a module that
+    calls h3gen.parallel.worker's `main` with the reporters to draw with)."""
+    parallel, heads, refusal = settings.parallel, dit_heads(batch.repo), split_refusal(batch.preset, batch.found)
     per_node = parallel.workers
     # On the CPU a clip depends on the intra-op thread count (MKL and ATen split their sums by thread): give each
     # worker its share of the cores, and say so in the README, rather than torchrun's silent one thread each.

@@ -86,9 +86,10 @@ def silent(total: int, json_out: bool, preset: str) -> SilentReporter:
     return SilentReporter()
 
 
-def prepare(settings: RunSettings, preset, found, make_reporter=silent) -> Batch:
+def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_layout=None) -> Batch:
     """Check the prompts file, output directory, plugins, model and adapter contracts, then make the run's reporter:
-    `make_reporter(total clips in the file, json_out, preset name)`."""
+    `make_reporter(total clips in the file, json_out, preset name)`. `check_layout(preset, repo, found)` checks how
+    the run is spread over processes (h3gen.parallel.launch's for workers), with the rest."""
     from h3gen.config.contract import check_adapters, check_cache
     from h3gen.inputs.prompts import read_prompts, shard_requests
 
@@ -109,6 +110,8 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent) -> Batch
         check_cache(preset, found)
         for kind, (name, config) in preset.stages.items():
             found.stage(kind, name).check_config(config)
+        if check_layout is not None:
+            check_layout(preset, repo, found)
         memory_plan = plan_memory_budget(preset, requests, repo, reporter)
     except BaseException:
         remove_if_empty(settings.output, created)  # a refused run leaves no directory it made behind

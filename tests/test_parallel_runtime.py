@@ -192,19 +192,23 @@ def test_sigterm_with_workers_counts_every_clip_written(tmp_path):
     (("--cpu-workers", 0), "at least one worker"),
     (("--cpu-workers", 2, "--nnodes", 2), "needs --rdzv-endpoint"),
 ])
-def test_impossible_layouts_fail_before_any_worker_starts(args, message, prompts_file, tmp_path):
-    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", *args, check_code=2)
+@pytest.mark.parametrize("dry", [[], ["--dry-run"]])
+def test_impossible_layouts_fail_before_any_worker_starts(args, message, prompts_file, tmp_path, dry):
+    """A dry run refuses them as the run does."""
+    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", *args, *dry, check_code=2)
     assert result.stderr.startswith("h3gen: error: ") and message in result.stderr
-    assert "layout" not in result.stderr and not (tmp_path / "out" / "manifest.jsonl").exists()
+    assert "layout" not in result.stderr and not (tmp_path / "out").exists() and not result.stdout
 
 
-def test_gpus_without_cuda_points_to_cpu_workers(prompts_file, tmp_path):
+@pytest.mark.parametrize("dry", [[], ["--dry-run"]])
+def test_gpus_without_cuda_points_to_cpu_workers(prompts_file, tmp_path, dry):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--gpus", 2, check_code=2)
+    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--gpus", 2, *dry, check_code=2)
     assert "no CUDA device is visible" in result.stderr and "--cpu-workers 2" in result.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_layout_rule():
