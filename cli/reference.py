@@ -136,8 +136,9 @@ EXIT_STATUS = [
           "validate that does not exist; clips to compare that are not MP4s of the same shape."),
     ("130, 143, 129", "Stopped by SIGINT, SIGTERM or SIGHUP: the clip in flight is discarded, the clips written "
                       "are kept, and the same command resumes. A second signal ends the process at once."),
-    ("141", "stdout's reader has gone (h3gen render ... --json | head -1): the run ends at the next clip, as "
-            "SIGPIPE ends other tools, with the clips written so far counted and nothing partial left."),
+    ("141", "stdout's reader has gone (h3gen render ... --json | head -1): the run ends at the next clip (or at "
+            "the end, when the last clip had already started), as SIGPIPE ends other tools, with the clips written "
+            "so far counted and nothing partial left."),
 ]
 
 EXAMPLES = [

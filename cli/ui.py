@@ -56,7 +56,7 @@ class PlainReporter:
     def __init__(self, total: int, json_out: bool = False, preset: str = ""):
         self.total, self.json_out, self.preset = total, json_out, preset
         self.console = Console(stderr=True, highlight=False, soft_wrap=True)
-        self.stdout_gone = False
+        self.stdout_gone = self.reader_gone = False  # a stop not yet raised; the reader gone, for good
         self.began = time.monotonic()
         self.heartbeat = float(os.environ.get("H3GEN_HEARTBEAT_S", HEARTBEAT_S))
         self.clip_began, self.last_beat = {}, {}  # request index -> monotonic time
@@ -71,6 +71,9 @@ class PlainReporter:
 
             self.stdout_gone = False
             raise Interrupted(signal.SIGPIPE)
+
+    def ended_by(self):
+        return signal.SIGPIPE if self.reader_gone else None
 
     def say(self, text: str) -> None:
         """A line for a log: timestamped, escaped (a prompt can hold anything)."""
@@ -115,8 +118,8 @@ class PlainReporter:
                      f"(RTF {result.rtf:.2f}{reused})")
         else:
             self.say(f"[{result.request.index + 1}/{self.total}] FAILED {result.path.name}: {result.error}")
-        if self.json_out:
-            self.stdout_gone = not print_result(json.dumps(clip_record(result, self.preset)))
+        if self.json_out and not print_result(json.dumps(clip_record(result, self.preset))):
+            self.stdout_gone = self.reader_gone = True  # later lines go to /dev/null, and do not clear it
 
     def summary(self, results, total: int | None = None):
         """The table of clips, then one line of counts with the run's wall time, and one line per clip not written

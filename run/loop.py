@@ -280,13 +280,17 @@ def render_batch(settings: RunSettings, preset, found, make_reporter) -> int:
 
 
 def report_end(reporter, results, total: int, stopped=None, say_stopped: bool = True) -> int:
-    """The summary, and the exit status: 0 all written, 1 some failed, 128 + signal when stopped. With workers the
-    launcher says why they stopped (`say_stopped` False): only it knows whether the signal came from the user."""
+    """The summary, and the exit status: 0 all written, 1 some failed, 128 + signal when stopped, or when the
+    reporter ends the run with one (stdout's reader gone after the last clip started: 141 all the same). With
+    workers the launcher says why they stopped (`say_stopped` False): only it knows whether the signal came from
+    the user."""
     reporter.summary(sorted(results, key=lambda r: r.request.index), total)
     if stopped:
         if say_stopped:
             reporter.say(stopped_line(stopped.signal_name))
         return stopped.exit_code
+    if reporter.ended_by():
+        return 128 + reporter.ended_by()
     return 0 if all(r.ok for r in results) else 1
 
 

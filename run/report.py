@@ -34,6 +34,10 @@ class Reporter(Protocol):
     def summary(self, results, total: int | None = None) -> None:
         """The end of the run: every clip's result, in file order; `total` clips were asked for."""
 
+    def ended_by(self) -> int | None:
+        """A signal the run ends with though no clip was left (SIGPIPE: stdout's reader went away after the last
+        clip started); None for none."""
+
 
 class SilentReporter:
     """Says nothing: the launcher's own checks (its rank 0 says it all), ranks of a group other than the first, and
@@ -62,3 +66,6 @@ class SilentReporter:
 
     def summary(self, results, total: int | None = None):
         pass
+
+    def ended_by(self):
+        return None

@@ -59,3 +59,30 @@ def test_a_closed_stdout_ends_the_run_as_sigpipe_does(prompts_file, tmp_path):
     assert "1 of 2 clips written" in stderr and "stopped by SIGPIPE" in stderr
     assert len(list(out.glob("*.mp4"))) == 1 and not list(out.glob(".*"))
     assert [json.loads(line)["status"] for line in (out / "manifest.jsonl").read_text().splitlines()] == ["ok"]
+
+
+def test_a_reader_gone_stays_gone_and_ends_the_run_with_141(monkeypatch, tmp_path):
+    """A record that finds stdout's reader gone stops the run at the next clip, however many lines (to /dev/null)
+    follow first; and when no clip is left to start, the run ends with 141 all the same."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from h3gen.cli import ui
+    from h3gen.inputs.request import Request
+    from h3gen.run import loop
+    from h3gen.run.render import ClipResult
+
+    printed = iter([False, True, True])  # the first line finds the pipe closed; the rest go to /dev/null
+    monkeypatch.setattr(ui, "print_result", lambda line: next(printed))
+    requests = [Request(i, "x", i, 32, 32, 124, line=i + 1) for i in range(3)]
+    results = [ClipResult(r, tmp_path / f"{r.index}.mp4", True, {}, 1.0) for r in requests]
+    reporter = ui.PlainReporter(3, json_out=True)
+    for result in results[:2]:
+        reporter.clip_done(result)
+    with pytest.raises(loop.Interrupted) as stop:
+        reporter.clip_started(SimpleNamespace(request=requests[2], path=tmp_path / "2.mp4"))
+    assert stop.value.exit_code == 141
+    reporter.clip_done(results[2])
+    assert loop.report_end(reporter, results, 3) == 141
+    assert loop.report_end(ui.PlainReporter(3, json_out=True), results, 3) == 0
