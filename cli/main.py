@@ -5,6 +5,7 @@ Nothing heavy is imported at module level, so `h3gen --help` and shell completio
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -340,6 +341,9 @@ def presets_show(
         resolved = resolve(name, registry(), overrides or [])
     except H3genError as e:
         fail(e)
+    if overrides:  # the description was written for the preset as it was
+        resolved = dataclasses.replace(resolved, description=f"{resolved.description} (with --set "
+                                                               f"{', '.join(overrides)})")
     if as_toml:
         typer.echo(preset_toml(resolved), nl=False)
         return

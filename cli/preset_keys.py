@@ -36,7 +36,7 @@ INTRO = (
     "plugins add, and h3gen presets show their keys.")
 
 TOP_LEVEL = [
-    (f"version = {KNOWN_VERSIONS[-1]}", "int, required: the preset format; this h3gen reads "
+    (f"version = {KNOWN_VERSIONS[-1]}", "int, required (or taken from the preset extended): the preset format; this h3gen reads "
                                         f"{', '.join(map(str, KNOWN_VERSIONS))}."),
     ('description = ""', "str: the line h3gen presets list shows."),
     ('extends = "NAME|FILE"', "str: a preset (a name, or a file relative to this one's folder) whose keys this one "

@@ -166,6 +166,8 @@ def resolve(name_or_file: str, registry, overrides: list[str] = ()) -> Preset:
             table[last] = value
             sources[f"{section}.{field}"] = "--set"
     version = data.get("version")
+    if version is None:
+        raise UsageError(f"{where} has no version", f"add version = {KNOWN_VERSIONS[-1]} at its top")
     if version not in KNOWN_VERSIONS:
         raise UsageError(f"{where} has version {version!r}, which this h3gen does not know",
                          f"supported versions: {', '.join(map(str, KNOWN_VERSIONS))}; upgrade h3gen or fix the preset")

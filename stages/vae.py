@@ -114,6 +114,7 @@ class FastVAEConfig:
     overlap: int = DIFFUSERS_OVERLAP
     # Tiles per decoder forward; 0 picks the most that half the free device memory holds, up to max_tile_batch.
     tile_batch: int = 0
+    # The most tiles a forward when tile_batch is 0.
     max_tile_batch: int = 16
     # Attention backend of the fast decoder (h3gen.kernels.attention): sdpa (PyTorch's own pick, the kernel diffusers'
     # decoder runs), auto, fa3, fa3-fp8, flash-attn-4, sdpa-cudnn, sdpa-flash.

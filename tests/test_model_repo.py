@@ -70,6 +70,9 @@ def test_shapes_that_do_not_match_the_config_exit_2(repo_copy, prompts_file, tmp
 def test_not_a_directory_exits_2(prompts_file, tmp_path):
     result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--model", tmp_path / "none")
     assert result.returncode == 2 and "does not exist" in result.stderr
+    a_file = prompts_file("x\n")
+    result = h3gen("render", a_file, "-o", tmp_path / "out", "--model", a_file)
+    assert result.returncode == 2 and f"model directory {a_file} is a file (pass --model DIR" in result.stderr
 
 
 def test_a_config_that_does_not_match_its_weights_names_the_file(repo_copy, prompts_file, tmp_path):

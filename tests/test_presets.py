@@ -81,6 +81,7 @@ def test_presets_cli_list_and_show():
     shown = h3gen("presets", "show", "fasth3", "--set", "mux.crf=20", check_code=0).stdout
     assert "sampler.sigma_positions" in shown and "# preset fasth3" in shown
     assert "mux.crf" in shown and "20" in shown and "# --set" in shown
+    assert shown.splitlines()[0].endswith(" (with --set mux.crf=20)")  # the description was the preset's
 
 
 def test_presets_show_bad_value_exits_2():
