@@ -36,8 +36,8 @@ INTRO = (
     "plugins add, and h3gen presets show their keys.")
 
 TOP_LEVEL = [
-    (f"version = {KNOWN_VERSIONS[-1]}", "int, required (or taken from the preset extended): the preset format; this h3gen reads "
-                                        f"{', '.join(map(str, KNOWN_VERSIONS))}."),
+    (f"version = {KNOWN_VERSIONS[-1]}", "int, required (or taken from the preset extended): the preset format; "
+                                        f"this h3gen reads {', '.join(map(str, KNOWN_VERSIONS))}."),
     ('description = ""', "str: the line h3gen presets list shows."),
     ('extends = "NAME|FILE"', "str: a preset (a name, or a file relative to this one's folder) whose keys this one "
                               "starts from: its tables are merged key by key; a stage table that names another "

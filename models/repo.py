@@ -41,7 +41,8 @@ class ModelRepo:
     def __init__(self, root: Path | str, components=WEIGHTED + tuple(CONFIG_ONLY)):
         self.root = Path(root).expanduser()
         if not self.root.is_dir():
-            raise ModelError(f"model directory {self.root} " + ("is a file" if self.root.exists() else "does not exist"),
+            what = "is a file" if self.root.exists() else "does not exist"
+            raise ModelError(f"model directory {self.root} {what}",
                              "pass --model DIR pointing at a MiniMax-H3 repository")
         for name in components:
             self._check(name)

@@ -289,8 +289,9 @@ def report_end(reporter, results, total: int, stopped=None, say_stopped: bool = 
         if say_stopped:
             reporter.say(stopped_line(stopped.signal_name))
         return stopped.exit_code
-    if reporter.ended_by():
-        return 128 + reporter.ended_by()
+    signum = reporter.ended_by()
+    if signum:
+        return 128 + signum
     return 0 if all(r.ok for r in results) else 1
 
 

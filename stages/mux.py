@@ -205,7 +205,8 @@ class PyAVMux(Stage):
             raise UsageError(f"mux.x264_threads = {config.x264_threads}: the encoder takes a fixed count of threads",
                              "give 1 or more (x264's own 0 picks by the machine, so clips would differ between them)")
         if config.workers < 0:
-            raise UsageError(f"mux.workers = {config.workers} is below 0", "0 muxes in line, 1 or more in the background")
+            raise UsageError(f"mux.workers = {config.workers} is below 0",
+                             "0 muxes in line, 1 or more in the background")
         if config.x264_preset not in X264_PRESETS:
             raise UsageError(f"mux.x264_preset = {config.x264_preset!r} is not one of x264's presets",
                              f"use one of {', '.join(X264_PRESETS)}")

@@ -51,7 +51,8 @@ def test_a_rerun_skips_only_on_a_matching_fingerprint(prompts_file, tmp_path, ti
     assert record_error(out, 2).count(" -> ") == 1 and "sampler.steps: 4 -> 3" in record_error(out, 2)
     assert record_error(out, 3).count(" -> ") == 1 and "request.seed: 3 -> 4" in record_error(out, 3)
     assert "model: " in record_error(out, 4)
-    assert record_error(out, 5).count(" -> ") == 1 and "request.frames: 124 -> " in record_error(out, 5)  # not a clip of the wrong length, rendered over
+    # another duration: a conflict, not a clip of the wrong length to render over
+    assert record_error(out, 5).count(" -> ") == 1 and "request.frames: 124 -> " in record_error(out, 5)
     manifest = [json.loads(line)["status"] for line in (out / "manifest.jsonl").read_text().splitlines()]
     assert manifest == ["ok", "skipped", "conflict", "conflict", "conflict", "conflict"]
     assert (out / "c.mp4").read_bytes() == clip  # a conflict leaves the clip as it was
