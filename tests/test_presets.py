@@ -56,7 +56,7 @@ def test_set_overrides_and_records_where_values_came_from(tmp_path):
     (BASE.replace('use = "euler"', 'use = "os:system"'), [], "unknown sampler stage 'os:system'"),
     (BASE.replace("steps = 6", 'steps = "six"'), [], "steps must be int"),
     (BASE.replace("version = 1", "version = 99"), [], "version 99"),
-    (BASE.replace("version = 1\n", ""), [], "version None"),
+    (BASE.replace("version = 1\n", ""), [], r"has no version \(add version = 1 at its top\)"),
     (BASE + "[cluster]\nx = 1\n", [], "unknown section 'cluster'"),
     (BASE + "[parallel]\nx = 1\n", [], r"unknown key 'x' in .*\[parallel\].*allowed keys: gpus, cpu_workers, ulysses"),
     (BASE.replace("[mux]\nuse = \"pyav\"\n", ""), [], r"\[mux\] needs use"),
