@@ -32,6 +32,7 @@ def test_a_rerun_skips_only_on_a_matching_fingerprint(prompts_file, tmp_path, ti
     shutil.copytree(tiny_model, other_model)
     config = other_model / "transformer" / "config.json"
     config.write_text(config.read_text().replace('"norm_eps": 1e-05', '"norm_eps": 1e-06'))
+
     def other(line: str):
         path = tmp_path / f"other-{len(list(tmp_path.glob('other-*')))}.txt"
         path.write_text(line + "\n")
