@@ -43,7 +43,7 @@ def _run_render(settings: RunSettings) -> int:
     else:
         check_one_process(settings)
     if settings.dry_run:  # refused as the run would be
-        return dry_run(prepare(settings, preset, found, reporter_for, layout), settings)
+        return dry_run(prepare(settings, preset, found, reporter_for, check_layout=layout), settings)
     if layout is not None:
         return launch_workers(prepare(settings, preset, found, check_layout=layout), settings, WORKER_ENTRY)
     return render_batch(settings, preset, found, reporter_for)
