@@ -14,7 +14,6 @@ import errno
 import fcntl
 import json
 import os
-import re
 import time
 from pathlib import Path
 
@@ -109,19 +108,17 @@ def write_error(path: Path, error: OSError) -> str:
 
 
 def save_tensors(tensors: dict, path: Path) -> None:
-    """Write a safetensors file whole or not at all (a hidden partial file, renamed when complete); a failed write
-    raises OSError with its errno, as a file write would, where safetensors raises its own error."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
+    """Write a safetensors file whole or not at all (a hidden partial file, renamed when complete). Python writes
+    the bytes, so the file's mode follows the umask as every other output's does (safetensors' own writer makes it
+    0600), and a failed write raises OSError with its errno."""
+    from safetensors.torch import save
 
     partial = path.with_name(f".{path.name}.partial")
     try:
-        save_file(tensors, str(partial))
+        partial.write_bytes(save(tensors))
         partial.replace(path)
-    except SafetensorError as e:
-        found = re.search(r"os error (\d+)", str(e))
-        code = int(found.group(1)) if found else errno.EIO
-        raise OSError(code, os.strerror(code), str(path)) from None
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
     finally:
         try:
             partial.unlink(missing_ok=True)

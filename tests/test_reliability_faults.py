@@ -572,6 +572,24 @@ def test_tensors_that_cannot_be_written_raise_the_os_error(tmp_path, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"]
 
 
+def test_tensors_are_written_with_the_mode_the_umask_gives(tmp_path):
+    """Latents and cache entries get the mode every other output gets (safetensors' own writer makes them 0600)."""
+    import stat
+
+    import torch
+
+    from h3gen.run.outputs import save_tensors
+
+    before = os.umask(0o027)
+    try:
+        save_tensors({"a": torch.zeros(4)}, tmp_path / "x.latents.safetensors")
+        (tmp_path / "x.mp4").write_bytes(b"")
+    finally:
+        os.umask(before)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert modes == {"x.latents.safetensors": 0o640, "x.mp4": 0o640}
+
+
 def test_a_rerun_after_sigkill_removes_the_partial_mp4_and_the_locks_it_owns(faults, prompts_file, tmp_path):
     """SIGKILL mid-write leaves b's 48-byte partial MP4 and b's lock; a lock of a clip already written is left too
     when the kill lands between the MP4's rename and the claim's release (made by hand here). The rerun removes
