@@ -64,6 +64,8 @@ VRAM_HELP = ("Device memory budget in GiB, as 24, 24G or 24GB (default, or 0: wh
              "starts; a budget above that plans for what is free): DiT blocks beyond it stream from pinned host "
              "memory, and the allocator is held to it.")
 TRACEBACK_HELP = "Print a failure's traceback besides its one line (also H3GEN_DEBUG=1)."
+StrictPlugins = Annotated[bool, typer.Option("--strict-plugins", envvar="H3GEN_STRICT_PLUGINS",
+                                             help="Stop when a plugin fails to load instead of skipping it.")]
 
 
 def vram_setting(text: str | None) -> list[str]:
@@ -114,8 +116,7 @@ def render(
                                                             "clip would conflict, as the run would.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Render clips whose output already exists and validates "
                                                         "(by default they are skipped).")] = False,
-    strict_plugins: Annotated[bool, typer.Option("--strict-plugins", envvar="H3GEN_STRICT_PLUGINS",
-                                                 help="Stop when a plugin fails to load instead of skipping it.")] = False,
+    strict_plugins: StrictPlugins = False,
     shard: Annotated[Optional[str], typer.Option("--shard", metavar="I/N",
                                                  help="Render only shard I of N (0-based): the prompts whose place "
                                                       "in the file (0-based, comments and blank lines not counted) "
@@ -297,7 +298,7 @@ def compare(
 
 
 @presets_app.command("list", cls=PlainCommand)
-def presets_list():
+def presets_list(strict_plugins: StrictPlugins = False):
     """List the presets every plugin registered.
 
     \b
@@ -308,6 +309,7 @@ def presets_list():
     from h3gen.config.preset import load_toml
 
     found = registry()
+    report_failed_plugins(found, strict_plugins)
     width = max(map(len, found.presets), default=0)
     for name, path in sorted(found.presets.items()):
         try:
@@ -315,7 +317,6 @@ def presets_list():
         except H3genError as e:  # the others are still listed
             description = f"(unusable: {e})"
         typer.echo(f"{name:{width}s} {description}")
-    report_failed_plugins(found)
 
 
 @presets_app.command("show", cls=PlainCommand)
@@ -353,7 +354,7 @@ def presets_show(
 
 
 @app.command(cls=PlainCommand)
-def plugins():
+def plugins(strict_plugins: StrictPlugins = False):
     """List every registered stage with its kind and the plugin it came from.
 
     \b
@@ -363,15 +364,23 @@ def plugins():
     from h3gen.plugins.manager import registry
 
     found = registry()
+    report_failed_plugins(found, strict_plugins)
     for (kind, name), entry in sorted(found.stages.items()):
         typer.echo(f"{kind:8s} {name:16s} {entry.origin:20s} {entry.stage.__module__}.{entry.stage.__qualname__}"
                    + (f"  {entry.stage.description}" if entry.stage.description else ""))
-    report_failed_plugins(found)
 
 
-def report_failed_plugins(found) -> None:
-    for name, why in found.failed:
-        typer.echo(f"h3gen: plugin '{name}' {why} (skipped)", err=True)
+def report_failed_plugins(found, strict: bool) -> None:
+    """Each plugin that failed, said as a run says it; with --strict-plugins (H3GEN_STRICT_PLUGINS) the first
+    stops the command, as it stops a run."""
+    from types import SimpleNamespace
+
+    from h3gen.run.loop import check_plugins
+
+    try:
+        check_plugins(found, strict, SimpleNamespace(say=lambda text: typer.echo(text, err=True)))
+    except H3genError as e:
+        fail(e)
 
 
 @app.command(cls=PlainCommand)

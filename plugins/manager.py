@@ -47,9 +47,8 @@ class Registry:
 
 
 def wanted_plugins() -> set[str] | None:
-    """The names in H3GEN_LOAD_PLUGINS, or None (all) when it is not set."""
-    allowed = os.environ.get("H3GEN_LOAD_PLUGINS")
-    return None if allowed is None else {n.strip() for n in allowed.split(",") if n.strip()}
+    """The names in H3GEN_LOAD_PLUGINS, or None (all) when it is not set or names none (set but empty)."""
+    return {n.strip() for n in os.environ.get("H3GEN_LOAD_PLUGINS", "").split(",") if n.strip()} or None
 
 
 def _plugin_manager() -> tuple[pluggy.PluginManager, list[tuple[str, str]], list[str]]:

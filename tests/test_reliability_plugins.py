@@ -96,6 +96,23 @@ def test_load_plugins_variable_keeps_the_others_from_being_imported(site):
     assert "importfails" not in result.stderr and "raises" not in result.stderr  # never imported
 
 
+def test_an_empty_load_plugins_variable_loads_every_plugin_as_unset_does(site):
+    unset = h3gen("plugins", env=site, check_code=0)
+    empty = h3gen("plugins", env={**site, "H3GEN_LOAD_PLUGINS": ""}, check_code=0)
+    assert "'importfails' failed to load" in empty.stderr and (empty.stdout, empty.stderr) == (unset.stdout,
+                                                                                                unset.stderr)
+
+
+@pytest.mark.parametrize("command", [["plugins"], ["presets", "list"]])
+@pytest.mark.parametrize("strict", [{"H3GEN_STRICT_PLUGINS": "1"}, {}])
+def test_strict_plugins_stops_the_listings_too(site, command, strict):
+    result = h3gen(*command, *([] if strict else ["--strict-plugins"]),
+                   env={**site, **strict, "H3GEN_LOAD_PLUGINS": "raises"}, check_code=2)
+    assert result.stderr == ("h3gen: error: plugin 'raises' failed during registration: boom while registering (fix "
+                             "or uninstall it, leave it out with H3GEN_LOAD_PLUGINS, or drop --strict-plugins)\n")
+    assert result.stdout == ""
+
+
 def test_preset_using_a_stage_of_a_broken_plugin_says_why(site, prompts_file, tmp_path):
     preset = tmp_path / "uses-half.toml"
     preset.write_text((ROOT / "presets" / "tiny.toml").read_text().replace('use = "euler"', 'use = "half"'))
