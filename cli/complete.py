@@ -1,5 +1,5 @@
-"""Shell completion of what only h3gen knows (preset names, `--set` keys and the registered stage names), and
-its installation for the shell asked for."""
+"""Shell completion of what only h3gen knows (preset names, `--set` keys, the registered stage names and the stages
+`h3gen bench` times), and its installation for the shell asked for."""
 
 from __future__ import annotations
 
@@ -10,9 +10,26 @@ def preset_names(incomplete: str) -> list[str]:
     return [name for name in sorted(registry().presets) if name.startswith(incomplete)]
 
 
+def baseline_names(incomplete: str) -> list[str]:
+    """`h3gen bench --baseline`: a preset, or none."""
+    return [name for name in [*preset_names(""), "none"] if name.startswith(incomplete)]
+
+
+def bench_stages(incomplete: str) -> list[str]:
+    """`h3gen bench --stages encode,d`: the list typed so far with each stage not yet in it."""
+    from h3gen.cli.bench import STAGES
+
+    typed, comma, last = incomplete.rpartition(",")
+    return [f"{typed}{comma}{stage}" for stage in STAGES if stage.startswith(last) and stage not in typed.split(",")]
+
+
+def random_weights(incomplete: str) -> list[str]:
+    return [kind for kind in ("full", "tiny") if kind.startswith(incomplete)]
+
+
 def set_keys(ctx, incomplete: str) -> list[str]:
-    """`section.key=` for every key of the preset on the command line (tiny when none is given yet); after
-    `KIND.use=`, the registered stages of that kind."""
+    """`section.key=` for every key of the preset on the command line (bench's first --preset; tiny when none is
+    given yet); after `KIND.use=`, the registered stages of that kind."""
     from h3gen.config.preset import describe, resolve
     from h3gen.plugins.manager import registry
 
@@ -24,7 +41,7 @@ def set_keys(ctx, incomplete: str) -> list[str]:
                 f"{key}={name}".startswith(incomplete)]
     try:
         params = ctx.params or {}
-        preset = resolve(params.get("preset") or params.get("name") or "tiny", found)
+        preset = resolve(params.get("preset") or params.get("name") or (params.get("presets") or ["tiny"])[0], found)
     except Exception:  # a half-typed preset: complete the keys every preset has
         preset = resolve("tiny", found)
     keys = [f"{key}=" for key, _, _ in describe(preset) if key != "version"]
@@ -38,6 +55,13 @@ SHELL_OPTIONS = {  # typer's two options, as h3gen reads them: with the shell to
     "--show-completion": "Print the completion script for SHELL (default: the current shell), to copy it or "
                          "customize the installation.",
 }
+
+
+def shells_after_option(ctx, incomplete: str) -> list[str] | None:
+    """`h3gen --install-completion <TAB>` (or --show-completion): the shells; None where neither option was given."""
+    sources = [ctx.get_parameter_source(option[2:].replace("-", "_")) for option in SHELL_OPTIONS]
+    given = any(getattr(source, "name", None) == "COMMANDLINE" for source in sources)  # typer's own click's enum
+    return [shell for shell in SHELLS if shell.startswith(incomplete)] if given else None
 
 
 def named_shell(args: list[str]) -> tuple[str, str] | None:

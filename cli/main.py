@@ -16,7 +16,8 @@ from typing import Annotated, Optional
 import typer
 
 from h3gen import __version__
-from h3gen.cli.complete import SHELL_OPTIONS, complete_for, named_shell, preset_names, set_keys
+from h3gen.cli.complete import (SHELL_OPTIONS, baseline_names, bench_stages, complete_for, named_shell,
+                                preset_names, random_weights, set_keys, shells_after_option)
 from h3gen.cli.help import PlainCommand, PlainGroup
 from h3gen.errors import H3genError, UsageError
 
@@ -29,6 +30,12 @@ class Root(PlainGroup):
         if asked and not ctx.resilient_parsing:
             complete_for(ctx, *asked)
         return super().parse_args(ctx, args)
+
+    def shell_complete(self, ctx, incomplete):
+        from typer.core import CompletionItem  # the class of typer's own click, which draws the completions
+
+        shells = None if incomplete.startswith("-") else shells_after_option(ctx, incomplete)
+        return super().shell_complete(ctx, incomplete) if shells is None else list(map(CompletionItem, shells))
 
     def get_params(self, ctx):
         for param in self.params:  # typer adds them after the group is made
@@ -81,8 +88,8 @@ def vram_setting(text: str | None) -> list[str]:
     return [f"runtime.vram_gib={float(found.group(1)):g}"]
 
 
-def version_callback(value: bool):
-    if value:
+def version_callback(ctx: typer.Context, value: bool):
+    if value and not ctx.resilient_parsing:  # not while the shell completes the words after it
         typer.echo(f"h3gen {__version__}")
         raise typer.Exit()
 
@@ -170,9 +177,9 @@ def render(
 
 @app.command(cls=PlainCommand)
 def bench(
-    presets: Annotated[Optional[list[str]], typer.Option("--preset", metavar="NAME|FILE",
+    presets: Annotated[Optional[list[str]], typer.Option("--preset", metavar="NAME|FILE", autocompletion=preset_names,
                                                          help="Preset to measure; h3-base when none is given.")] = None,
-    baseline: Annotated[str, typer.Option("--baseline", metavar="NAME",
+    baseline: Annotated[str, typer.Option("--baseline", metavar="NAME", autocompletion=baseline_names,
                                           help="Baseline preset; 'none' for no baseline.")] = "diffusers",
     durations: Annotated[str, typer.Option("--durations", metavar="S,...",
                                            help="Media seconds, comma-separated (5, 10, 15).")] = "10",
@@ -181,10 +188,11 @@ def bench(
     warmup: Annotated[int, typer.Option("--warmup", metavar="N", min=0, help="Untimed runs per stage first (with "
                                                                              "--batch: untimed clips).")] = 1,
     random_weights: Annotated[Optional[str], typer.Option("--random-weights", metavar="full|tiny",
+                                                          autocompletion=random_weights,
                                                           help="full (real sizes, random) or tiny.")] = None,
     model: Annotated[Optional[Path], typer.Option("--model", envvar="H3GEN_MODEL", metavar="DIR",
                                                   help="Model directory.")] = None,
-    stages: Annotated[str, typer.Option("--stages", metavar="STAGE,...",
+    stages: Annotated[str, typer.Option("--stages", metavar="STAGE,...", autocompletion=bench_stages,
                                         help="Stages to time: encode,dit,vae,mux.")] = "encode,dit,vae,mux",
     forwards: Annotated[Optional[int], typer.Option("--forwards", metavar="K", min=1,
                                                     help="Time K DiT forwards and scale to the preset's count.")] = None,

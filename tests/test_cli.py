@@ -189,6 +189,20 @@ def test_completion_knows_presets_set_keys_and_stage_names():
     assert "sampler.steps=" in complete("h3gen presets show h3-base --set sampler.st")
 
 
+def test_completion_of_bench_options_and_of_the_shell_to_install_for():
+    assert {"h3-base", "fasth3", "tiny"} <= set(complete("h3gen bench --preset "))
+    assert {"diffusers", "none"} <= set(complete("h3gen bench --baseline "))
+    assert complete("h3gen bench --baseline n") == ["none"]
+    assert complete("h3gen bench --stages ") == ["encode", "dit", "vae", "mux"]
+    assert complete("h3gen bench --stages encode,v") == ["encode,vae"]
+    assert complete("h3gen bench --random-weights ") == ["full", "tiny"]
+    assert "cache.threshold=" in complete("h3gen bench --preset h3-base-fast --set cache.th")  # the keys of its preset
+    assert set(complete("h3gen bench --set vae.use=")) >= {"vae.use=fast", "vae.use=reference"}
+    assert complete("h3gen --install-completion ") == ["bash", "zsh", "fish", "powershell", "pwsh"]
+    assert complete("h3gen --show-completion z") == ["zsh"]
+    assert "render" in complete("h3gen --version ")  # the version is printed when asked, not offered as a word
+
+
 def test_every_command_has_an_example_and_plain_metavars():
     for command in (["render"], ["validate"], ["presets", "list"], ["presets", "show"], ["plugins"], ["tiny"],
                     ["bench"], ["compare"]):
