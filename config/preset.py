@@ -176,6 +176,7 @@ def resolve(name_or_file: str, registry, overrides: list[str] = ()) -> Preset:
         raise UsageError(f"{where}: unknown section '{sorted(unknown)[0]}'",
                          f"allowed: {', '.join(sorted(TOP_LEVEL | set(STAGE_KINDS) | set(SECTIONS)))}")
     request = _section(data, "request", REQUEST_DEFAULTS, where, sources)
+    _check_request(request, sources)
     runtime = _section(data, "runtime", RUNTIME_DEFAULTS, where, sources)
     _check_runtime(runtime, where)
     parallel = _section(data, "parallel", PARALLEL_DEFAULTS, where, sources)
@@ -194,6 +195,17 @@ def _table(value, section: str, where: str) -> dict:
     if not isinstance(value, dict):
         raise UsageError(f"{where}: {section} must be a table, got {value!r:.40}", f"write it as [{section}]")
     return value
+
+
+def _check_request(request: dict, sources: dict) -> None:
+    """The defaults a prompt takes, checked as a prompt's own values are, and blamed on where they were set."""
+    from h3gen.inputs.prompts import check_clip
+
+    def origin(*keys: str) -> str:
+        return ", ".join(f"--set request.{key}={request[key]:g}" if sources[f"request.{key}"] == "--set"
+                         else f"{sources[f'request.{key}']} [request] {key}" for key in keys)
+
+    check_clip(request["duration"], request["width"], request["height"], origin("duration"), origin("width", "height"))
 
 
 def _check_runtime(runtime: dict, where: str) -> None:

@@ -85,9 +85,7 @@ def _parse_line(line: str, where: str) -> dict:
 def _request(fields: dict, index: int, line: int, base_seed: int, defaults: dict, where: str,
              base: Path = Path(".")) -> Request:
     duration = float(fields.get("duration", defaults["duration"]))
-    if not MIN_SECONDS <= duration <= MAX_SECONDS:
-        raise UsageError(f"{where}: duration {duration:g} s is outside H3's {MIN_SECONDS:g}-{MAX_SECONDS:g} s",
-                         "ask for 5 to 15 seconds")
+    check_duration(duration, where)
     width, height = int(fields.get("width", defaults["width"])), int(fields.get("height", defaults["height"]))
     conditions, keyframe_size = _conditions(fields, base, where)
     if keyframe_size is not None and "width" not in fields and "height" not in fields:
@@ -130,6 +128,21 @@ def _conditions(fields: dict, base: Path, where: str) -> tuple[dict, tuple[int, 
                          "without them the keyframe's aspect ratio sets the size")
     found = {field: media.keyframe(fields[field], base, field, where) for field in keyframes}
     return {field: path for field, (path, _) in found.items()}, found[keyframes[0]][1]
+
+
+def check_clip(seconds: float, width: int, height: int, where_duration: str, where_size: str) -> None:
+    """A duration and size checked as a prompt's own are, where they come from elsewhere: a preset's request
+    defaults, `h3gen bench --durations --size`."""
+    check_duration(seconds, where_duration)
+    check_size(width, height, where_size)
+    check_fits(Request(index=0, prompt="", seed=0, width=width, height=height, frames=frames_for_duration(seconds)),
+               where_size)
+
+
+def check_duration(seconds: float, where: str) -> None:
+    if not MIN_SECONDS <= seconds <= MAX_SECONDS:
+        raise UsageError(f"{where}: duration {seconds:g} s is outside H3's {MIN_SECONDS:g}-{MAX_SECONDS:g} s",
+                         "ask for 5 to 15 seconds")
 
 
 def check_size(width: int, height: int, where: str) -> None:

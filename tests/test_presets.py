@@ -43,8 +43,8 @@ def test_shipped_presets_resolve_with_their_contracts():
 
 
 def test_set_overrides_and_records_where_values_came_from(tmp_path):
-    preset = resolve(write(tmp_path, BASE), registry(), ["sampler.steps=9", "request.width=64"])
-    assert preset.stages["sampler"][1].steps == 9 and preset.request["width"] == 64
+    preset = resolve(write(tmp_path, BASE), registry(), ["sampler.steps=9", "request.width=1024"])
+    assert preset.stages["sampler"][1].steps == 9 and preset.request["width"] == 1024
     assert preset.sources["sampler.steps"] == "--set"
     assert preset.sources["sampler.video_shift"] == "default of sampler 'euler'"
     assert preset.sources["encode.use"] == "preset custom"
@@ -64,6 +64,13 @@ def test_set_overrides_and_records_where_values_came_from(tmp_path):
     (BASE, ["video.x=1"], "unknown section 'video'"),
     (BASE, ["runtime.dtype=1"], "dtype must be str"),
     (BASE.replace("steps = 6", "steps = 6 6"), [], "not valid TOML.*line 6"),
+    # The defaults a prompt takes are checked as its own values are, and blamed on where they were set.
+    (BASE, ["request.duration=4"], r"^--set request.duration=4: duration 4 s is outside H3's 5-15 s"),
+    (BASE + "[request]\nwidth = 33\n", [], r"^preset custom \[request\] width, default \[request\] height: size "
+                                           "33x768 is not made of multiples of 32"),
+    (BASE, ["request.width=320000", "request.height=320000"], "^--set request.width=320000, --set "
+                                                              "request.height=320000: size 320000x320000 at 124 "
+                                                              "frames needs about"),
 ])
 def test_bad_presets(tmp_path, text, overrides, message):
     with pytest.raises(UsageError, match=message):
@@ -82,6 +89,13 @@ def test_presets_cli_list_and_show():
     assert "sampler.sigma_positions" in shown and "# preset fasth3" in shown
     assert "mux.crf" in shown and "20" in shown and "# --set" in shown
     assert shown.splitlines()[0].endswith(" (with --set mux.crf=20)")  # the description was the preset's
+
+
+def test_a_bad_request_default_from_set_is_blamed_on_the_set_not_a_prompts_line(prompts_file, tmp_path):
+    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--set", "request.duration=4",
+                   "--dry-run", check_code=2)
+    assert result.stderr == ("h3gen: error: --set request.duration=4: duration 4 s is outside H3's 5-15 s (ask for 5 "
+                             "to 15 seconds)\n")
 
 
 def test_presets_show_bad_value_exits_2():
