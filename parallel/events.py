@@ -1,9 +1,12 @@
 """What the workers tell global rank 0, the one process that reports: events through the torchrun store.
 
-Each group's first rank sends the events of its clips (started, stage times, denoise steps, results, lines to say);
-rank 0 replays them into its reporter, so the live display, the plain lines and the --json records look the same
-with any number of workers. The store rather than a process group: sending never waits for the reader, and rank 0
-reads on a thread of its own while its main thread renders.
+Each group's first rank sends the events of its clips (started, stage times, denoise steps, results, lines to say),
+numbered in a stream of its own; rank 0 replays them into its reporter, so the live display, the plain lines and
+the --json records look the same with any number of workers. The store rather than a process group: sending never
+waits for the reader, and rank 0 reads on a thread of its own while its main thread renders.
+
+A group whose first rank dies (killed, out of memory) sends nothing more: rank 0 stops waiting for it once that
+process is gone (on rank 0's machine, where it said its pid), or PUMP_DRAIN_S after rank 0 was itself stopped.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
-PLAN_KEY, COUNT_KEY = "h3gen/plan", "h3gen/events"
+PLAN_KEY = "h3gen/plan"
 # Rank 0 reads the prompts file and checks which clips are already written before the others hear the plan.
 PLAN_WAIT = timedelta(hours=6)
+PUMP_DRAIN_S = 20  # how long a stopped rank 0 waits for the last results of a group whose first rank it cannot see
 
 
 def connect(timeout: timedelta = timedelta(minutes=30)):
@@ -41,9 +45,22 @@ def receive_plan(store) -> dict:
     return pickle.loads(store.get(PLAN_KEY))
 
 
-def send(store, event: dict) -> None:
-    number = store.add(COUNT_KEY, 1)
-    store.set(f"h3gen/event/{number}", json.dumps(event))
+def event_key(group: int, number: int) -> str:
+    return f"h3gen/event/{group}/{number}"
+
+
+def leader_key(group: int) -> str:
+    return f"h3gen/leader/{group}"
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def result_event(result) -> dict:
@@ -59,13 +76,22 @@ def result_from_event(fields: dict, requests: dict):
 
 
 class RemoteReporter:
-    """The reporter of a group's first rank other than rank 0: every event goes to rank 0."""
+    """The reporter of a group's first rank other than rank 0: every event goes to rank 0, in order."""
 
     def __init__(self, store, group: int):
-        self.store, self.group = store, group
+        self.store, self.group, self.sent = store, group, 0
+        store.set(leader_key(group), f"{os.environ['GROUP_RANK']} {os.getpid()}")  # rank 0 sees when it is gone
+
+    def send(self, event: dict) -> None:
+        """Whole: a stop signal lands after the event is in the store and counted, so none goes missing."""
+        from h3gen.run.loop import signals_held
+
+        with signals_held():
+            self.store.set(event_key(self.group, self.sent + 1), json.dumps(event))
+            self.sent += 1
 
     def say(self, text: str) -> None:
-        send(self.store, {"say": f"{text} (group {self.group})"})
+        self.send({"say": f"{text} (group {self.group})"})
 
     def start(self):
         return self
@@ -74,19 +100,19 @@ class RemoteReporter:
         pass
 
     def clip_started(self, clip):
-        send(self.store, {"started": clip.request.index, "path": str(clip.path)})
+        self.send({"started": clip.request.index, "path": str(clip.path)})
 
     def stage_done(self, clip, kind, seconds):
-        send(self.store, {"stage": clip.request.index, "kind": kind, "seconds": seconds, "clip": clip.seconds})
+        self.send({"stage": clip.request.index, "kind": kind, "seconds": seconds, "clip": clip.seconds})
 
     def step(self, clip, step, steps):
-        send(self.store, {"step": clip.request.index, "n": step, "of": steps})
+        self.send({"step": clip.request.index, "n": step, "of": steps})
 
     def clip_done(self, result):
-        send(self.store, {"done": result_event(result)})
+        self.send({"done": result_event(result)})
 
     def finished(self):
-        send(self.store, {"finished": self.group})
+        self.send({"finished": self.group})
 
 
 class SharedReporter:
@@ -121,27 +147,51 @@ class SharedReporter:
 
 
 class EventPump(threading.Thread):
-    """On rank 0: replays the other groups' events into the reporter until each of them has finished."""
+    """On rank 0: replays the other groups' events into the reporter until each of them has finished or is lost."""
 
-    def __init__(self, reporter, requests: list, groups: int):
+    def __init__(self, reporter, requests: list, groups: range):
         super().__init__(name="h3gen-events", daemon=True)
-        self.reporter, self.waiting = reporter, groups
+        self.reporter = reporter
         self.requests = {request.index: request for request in requests}
-        self.clips, self.results, self.next = {}, [], 1
+        self.next = dict.fromkeys(groups, 1)  # group still waited for -> the number of its next event
+        self.clips, self.results, self.pids, self.deadline = {}, [], {}, None
         self.store = connect()  # a client of its own: the main thread keeps its own
 
     def run(self):
-        while self.waiting:
-            if self.next > self.store.add(COUNT_KEY, 0):
-                time.sleep(0.05)
-                continue
-            key = f"h3gen/event/{self.next}"
-            event = json.loads(self.store.get(key))
-            self.store.delete_key(key)
-            self.next += 1
-            self.replay(event)
+        while self.next:
+            for group in list(self.next):
+                lost = self.lost(group)  # before reading: a process gone has sent all it ever will
+                while group in self.next:
+                    key = event_key(group, self.next[group])
+                    if not self.store.check([key]):
+                        break
+                    event = json.loads(self.store.get(key))
+                    self.store.delete_key(key)
+                    self.next[group] += 1
+                    self.replay(event, group)
+                if lost:
+                    self.next.pop(group, None)
+            time.sleep(0.05)
 
-    def replay(self, event: dict) -> None:
+    def drain(self) -> None:
+        """Rank 0 was stopped, and so were the other groups: wait for their last results, PUMP_DRAIN_S at most."""
+        self.deadline = time.monotonic() + PUMP_DRAIN_S
+        self.join()
+
+    def lost(self, group: int) -> bool:
+        """The group's first rank is gone, or rank 0 stopped waiting for it."""
+        if group not in self.pids and self.store.check([leader_key(group)]):
+            node, pid = self.store.get(leader_key(group)).decode().split()
+            self.pids[group] = int(pid) if node == os.environ["GROUP_RANK"] else None  # another machine's: unseen
+        pid = self.pids.get(group)
+        return (pid is not None and not alive(pid)) or (self.deadline is not None and time.monotonic() > self.deadline)
+
+    def unreported(self) -> list:
+        """The clips started and never reported: discarded in flight by a stopped group, or written or not by one
+        whose worker died before it said so (rank 0 looks on disk)."""
+        return list(self.clips.values())
+
+    def replay(self, event: dict, group: int) -> None:
         if "say" in event:
             self.reporter.say(event["say"])
         elif "started" in event:
@@ -160,7 +210,7 @@ class EventPump(threading.Thread):
             self.results.append(result)
             self.reporter.clip_done(result)
         elif "finished" in event:
-            self.waiting -= 1
+            del self.next[group]
 
     def clip(self, index: int, path: str):
         """What a reporter reads of a clip: its request, file and stage times so far."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -9,9 +10,6 @@ from h3gen.parallel import events
 from h3gen.parallel.layout import Layout, choose_layout
 from h3gen.run.report import SilentReporter
 from h3gen.run.settings import RunSettings
-
-
-PUMP_DRAIN_S = 20  # how long a stopped rank 0 waits for the other groups' last results (a killed one sends none)
 
 
 class Worker:
@@ -115,7 +113,7 @@ class Worker:
         from h3gen.run.loop import Interrupted, report_end
 
         reporter = self.batch.reporter
-        pump = events.EventPump(reporter, pending, layout.groups - 1) if layout.groups > 1 else None
+        pump = events.EventPump(reporter, pending, range(1, layout.groups)) if layout.groups > 1 else None
         reporter.begin()
         if pump:
             pump.start()
@@ -124,18 +122,42 @@ class Worker:
             results = self.render(share, reporter, group, 0)
             if pump:
                 pump.join()
-        except Interrupted as stop:
-            results, stopped = stop.results, stop
+        except Interrupted as stop:  # in its own render, or while it waited for the others
+            results, stopped = results + stop.results, stop
             if pump:  # the other groups were stopped too: their last results are on the way
-                pump.join(timeout=PUMP_DRAIN_S)
+                pump.drain()
         finally:
             reporter.end()
-        results = finished + results + (pump.results[:] if pump else [])
+        if pump:
+            results += pump.results + self.written_unreported(pump.unreported())
+        results = finished + results
         code = report_end(reporter, results, len(self.batch.requests), stopped, say_stopped=False)
         Path(self.job["status_file"]).write_text(str(code))
         if stopped:
             raise stopped
         return 0
+
+    def written_unreported(self, clips: list) -> list:
+        """Of the clips another group started and never reported, those whose file is there, whole and from this
+        run (written by a worker that died before it said so): recorded and counted as written. What a dead worker
+        left beside them (a partial file, a lock) goes."""
+        from h3gen.run import outputs
+        from h3gen.run.render import already_done, clip_name
+        from h3gen.stages.clip import PIPELINE
+
+        batch, output = self.batch, self.settings.output
+        written = []
+        for clip in clips:
+            outputs.clear_leftovers(output / clip_name(clip.request, batch.preset.name))
+            found = already_done(clip.request, output, batch.preset.name, self.settings.save_latents, batch.run_fields)
+            if found is None or found.status != "skipped":
+                continue
+            result = dataclasses.replace(found, skipped=False, status="ok", seconds=clip.seconds,
+                                         end_to_end=sum(clip.seconds.get(kind, 0.0) for kind in PIPELINE))
+            outputs.record(output, result, batch.preset.name, result.status)
+            batch.reporter.clip_done(result)
+            written.append(result)
+        return written
 
 
 def make_groups(layout: Layout, index: int):

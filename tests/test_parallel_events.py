@@ -1,0 +1,79 @@
+"""Rank 0's event pump against a store of its own, without workers: which groups it waits for, and how long."""
+
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from h3gen.parallel import events
+
+
+class Heard:
+    """A reporter that keeps what it is told."""
+
+    def __init__(self):
+        self.said, self.started = [], []
+
+    def say(self, text):
+        self.said.append(text)
+
+    def clip_started(self, clip):
+        self.started.append(clip.request.index)
+
+
+@pytest.fixture
+def store(monkeypatch):
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("GROUP_RANK", "0")
+    return store
+
+
+def gone_pid() -> int:
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
+def clip(index: int):
+    return SimpleNamespace(request=SimpleNamespace(index=index), path=Path(f"out/{index}.mp4"))
+
+
+def pump_for(groups: int):
+    heard = Heard()
+    pump = events.EventPump(heard, [SimpleNamespace(index=i) for i in range(4)], range(1, groups + 1))
+    pump.start()
+    return pump, heard
+
+
+def test_a_group_whose_first_rank_is_gone_is_not_waited_for(store):
+    """Group 1's process died after starting a clip; group 2 finished: the pump ends, with group 1's clip
+    unreported."""
+    dead = events.RemoteReporter(store, 1)
+    store.set(events.leader_key(1), f"0 {gone_pid()}")  # as a killed worker leaves it
+    dead.clip_started(clip(1))
+    finished = events.RemoteReporter(store, 2)
+    finished.say("loaded")
+    finished.finished()
+    pump, heard = pump_for(2)
+    pump.join(timeout=5)
+    assert not pump.is_alive()
+    assert heard.started == [1] and heard.said == ["loaded (group 2)"]
+    assert [c.request.index for c in pump.unreported()] == [1]
+
+
+def test_a_live_group_is_waited_for_until_rank_0_drains(store, monkeypatch):
+    """A group still alive (here, this process) is waited for; once rank 0 is stopped, PUMP_DRAIN_S at most."""
+    monkeypatch.setattr(events, "PUMP_DRAIN_S", 0.3)
+    events.RemoteReporter(store, 1).clip_started(clip(2))
+    pump, heard = pump_for(1)
+    pump.join(timeout=0.5)
+    assert pump.is_alive() and heard.started == [2]
+    began = time.monotonic()
+    pump.drain()
+    assert not pump.is_alive() and time.monotonic() - began < 2

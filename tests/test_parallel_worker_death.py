@@ -1,0 +1,79 @@
+"""A worker that dies mid-run (SIGKILL, as the kernel's OOM killer does): the run stops at once, names it, and counts
+every clip written before it died, the one that worker wrote and had not yet reported too."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from test_parallel_runtime import ENV, workers_of
+from test_reliability_faults import install
+
+STALLS = '''
+import time
+
+import torch.distributed as dist
+
+from h3gen.plugins.hookspecs import hookimpl
+from h3gen.stages.sampler import EulerSampler
+
+
+class StallsOnRank1(EulerSampler):
+    """Global rank 1 stalls in its second clip, while its first is muxed: written, not yet recorded."""
+    kind, name = "sampler", "stalls-on-rank-1"
+    clips = 0
+
+    def run(self, clip):
+        self.clips += 1
+        if dist.is_initialized() and dist.get_rank() == 1 and self.clips > 1:
+            time.sleep(300)
+        return super().run(clip)
+
+
+@hookimpl
+def h3gen_register_stages(register):
+    register(StallsOnRank1)
+'''
+
+
+def in_manifest(manifest) -> list:
+    """The clips the manifest says were written, once a line each."""
+    lines = manifest.read_text().splitlines() if manifest.is_file() else []
+    return sorted(r["path"].rsplit("/", 1)[-1] for r in map(json.loads, lines) if r["status"] == "ok")
+
+
+def test_a_killed_worker_stops_the_run_at_once_and_its_written_clips_count(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(json.dumps({"id": f"clip{i}", "prompt": f"prompt number {i}"}) + "\n"
+                               for i in range(8)))
+    out, manifest = tmp_path / "out", tmp_path / "out" / "manifest.jsonl"
+    command = [sys.executable, "-m", "h3gen.cli.main", "render", str(prompts), "-o", str(out), "--cpu-workers", "2",
+               "--json", "--set", "sampler.use=stalls-on-rank-1"]
+    env = {**os.environ, **ENV, **install(tmp_path / "site", "stalls", STALLS)}
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # Group 1 (rank 1) renders clips 1, 3, 5 and 7, and records a clip once the next has rendered (its mux runs
+    # meanwhile): it is killed with clip1 written and not yet in the manifest.
+    deadline = time.monotonic() + 120
+    while not (out / "clip1.mp4").is_file():
+        assert run.poll() is None and time.monotonic() < deadline, "the run ended before worker 1 wrote a clip"
+        time.sleep(0.05)
+    assert "clip1.mp4" not in in_manifest(manifest)
+    os.kill(workers_of(run.pid)[1], signal.SIGKILL)
+    killed = time.monotonic()
+    stdout, stderr = run.communicate(timeout=120)
+    assert time.monotonic() - killed < 8, stderr[-3000:]
+    assert run.returncode == 1, stderr[-3000:]
+    last = stderr.splitlines()[-1]
+    assert re.fullmatch(r"h3gen: error: CPU worker 1 \(pid \d+\) was killed by SIGKILL, so the run was stopped.*",
+                        last), stderr[-3000:]
+    assert "stopped by SIGTERM" not in stderr
+    assert re.search(r"\[2/8\] wrote \S*clip1.mp4", stderr), stderr[-3000:]
+
+    on_disk = sorted(p.name for p in out.glob("*.mp4"))
+    in_json = sorted(r["path"].rsplit("/", 1)[-1] for r in map(json.loads, stdout.splitlines()) if r["ok"])
+    assert in_manifest(manifest) == in_json == on_disk, (in_json, on_disk)
+    assert f"{len(on_disk)} of 8 clips written" in stderr, stderr[-3000:]
+    assert not list(out.glob(".*")), list(out.glob(".*"))  # the killed worker's lock and partial file went too
