@@ -1,5 +1,6 @@
 """`python -m h3gen.cli.worker JOB`: one torchrun worker (h3gen.parallel.worker), drawing with the command's own
-reporters, since global rank 0 reports the run as a one-process run would."""
+reporters (`reporter_for`, which the launcher draws its own lines with too), since global rank 0 reports the run as
+a one-process run would."""
 
 import sys
 

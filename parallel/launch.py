@@ -2,12 +2,13 @@
 through torchrun's elastic agent (in this process, so a failure comes back as data rather than a log to parse).
 
 Bad input never starts a worker: the prompts file, preset, model and output directory were checked by the caller;
-this module checks the worker counts and the layout. The workers' rank 0 reports the run; this process prints one
-line only when a worker failed, naming its root cause.
+this module checks the worker counts and the layout. The workers' rank 0 reports the run; this process says one
+line only when the run stopped: a signal it was sent, or a worker's failure, named by its root cause.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -62,7 +63,8 @@ def check_workers(parallel: Parallel, preset, heads: int, refusal: str) -> None:
     if parallel.ulysses:
         check_ulysses(parallel.ulysses, per_node, heads, "--gpus" if gpus else "--cpu-workers")
         if parallel.ulysses > 1 and refusal:
-            raise UsageError(f"--ulysses {parallel.ulysses}: {refusal}", "drop --ulysses to render whole clips per worker")
+            raise UsageError(f"--ulysses {parallel.ulysses}: {refusal}",
+                             "drop --ulysses to render whole clips per worker")
     nnodes, node_rank = parallel.nnodes or 1, parallel.node_rank
     if nnodes < 1:
         raise UsageError(f"--nnodes {nnodes}: at least one machine", "pass --nnodes 1 or more")
@@ -93,7 +95,9 @@ def launch_config(parallel: Parallel, per_node: int):
 
 def launch_workers(batch, settings: RunSettings, entry: str) -> int:
     """Start the workers of a run checked by `prepare` with `layout_check`: `python -m ENTRY JOB` each (a module that
-    calls h3gen.parallel.worker's `main` with the reporters to draw with)."""
+    calls h3gen.parallel.worker's `main` with the reporters to draw with, its `reporter_for`; this process's own
+    lines are drawn with them too, so they read as rank 0's do)."""
+    say = importlib.import_module(entry).reporter_for(0, False, "").say
     parallel, heads, refusal = settings.parallel, dit_heads(batch.repo), split_refusal(batch.preset, batch.found)
     per_node = parallel.workers
     # On the CPU a clip depends on the intra-op thread count (MKL and ATen split their sums by thread): give each
@@ -103,18 +107,19 @@ def launch_workers(batch, settings: RunSettings, entry: str) -> int:
         status_file = Path(scratch) / "status"
         job = {"settings": settings.to_json(), "device": "gpu" if parallel.gpus else "cpu",
                "status_file": str(status_file), "heads": heads, "split_refusal": refusal}
-        stopped = run(launch_config(parallel, per_node), job, entry)
+        stopped = run(launch_config(parallel, per_node), job, entry, say)
         if stopped:
             return stopped
         if status_file.is_file():
             return int(status_file.read_text())
     # Rank 0 ran on another machine of the job and reported there.
-    print("h3gen: this machine's workers finished; the run is reported where rank 0 ran", file=sys.stderr)
+    say("h3gen: this machine's workers finished; the run is reported where rank 0 ran")
     return 0
 
 
-def run(config, job: dict, entry: str) -> int:
-    """Start the workers and wait for them; 128 + the signal number when this process was stopped by one."""
+def run(config, job: dict, entry: str, say) -> int:
+    """Start the workers and wait for them; 128 + the signal number when this process was stopped by one (said with
+    `say`)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -130,7 +135,7 @@ def run(config, job: dict, entry: str) -> int:
         # the signal came from outside: rank 0 is also stopped by the agent when another worker dies.
         from h3gen.run.loop import stopped_line
 
-        print(stopped_line(signal.Signals(int(stop.sigval)).name), file=sys.stderr)
+        say(stopped_line(signal.Signals(int(stop.sigval)).name))
         return 128 + int(stop.sigval)
 
 

@@ -8,6 +8,7 @@ workers sharing two cores. `sampler.dit=h3gen` because Ulysses splits h3gen's ow
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -181,6 +182,8 @@ def test_sigterm_with_workers_counts_every_clip_written(tmp_path):
     assert sorted(in_manifest) == sorted(in_json) == on_disk, (in_manifest, in_json, on_disk)
     assert f"{len(on_disk)} of 12 clips written" in stderr, stderr[-3000:]
     assert stderr.count("h3gen: stopped by SIGTERM") == 1, stderr[-3000:]
+    # Said by the launcher, timestamped as rank 0's lines are when stderr is not a terminal
+    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d h3gen: stopped by SIGTERM", stderr, re.M), stderr[-3000:]
     assert not list(out.glob(".*")), list(out.glob(".*"))
 
 
