@@ -277,8 +277,8 @@ def validate(
 def compare(
     a: Annotated[Path, typer.Argument(metavar="A", help="An MP4, or a directory of them (say, rendered with a fast "
                                                         "preset).")],
-    b: Annotated[Path, typer.Argument(metavar="B", help="The reference: an MP4, or a directory matched to A by file "
-                                                        "name.")],
+    b: Annotated[Path, typer.Argument(metavar="B", help="The reference: an MP4, or a directory whose clips are matched "
+                                                        "to A's by file name, else by prompt and seed.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per pair of clips on stdout.")] = False,
 ):
     """How far clip A is from clip B: video PSNR and SSIM (mean and worst frame), audio SNR and log-mel distance.
@@ -293,9 +293,14 @@ def compare(
     from h3gen.cli.ui import compare_table
     from h3gen.run.compare import compare as compare_clips
     from h3gen.run.compare import pairs
+    from h3gen.text import shown
 
     try:
-        records = [compare_clips(x, y) for x, y in pairs(a, b)]
+        matched, unmatched = pairs(a, b)
+        for path in unmatched:
+            typer.echo(f"note: {shown(str(path))} has no one match in the other folder (by file name, or by prompt "
+                       "and seed); not compared", err=True)
+        records = [compare_clips(x, y) for x, y in matched]
     except H3genError as e:
         fail(e)
     compare_table(records)

@@ -6,6 +6,7 @@ Audio: SNR of one soundtrack against the other, and the mean distance of their l
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -15,17 +16,53 @@ FRAMES_PER_PASS = 8  # frames compared at once: float copies of a 1344x768 frame
 MEL_FILTERS, MEL_WINDOW, MEL_HOP = 80, 1024, 256
 
 
-def pairs(a: Path, b: Path) -> list[tuple[Path, Path]]:
-    """Two MP4s, or two directories whose MP4s are matched by file name."""
+def pairs(a: Path, b: Path) -> tuple[list[tuple[Path, Path]], list[Path]]:
+    """Two MP4s, or the MP4s of two directories matched one to one, and the clips left without a match. A clip is
+    matched by file name (a prompt's id), else by the request in its h3gen stamp (prompt, seed, size, frames, media),
+    else by that request without the seed, each only where the match is the one candidate on both sides."""
     if a.is_dir() and b.is_dir():
-        names = sorted({p.name for p in a.glob("*.mp4")} & {p.name for p in b.glob("*.mp4")})
-        if not names:
-            raise UsageError(f"{a} and {b} hold no MP4 of the same name", "render both with the same prompts file")
-        return [(a / name, b / name) for name in names]
+        left, right = sorted(a.glob("*.mp4")), sorted(b.glob("*.mp4"))
+        matched = []
+        for key in (lambda p: p.name, request_key(seed=True), request_key(seed=False)):
+            found = one_to_one(left, right, key)
+            matched += found
+            left = [p for p in left if p not in {x for x, _ in found}]
+            right = [p for p in right if p not in {y for _, y in found}]
+        if not matched:
+            raise UsageError(f"{a} and {b} hold no MP4s of the same prompts",
+                             "compare folders rendered from one prompts file")
+        return sorted(matched), left + right
     for path in (a, b):
-        if path.is_dir() or not path.is_file():
+        if not path.exists():
+            raise UsageError(f"{path} does not exist", "compare two MP4s, or two directories of them")
+        if not path.is_file():
             raise UsageError(f"{path} is not an MP4 file", "compare two MP4s, or two directories of them")
-    return [(a, b)]
+    return [(a, b)], []
+
+
+def request_key(seed: bool):
+    """A clip's request as its stamp holds it (None for a clip h3gen did not stamp)."""
+    from h3gen.run.fingerprint import read_stamp
+
+    def key(path: Path):
+        fields = read_stamp(path)
+        if fields is None:
+            return None
+        request = {k: v for k, v in fields.items() if k.startswith("request.") and (seed or k != "request.seed")}
+        return json.dumps(request, sort_keys=True)
+    return key
+
+
+def one_to_one(left: list[Path], right: list[Path], key) -> list[tuple[Path, Path]]:
+    """The pairs whose key is the same and held by no other clip on either side."""
+    def unique(paths):
+        keys = {}
+        for path in paths:
+            keys.setdefault(key(path), []).append(path)
+        return {k: v[0] for k, v in keys.items() if k is not None and len(v) == 1}
+
+    ours, theirs = unique(left), unique(right)
+    return [(ours[k], theirs[k]) for k in ours.keys() & theirs.keys()]
 
 
 def read_clip(path: Path):

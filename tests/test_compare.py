@@ -2,6 +2,7 @@
 that cannot be compared are refused in one line."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -9,14 +10,14 @@ import pytest
 from conftest import h3gen
 
 
-def clip(path, seed, frames=22, size=(32, 48), rate=32000):
+def clip(path, seed, frames=22, size=(32, 48), rate=32000, comment=""):
     from h3gen.stages.mux import write_mp4
 
     rng = np.random.default_rng(seed)
     pixels = rng.integers(0, 256, (frames, *size, 3), dtype=np.uint8)
     audio = (rng.standard_normal((2, int(frames / 24 * rate))) * 0.1).astype(np.float32)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_mp4(path, pixels, audio, sample_rate=rate)
+    write_mp4(path, pixels, audio, sample_rate=rate, comment=comment)
     return path
 
 
@@ -25,7 +26,8 @@ def records(result):
 
 
 def test_a_clip_against_itself_and_against_another_seed(tmp_path):
-    a, b = clip(tmp_path / "a" / "x.mp4", 1), clip(tmp_path / "b" / "x.mp4", 2)
+    a = clip(tmp_path / "a" / "x.mp4", 1)
+    clip(tmp_path / "b" / "x.mp4", 2)
     (same,) = records(h3gen("compare", a, a, "--json", check_code=0))
     assert (same["psnr_mean"], same["psnr_worst"], same["ssim_mean"], same["ssim_worst"]) == ("inf", "inf", 1.0, 1.0)
     assert same["audio_snr_db"] == "inf" and same["log_mel_distance_db"] == 0.0
@@ -34,6 +36,37 @@ def test_a_clip_against_itself_and_against_another_seed(tmp_path):
     assert 0 < other["psnr_mean"] < 20 and other["psnr_worst"] <= other["psnr_mean"]
     assert other["ssim_worst"] <= other["ssim_mean"] < 0.5 and other["log_mel_distance_db"] > 0
     assert "PSNR dB" in result.stderr and "x.mp4" in result.stderr
+
+
+def stamped(path, prompt, seed, preset):
+    """A clip whose h3gen stamp holds this request: its pixels do not matter here."""
+    from h3gen.run.fingerprint import stamp
+
+    fields = {"preset": preset, "request.prompt": prompt, "request.seed": seed, "request.size": "48x32",
+              "request.frames": 22}
+    return clip(path, seed, comment=stamp(fields))
+
+
+def test_folders_of_two_presets_are_matched_by_the_request_in_each_clip(tmp_path):
+    a, b = tmp_path / "fast", tmp_path / "ref"
+    stamped(a / "h3-1.mp4", "a fox", 7, "fast"), stamped(b / "h3-9.mp4", "a fox", 7, "ref")
+    stamped(a / "h3-2.mp4", "an owl", 1, "fast"), stamped(b / "h3-8.mp4", "an owl", 2, "ref")  # by the prompt alone
+    clip(a / "named.mp4", 3), clip(b / "named.mp4", 4)  # a prompt's id: by file name, stamped or not
+    stamped(a / "h3-3.mp4", "a cat", 7, "fast")  # two candidates in ref/: neither is picked
+    stamped(b / "h3-7.mp4", "a cat", 7, "ref"), stamped(b / "h3-6.mp4", "a cat", 7, "ref-again")
+    clip(b / "lone.mp4", 5)
+    result = h3gen("compare", a, b, "--json", check_code=0)
+    compared = sorted((Path(r["a"]).name, Path(r["b"]).name) for r in records(result))
+    assert compared == [("h3-1.mp4", "h3-9.mp4"), ("h3-2.mp4", "h3-8.mp4"), ("named.mp4", "named.mp4")]
+    notes = sorted(line.split()[1] for line in result.stderr.splitlines() if line.startswith("note:"))
+    assert notes == [str(a / "h3-3.mp4"), str(b / "h3-6.mp4"), str(b / "h3-7.mp4"), str(b / "lone.mp4")]
+    assert "not compared" in result.stderr
+
+
+def test_folders_without_one_match_are_refused(tmp_path):
+    stamped(tmp_path / "a" / "h3-1.mp4", "a fox", 7, "fast"), stamped(tmp_path / "b" / "h3-2.mp4", "a cat", 7, "ref")
+    result = h3gen("compare", tmp_path / "a", tmp_path / "b", check_code=2)
+    assert "hold no MP4s of the same prompts" in result.stderr.splitlines()[-1]
 
 
 @pytest.mark.parametrize("other, message", [
