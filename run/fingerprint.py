@@ -119,15 +119,16 @@ def model_identity(root: str) -> str:
     """The repository's weights and configs without reading the weights: each file's path and size, the header of
     each safetensors file, and the content of every other file up to 64 MiB. The repository's own path, which a
     saved modular_model_index.json records for each component, counts as ".": the same model written in another
-    cache folder is the same model."""
+    cache folder is the same model, and so is one named by a relative path or through a link."""
     hashed = hashlib.sha256()
     base = Path(root)
-    own = json.dumps(str(base))[1:-1].encode()
+    owns = {json.dumps(str(form))[1:-1].encode() for form in (base.absolute(), base.resolve())}
     for path in sorted(p for p in base.rglob("*") if p.is_file() and not p.name.startswith(".")):
         summary, size = file_summary(path), path.stat().st_size
-        if own in summary:  # a file read whole
-            summary = summary.replace(own, b".")
-            size = len(summary)
+        for own in sorted(owns, key=len, reverse=True):
+            if own in summary:  # a file read whole
+                summary = summary.replace(own, b".")
+                size = len(summary)
         hashed.update(f"{path.relative_to(base)}\0{size}\0".encode())
         hashed.update(summary)
     return hashed.hexdigest()[:16]

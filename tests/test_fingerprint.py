@@ -120,14 +120,19 @@ def test_stage_versions_and_adapter_files_are_fields(tmp_path):
     assert fingerprint.differences(first, second)[0].startswith("adapter.file0: ")
 
 
-def test_the_same_model_in_another_cache_folder_is_the_same_model(tmp_path, tiny_model):
+def test_the_same_model_in_another_cache_folder_is_the_same_model(tmp_path, tiny_model, monkeypatch):
     """A saved modular_model_index.json records the repository's own path: the tiny model written in another cache
     folder (another user, another XDG_CACHE_HOME) must not make every clip rendered with it a conflict."""
     from h3gen.models.tiny import ensure_tiny_model
 
     elsewhere = ensure_tiny_model(tmp_path / "cache" / "tiny")
+    monkeypatch.chdir(tmp_path)
     assert str(elsewhere) in (elsewhere / "modular_model_index.json").read_text()
     assert fingerprint.model_identity(str(elsewhere)) == fingerprint.model_identity(str(tiny_model))
+    (tmp_path / "link").symlink_to(elsewhere)
+    for named in (elsewhere.relative_to(tmp_path), tmp_path / "link"):  # a relative path, and a link to the folder
+        fingerprint.model_identity.cache_clear()
+        assert fingerprint.model_identity(str(named)) == fingerprint.model_identity(str(tiny_model)), named
     config = elsewhere / "transformer" / "config.json"
     config.write_text(config.read_text().replace('"norm_eps": 1e-05', '"norm_eps": 1e-06'))
     fingerprint.model_identity.cache_clear()
