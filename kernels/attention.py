@@ -108,6 +108,14 @@ def choose_backend(device=None, requested="auto", dtype=None, head_dim=None) -> 
     return Choice("flash-attn-4" if major == 10 and installed["flash-attn-4"] else "sdpa")
 
 
+def check_backend_name(key: str, name: str) -> None:
+    """A preset's attention value (`key` names it): UsageError unless it is "auto" or one of BACKENDS."""
+    if name not in ("auto", *BACKENDS):
+        from h3gen.errors import UsageError
+
+        raise UsageError(f"unknown {key} '{name}'", f"choose auto or one of {', '.join(BACKENDS)}")
+
+
 def attention_backend(device=None, requested="auto", dtype=None, head_dim=None):
     """Name of the backend `choose_backend` picks."""
     return choose_backend(device, requested, dtype, head_dim).name

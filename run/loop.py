@@ -110,6 +110,7 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
         check_cache(preset, found)
         for kind, (name, config) in preset.stages.items():
             found.stage(kind, name).check_config(config)
+            found.stage(kind, name).check_model(config, repo)
         if check_layout is not None:
             check_layout(preset, repo, found)
         memory_plan = plan_memory_budget(preset, requests, repo, reporter)

@@ -59,6 +59,12 @@ class Stage:
         The default accepts every config."""
 
     @classmethod
+    def check_model(cls, config, repo) -> None:
+        """Refuse preset values the model in `repo` (h3gen.models.repo.ModelRepo) cannot take, reading its config
+        files only, never its weights: raise UsageError as `check_config` does. Called after `check_config`, for a
+        run and a dry run. The default accepts every model."""
+
+    @classmethod
     def refuses_split(cls, config) -> str:
         """Why this stage, with `config`, cannot render one clip across a group of ranks; '' when it can."""
         return "" if cls.splits_clip else f"the {cls.kind} stage '{cls.name}' renders a clip on one rank"
@@ -151,6 +157,12 @@ class Wrapper(Stage):
         wrapped = config.wraps
         if wrapped.stage is not None:
             wrapped.stage.check_config(wrapped.config)
+
+    @classmethod
+    def check_model(cls, config, repo) -> None:
+        wrapped = config.wraps
+        if wrapped.stage is not None:
+            wrapped.stage.check_model(wrapped.config, repo)
 
     @classmethod
     def refuses_split(cls, config) -> str:

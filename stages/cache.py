@@ -87,6 +87,21 @@ class NoCache(Stage):
     description = "every forward computed in full"
     reuses: ClassVar[bool] = False  # whether the policy ever skips blocks (the sampler must then take a cache)
 
+    def __init__(self, config, runtime):
+        super().__init__(config, runtime)
+        self.check_config(self.config)
+
+    @classmethod
+    def check_model(cls, config, repo) -> None:
+        """A reusing cache needs a middle block between the first and last blocks it always computes."""
+        if not cls.reuses:
+            return
+        blocks = repo.transformer_config().get("num_layers", 0)
+        kept = config.first_blocks + config.last_blocks
+        if kept >= blocks:
+            raise UsageError(f"cache.first_blocks + cache.last_blocks ({kept}) leave no middle block of the DiT's "
+                             f"{blocks} to reuse", f"lower them below {blocks} in the [cache] section")
+
     def session(self, forwards: int, group=None, timer=None) -> StepCache | None:
         """A clip's cache, or None when nothing is ever reused; `timer` (h3gen.run.timing.StageTimer) times the
         cache's own work."""
@@ -109,11 +124,10 @@ class ResidualCache(NoCache):
     description = "the middle blocks' residual reused while the first blocks change little (video, audio apart)"
     reuses = True
 
-    def __init__(self, config, runtime):
-        super().__init__(config, runtime)
-        config = self.config
+    @classmethod
+    def check_config(cls, config) -> None:
         if config.first_blocks < 1 or config.last_blocks < 0 or config.max_reuse < 0 or config.threshold < 0:
-            raise UsageError(f"cache {self.name}: first_blocks >= 1, last_blocks, max_reuse and threshold >= 0",
+            raise UsageError(f"cache {cls.name}: first_blocks >= 1, last_blocks, max_reuse and threshold >= 0",
                              "fix the [cache] values")
 
     def session(self, forwards: int, group=None, timer=None) -> StepCache:
@@ -144,8 +158,8 @@ class ScheduleCache(NoCache):
     description = "the forwards listed in `steps` computed in full, the others reuse the middle blocks' residual"
     reuses = True
 
-    def __init__(self, config, runtime):
-        super().__init__(config, runtime)
+    @classmethod
+    def check_config(cls, config) -> None:
         if config.first_blocks < 1 or config.last_blocks < 0 or any(step < 0 for step in config.steps):
             raise UsageError("cache schedule: first_blocks >= 1, last_blocks >= 0, steps counted from 0",
                              "fix the [cache] values")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from h3gen.errors import ClipError, ModelError
+from h3gen.errors import ClipError, UsageError
 from h3gen.models.dit.tags import TEXT_TAG
 from h3gen.stages.base import Stage
 
@@ -30,6 +30,14 @@ class Qwen3VLEncoder(Stage):
     text_encoder = media = None  # until `load`
     description = ("Qwen3-VL text encoder (transformers), truncated after the layer H3 reads; fl2va keyframes and "
                    "ref2va references through diffusers' blocks and the VAE encoders")
+
+    @classmethod
+    def check_model(cls, config, repo) -> None:
+        """The hidden state H3 reads must be one the text encoder has."""
+        total = repo.text_encoder_config().text_config.num_hidden_layers
+        if not 0 <= config.layer < total:
+            raise UsageError(f"encode.layer is {config.layer}, and the text encoder in {repo.path('text_encoder')} has "
+                             f"{total} layers", f"set encode.layer from 0 to {total - 1}; H3 reads 50")
 
     def load(self, repo):
         """Tokenizer now; the encoder's weights only when a prompt is not in the embedding cache."""
@@ -57,11 +65,8 @@ class Qwen3VLEncoder(Stage):
 
         repo = self.repo
         self.encoder_loads += 1
+        self.check_model(self.config, repo)
         config = repo.text_encoder_config()
-        total = config.text_config.num_hidden_layers
-        if total <= self.config.layer:
-            raise ModelError(f"the text encoder has {total} layers, H3 reads hidden state {self.config.layer}",
-                            "use the repository's own text_encoder/")
         # One layer past the one H3 reads: hidden_states[layer] is then still unnormalized.
         config.text_config.num_hidden_layers = self.config.layer + 1
         self.processor = repo.load("processor", Qwen3VLProcessor)

@@ -103,6 +103,8 @@ class EulerSampler(Stage):
     @classmethod
     def check_config(cls, config) -> None:
         """The preset's sampler values (Stage.check_config)."""
+        from h3gen.kernels.attention import check_backend_name
+
         if len(config.sigma_positions) == 1 or (not config.sigma_positions and config.steps < 2):
             raise UsageError("the sigma grid needs at least 2 points", "set sampler.steps >= 2")
         if config.dit not in ("h3gen", "diffusers"):
@@ -111,6 +113,7 @@ class EulerSampler(Stage):
             raise UsageError('sampler.stream_blocks streams the blocks of h3gen\'s DiT', 'set sampler.dit = "h3gen"')
         if config.stream_with not in ("h3gen", "diffusers"):
             raise UsageError(f"unknown sampler.stream_with '{config.stream_with}'", "choose h3gen or diffusers")
+        check_backend_name("sampler.attention", config.attention)
         if config.ffn_chunk_rows < 0:
             raise UsageError(f"sampler.ffn_chunk_rows is {config.ffn_chunk_rows}",
                              "set it to 0 (all rows at once) or a positive row count")

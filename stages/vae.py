@@ -142,6 +142,9 @@ class FastVAE(ReferenceVAE):
 
     @classmethod
     def check_config(cls, config) -> None:
+        from h3gen.kernels.attention import check_backend_name
+
+        check_backend_name("vae.attention", config.attention)
         sizes = (config.tile_height, config.tile_width, config.overlap)
         if any(size <= 0 or size % 16 for size in sizes) or config.overlap >= min(sizes[:2]):
             raise UsageError(f"vae tile {config.tile_height}x{config.tile_width} with overlap {config.overlap} "

@@ -59,6 +59,12 @@ def test_bad_prompts_file_is_refused_before_anything_loads(tmp_path, text, messa
     (["mux.crf=99"], "mux.crf = 99 is outside x264's 0-51"),
     (["mux.x264_threads=0"], "mux.x264_threads = 0: the encoder takes a fixed count of threads"),
     (["mux.workers=-1"], "mux.workers = -1 is below 0"),
+    (["sampler.attention=bogus"], "unknown sampler.attention 'bogus' (choose auto or one of fa3, "),
+    (["vae.use=fast", "vae.attention=bogus"], "unknown vae.attention 'bogus' (choose auto or one of fa3, "),
+    (["encode.layer=999"], "encode.layer is 999, and the text encoder in "),
+    (["cache.use=residual", "sampler.dit=h3gen", "cache.first_blocks=1", "cache.last_blocks=1"],
+     "cache.first_blocks + cache.last_blocks (2) leave no middle block of the DiT's 2 to reuse"),
+    (["cache.use=schedule", "sampler.dit=h3gen", "cache.steps=[1]"], "steps must include 0"),
 ])
 @pytest.mark.parametrize("dry", [False, True])
 def test_a_stage_value_it_cannot_run_with_is_refused_before_the_run_a_dry_run_too(prompts_file, tmp_path,
