@@ -85,7 +85,7 @@ ENVIRONMENT = [
     ("H3GEN_DEBUG", "Anything but empty or 0 prints a failure's traceback besides its one line, as --traceback "
                     "(which sets it, for the workers too)."),
     ("H3GEN_HEARTBEAT_S", f"Seconds between two lines of a clip's sampler progress when stderr is not a terminal "
-                          f"(default {HEARTBEAT_S:g})."),
+                          f"(default {HEARTBEAT_S:g}; 0: a line at every step; inf: none)."),
     ("H3GEN_COMMIT", "The commit h3gen bench writes into its results (default: git rev-parse HEAD in h3gen's "
                      "source folder)."),
     ("XDG_CACHE_HOME", "Where the user cache directory is (FILES)."),

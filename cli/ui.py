@@ -50,6 +50,23 @@ def print_result(line: str) -> bool:
         return False
 
 
+def heartbeat_seconds() -> float:
+    """H3GEN_HEARTBEAT_S, or the default when it is unset or empty."""
+    import math
+
+    from h3gen.errors import UsageError
+
+    text = os.environ.get("H3GEN_HEARTBEAT_S", "").strip()
+    try:
+        seconds = float(text) if text else HEARTBEAT_S
+    except ValueError:
+        seconds = math.nan
+    if not seconds >= 0:  # nan too
+        raise UsageError(f"H3GEN_HEARTBEAT_S is '{text}', not a number of seconds from 0 up",
+                         f"set it to 0 or more seconds, or unset it for the default {HEARTBEAT_S:g}")
+    return seconds
+
+
 class PlainReporter:
     """One line per event: what cron and make logs want."""
 
@@ -58,7 +75,7 @@ class PlainReporter:
         self.console = Console(stderr=True, highlight=False, soft_wrap=True)
         self.stdout_gone = self.reader_gone = False  # a stop not yet raised; the reader gone, for good
         self.began = time.monotonic()
-        self.heartbeat = float(os.environ.get("H3GEN_HEARTBEAT_S", HEARTBEAT_S))
+        self.heartbeat = heartbeat_seconds()
         self.clip_began, self.last_beat = {}, {}  # request index -> monotonic time
 
     def check_stdout(self) -> None:

@@ -78,6 +78,14 @@ def test_a_stage_value_it_cannot_run_with_is_refused_before_the_run_a_dry_run_to
     assert not out.exists()
 
 
+@pytest.mark.parametrize("value", ["abc", "-5", "nan"])
+def test_a_heartbeat_that_is_not_seconds_is_refused(prompts_file, tmp_path, value):
+    out = tmp_path / "out"
+    refused(h3gen("render", prompts_file("a lighthouse at night\n"), "-o", out, env={"H3GEN_HEARTBEAT_S": value}),
+            f"H3GEN_HEARTBEAT_S is '{value}', not a number of seconds from 0 up")
+    assert not out.exists()
+
+
 def test_a_dry_run_leaves_no_directory_behind(prompts_file, tmp_path, tiny_model):
     out = tmp_path / "new" / "out"
     planned = h3gen("render", prompts_file("a lighthouse at night\n"), "-o", out, "--dry-run", check_code=0)
