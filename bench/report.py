@@ -28,10 +28,11 @@ def environment() -> dict:
     import transformers
 
     cuda = torch.cuda.is_available()
+    name = torch.cuda.get_device_name(0) if cuda else f"CPU {platform.processor() or platform.machine()}"
+    driver = _command("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader") if cuda else None
     return {
-        "device": {"name": torch.cuda.get_device_name(0) if cuda else f"CPU {platform.processor() or platform.machine()}",
-                   "driver": _command("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader") if cuda else None,
-                   "cuda": torch.version.cuda, "count": torch.cuda.device_count() if cuda else 0},
+        "device": {"name": name, "driver": driver, "cuda": torch.version.cuda,
+                   "count": torch.cuda.device_count() if cuda else 0},
         "versions": {"h3gen": __version__, "torch": torch.__version__, "diffusers": diffusers.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
         "commit": os.environ.get("H3GEN_COMMIT") or _command("git", "-C", str(Path(__file__).resolve().parent),
@@ -43,7 +44,9 @@ def environment() -> dict:
 def markdown(result: dict) -> str:
     """The records as a table; `rel err vs baseline` is the DiT's output video latents against the baseline's."""
     device = result["device"]
-    lines = [f"Device: {device['name']} (driver {device['driver']}, CUDA {device['cuda']}); "
+    details = ", ".join(f"{label} {device[key]}" for label, key in (("driver", "driver"), ("CUDA", "cuda"))
+                        if device.get(key))  # a CPU has no driver
+    lines = [f"Device: {device['name']}{f' ({details})' if details else ''}; "
              f"torch {result['versions']['torch']}, diffusers {result['versions']['diffusers']}; "
              f"commit {str(result['commit'])[:10]}; {result['created']}", "",
              "| preset | media s | stage | median s | p95 s | per forward s | forwards | peak GiB | host GiB | RTF "

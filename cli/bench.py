@@ -9,6 +9,7 @@ STAGES = ("encode", "dit", "vae", "mux")
 
 def parse_plan(presets, baseline, durations, size, repeat, warmup, stages, forwards, text_tokens):
     from h3gen.bench.sweep import BenchPlan
+    from h3gen.inputs.prompts import check_clip
 
     try:
         seconds = [float(d) for d in durations.split(",") if d.strip()]
@@ -16,6 +17,8 @@ def parse_plan(presets, baseline, durations, size, repeat, warmup, stages, forwa
     except ValueError:
         raise UsageError(f"cannot read --durations {durations!r} or --size {size!r}",
                          "e.g. --durations 5,10,15 --size 1344x768") from None
+    for duration in seconds:  # as `h3gen render` checks a prompt's
+        check_clip(duration, width, height, f"--durations {durations}", f"--size {size}")
     chosen = tuple(s.strip() for s in stages.split(",") if s.strip())
     unknown = set(chosen) - set(STAGES)
     if unknown:
@@ -48,8 +51,9 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     from h3gen.bench.sweep import run_bench
     from h3gen.bench.report import write_results
     from h3gen.plugins.manager import registry
-    from h3gen.config.preset import resolve
+    from h3gen.config.preset import parse_override, resolve
     from h3gen.run.budget import check_budget
+    from h3gen.run.loop import check_model_kind
     from h3gen.run.quiet import quiet_libraries
     from h3gen.run.render import pick_device
 
@@ -61,13 +65,17 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     plan.warm_cache, plan.baseline_clips, plan.overrides = warm_cache, baseline_clips, list(sets)
     plan.baseline_forwards = baseline_forwards
     found = registry()
-    for name in plan.presets:
-        preset = resolve(name, found, plan.overrides)  # a typo fails now, not after the first preset's minutes
+    # A typo fails now, not after the first preset's minutes.
+    resolved = [resolve(name, found, plan.overrides) for name in plan.presets]
+    for preset in resolved:
         check_budget(preset.runtime["vram_gib"], pick_device(preset.runtime["device"]))
-    if plan.baseline:
-        resolve(plan.baseline, found)
+    if plan.baseline:  # [model] says what a preset is made for, not how it runs: --set model.needs=any reaches it
+        resolved.append(resolve(plan.baseline, found, [s for s in plan.overrides if parse_override(s)[0] == "model"]))
     quiet_libraries()
     source = weights_source(random_weights, model)
+    if random_weights is None:  # random weights stand in for whichever model a preset is made for
+        for preset in resolved:
+            check_model_kind(preset, source, model is None)
 
     def say(text):
         print(text, file=sys.stderr, flush=True)

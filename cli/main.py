@@ -215,7 +215,7 @@ def bench(
                                                   "measured presets, not the baseline.")] = None,
     sets: Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE", autocompletion=set_keys,
                                                       help="Override a preset value in every measured preset, not "
-                                                           "the baseline.")] = None,
+                                                           "the baseline (model.needs=any reaches it too).")] = None,
     tracebacks: Annotated[bool, typer.Option("--traceback", help=TRACEBACK_HELP)] = False,
 ):
     """Time presets against the diffusers baseline, stage by stage; write JSON, a markdown table and a chart.

@@ -55,6 +55,44 @@ def test_bench_rejects_unknown_stage(tmp_path):
     assert result.returncode == 2 and "unknown stage 'paint'" in result.stderr
 
 
+def test_bench_refuses_a_duration_or_size_as_render_refuses_it(tmp_path, prompts_file):
+    for asked, line in ((["--durations", "5,4"], '{"prompt": "x", "duration": 4}'),
+                        (["--size", "33x32"], '{"prompt": "x", "width": 33, "height": 32}'),
+                        (["--size", "32x320"], '{"prompt": "x", "width": 32, "height": 320}'),
+                        (["--size", "320000x320000"], '{"prompt": "x", "width": 320000, "height": 320000}')):
+        bench = h3gen("bench", "--preset", "tiny", "--baseline", "none", "--random-weights", "tiny", "--stages",
+                      "encode", "--repeat", "1", "--warmup", "0", "--durations", "5", "--size", "32x32", *asked, "-o",
+                      tmp_path / "results", check_code=2)
+        render = h3gen("render", prompts_file(line + "\n"), "-o", tmp_path / "out", "--dry-run", check_code=2)
+        why = render.stderr.split(":1: ", 1)[1]  # the same problem and fix, named by the option, not a line
+        assert bench.stderr == f"h3gen: error: {' '.join(asked)}: {why}", bench.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_bench_checks_the_model_each_preset_is_made_for(tmp_path):
+    """As `render` does, on a model directory (the embedded tiny one here); random weights stand in for any model."""
+    common = ["--durations", "5", "--size", "32x32", "--stages", "vae,mux", "--repeat", "1", "--warmup", "0", "-o",
+              tmp_path]
+    refused = h3gen("bench", "--preset", "h3-base", "--baseline", "none", *common, check_code=2)
+    assert refused.stderr.startswith("h3gen: error: preset h3-base needs a MiniMax-H3 repository, and the embedded "
+                                     "tiny model was given")
+    baseline = h3gen("bench", "--preset", "tiny", *common, check_code=2)  # the baseline, diffusers, is checked too
+    assert baseline.stderr.startswith("h3gen: error: preset diffusers needs a MiniMax-H3 repository")
+    anyway = h3gen("bench", "--preset", "h3-base", *common, "--set", "model.needs=any", check_code=0)
+    records = json.loads(open(anyway.stdout.split()[0]).read())["records"]
+    assert {r["preset"] for r in records} == {"h3-base", "diffusers"}
+
+
+def test_the_report_s_device_line_leaves_out_what_the_machine_has_not():
+    from h3gen.bench.report import markdown
+
+    result = {"versions": {"torch": "2", "diffusers": "0.42"}, "commit": "abc", "created": "now", "records": []}
+    cpu = markdown({**result, "device": {"name": "CPU x86_64", "driver": None, "cuda": None, "count": 0}})
+    gpu = markdown({**result, "device": {"name": "NVIDIA H200", "driver": "580.1", "cuda": "13.0", "count": 1}})
+    assert cpu.startswith("Device: CPU x86_64; torch 2") and "None" not in cpu
+    assert gpu.startswith("Device: NVIDIA H200 (driver 580.1, CUDA 13.0); torch 2")
+
+
 def test_bench_batch_times_clips_through_the_renderer(tmp_path):
     # The baseline renders clip by clip (mux in line), here one clip; the preset's muxes run behind the next clip's DiT.
     # The preset at its own 3 forwards, the baseline at 1 (--baseline-forwards): compared at 3 all the same.
