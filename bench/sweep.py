@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from h3gen.inputs.request import AUDIO_CHANNELS, FPS, MAX_SECONDS, Request
+from h3gen.inputs.request import AUDIO_CHANNELS, FPS, MAX_SECONDS, SAMPLE_RATE, Request
 from h3gen.stages.clip import FORWARDS_PART, PIPELINE, Clip
 from h3gen.run.render import Runtime, pick_device
 from h3gen.run.timing import StageTimer
@@ -189,6 +189,7 @@ class StageBench:
             self.clip.frames = rng.integers(0, 256, (request.frames, request.height, request.width, 3), np.uint8)
             samples = request.audio_latent_shape[-1] * SAMPLES_PER_AUDIO_LATENT
             self.clip.audio = rng.uniform(-0.5, 0.5, (AUDIO_CHANNELS, samples)).astype(np.float32)
+            self.clip.sample_rate = SAMPLE_RATE
 
 
 def host_gib() -> float:
