@@ -61,6 +61,20 @@ def fail(error: H3genError) -> None:
     raise typer.Exit(error.exit_code)
 
 
+def from_model_variable(ctx: typer.Context, model: Path | None, error: H3genError) -> H3genError:
+    """An error naming the model directory says so when H3GEN_MODEL gave it, not --model: the command line the user
+    reads then does not show it."""
+    source = ctx.get_parameter_source("model")
+    if model is None or getattr(source, "name", None) != "ENVIRONMENT":  # typer's own click's enum
+        return error
+    given, words = model.expanduser(), f" {error.problem} "
+    if not any(f" {path}{end}" in words for path in {given, given.absolute(), given.resolve()} for end in " /"):
+        return error  # the directory, or a file in it, as a word of its own
+    named = type(error)(f"H3GEN_MODEL: {error.problem}", error.fix)
+    named.__cause__ = error.__cause__ or error  # where it came from, for --traceback
+    return named
+
+
 def show_tracebacks(wanted: bool) -> None:
     """--traceback: failures print where they came from besides their one line, in this process and its workers."""
     if wanted:
@@ -102,6 +116,7 @@ def main_options(version: Annotated[bool, typer.Option("--version", callback=ver
 
 @app.command(cls=PlainCommand)
 def render(
+    ctx: typer.Context,
     prompts: Annotated[Path, typer.Argument(metavar="PROMPTS",
                                             help="Prompts file: one prompt per line, or JSON Lines.")],
     output: Annotated[Path, typer.Option("-o", "--output", metavar="DIR",
@@ -171,12 +186,13 @@ def render(
                                dry_run)
         code = run_render(settings)
     except H3genError as e:
-        fail(e)
+        fail(from_model_variable(ctx, model, e))
     raise typer.Exit(code)
 
 
 @app.command(cls=PlainCommand)
 def bench(
+    ctx: typer.Context,
     presets: Annotated[Optional[list[str]], typer.Option("--preset", metavar="NAME|FILE", autocompletion=preset_names,
                                                          help="Preset to measure; h3-base when none is given.")] = None,
     baseline: Annotated[str, typer.Option("--baseline", metavar="NAME", autocompletion=baseline_names,
@@ -234,7 +250,7 @@ def bench(
                           stages, forwards, text_tokens, output, batch, warm_cache, baseline_clips,
                           [*(sets or ()), *vram_setting(vram)], baseline_forwards)
     except H3genError as e:
-        fail(e)
+        fail(from_model_variable(ctx, model, e))
 
 
 @app.command(cls=PlainCommand)

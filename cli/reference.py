@@ -76,7 +76,8 @@ PROMPTS_FILE = [
 ]
 
 ENVIRONMENT = [
-    ("H3GEN_MODEL", "The model directory when --model is not given (render, bench)."),
+    ("H3GEN_MODEL", "The model directory when --model is not given (render, bench); an error naming the directory "
+                    "then starts with H3GEN_MODEL:."),
     ("H3GEN_LOAD_PLUGINS", "Comma-separated names of the installed plugins (entry points of the h3gen group) to "
                            "load; unset or empty: all. h3gen's own stages and presets are always there; a name no "
                            "installed plugin has is reported as a failed plugin."),

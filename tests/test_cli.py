@@ -174,6 +174,17 @@ def test_small_things_read_right(tmp_path, prompts_file):
     assert "nope.mp4: INVALID: does not exist" in missing.stderr and "bad.mp4: INVALID" in missing.stderr
 
 
+def test_a_bad_model_directory_from_h3gen_model_names_the_variable(prompts_file, tmp_path):
+    missing = tmp_path / "nope"
+    error = f"model directory {missing} does not exist (pass --model DIR pointing at a MiniMax-H3 repository)\n"
+    for command in (["render", prompts_file("x\n"), "-o", tmp_path / "out", "--dry-run"],
+                    ["bench", "-o", tmp_path / "results"]):
+        from_variable = h3gen(*command, env={"H3GEN_MODEL": str(missing)}, check_code=2)
+        assert from_variable.stderr == f"h3gen: error: H3GEN_MODEL: {error}", from_variable.stderr
+        given = h3gen(*command, "--model", missing, env={"H3GEN_MODEL": str(tmp_path)}, check_code=2)
+        assert given.stderr == f"h3gen: error: {error}", given.stderr
+
+
 def complete(words: str) -> list[str]:
     """What bash completion offers for the last word of `words`."""
     result = h3gen(env={"_H3GEN_COMPLETE": "complete_bash", "COMP_WORDS": words,
