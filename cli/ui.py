@@ -257,12 +257,23 @@ COMPARE_COLUMNS = (("psnr_mean", "PSNR dB", "{:.2f}"), ("psnr_worst", "worst fra
 
 
 def compare_table(records) -> None:
-    """`h3gen compare`'s table, on stderr."""
-    table = Table(title="h3gen compare (A against B)", title_justify="left")
-    table.add_column("clip")
-    for _, title, _ in COMPARE_COLUMNS:
-        table.add_column(title, justify="right")
-    for record in records:
-        cells = ["-" if record[key] is None else fmt.format(record[key]) for key, _, fmt in COMPARE_COLUMNS]
-        table.add_row(Path(record["a"]).name, *cells)
-    Console(stderr=True, highlight=False).print(table)
+    """`h3gen compare`'s table, on stderr: a row a clip, or where that is wider than the terminal, a row a measure.
+    A clip's name is never cut (one wider than the terminal folds onto the next line), nor a number."""
+    console, title = Console(stderr=True, highlight=False), "h3gen compare (A against B)"
+    rows = [(Path(record["a"]).name, ["-" if record[key] is None else fmt.format(record[key])
+                                      for key, _, fmt in COMPARE_COLUMNS]) for record in records]
+    table = Table(title=title, title_justify="left")
+    table.add_column("clip", no_wrap=True)
+    for _, heading, _ in COMPARE_COLUMNS:
+        table.add_column(heading, justify="right")  # headings wrap at their spaces
+    for name, cells in rows:
+        table.add_row(name, *cells)
+    if console.measure(table, options=console.options.update_width(2**16)).minimum > console.width:
+        table = Table(title=title, title_justify="left")
+        table.add_column("clip", overflow="fold")
+        table.add_column("measure", no_wrap=True)
+        table.add_column("value", justify="right", no_wrap=True)
+        for name, cells in rows:
+            for i, ((_, heading, _), cell) in enumerate(zip(COMPARE_COLUMNS, cells)):
+                table.add_row("" if i else name, heading, cell, end_section=i == len(cells) - 1)
+    console.print(table)

@@ -214,6 +214,20 @@ def test_completion_of_bench_options_and_of_the_shell_to_install_for():
     assert "render" in complete("h3gen --version ")  # the version is printed when asked, not offered as a word
 
 
+@pytest.mark.parametrize("columns", [140, 80, 40])
+def test_compare_s_table_keeps_clip_names_and_numbers_whole_in_a_narrow_terminal(monkeypatch, capsys, columns):
+    from h3gen.cli.ui import compare_table
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    name = "a-very-long-clip-name-from-a-prompt-id-0001.mp4"
+    compare_table([{"a": f"out/{name}", "psnr_mean": 35.2, "psnr_worst": 30.0, "ssim_mean": 0.98, "ssim_worst": 0.95,
+                    "audio_snr_db": float("inf"), "log_mel_distance_db": 0.1}])
+    lines = capsys.readouterr().err.splitlines()
+    assert max(map(len, lines)) <= columns
+    assert "".join(line.split("│")[1].strip() for line in lines if line.startswith("│")) == name  # folded at most
+    assert all(any(number in line for line in lines) for number in ("35.20", "30.00", "0.9800", "0.9500", "inf"))
+
+
 def test_every_command_has_an_example_and_plain_metavars():
     for command in (["render"], ["validate"], ["presets", "list"], ["presets", "show"], ["plugins"], ["tiny"],
                     ["bench"], ["compare"]):
