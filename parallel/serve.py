@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from pathlib import Path
 
 from h3gen.parallel import events
@@ -22,6 +23,7 @@ class Worker:
         self.per_node = int(os.environ["LOCAL_WORLD_SIZE"])
         self.store = events.connect()
         self.batch = None  # rank 0's checked run
+        self.began = time.time()  # a clip file older than this is not this run's (--force redoes it in place)
 
     def run(self) -> int:
         plan = self.make_plan() if self.rank == 0 else events.receive_plan(self.store)
@@ -148,7 +150,10 @@ class Worker:
         batch, output = self.batch, self.settings.output
         written = []
         for clip in clips:
-            outputs.clear_leftovers(output / clip_name(clip.request, batch.preset.name))
+            path = output / clip_name(clip.request, batch.preset.name)
+            outputs.clear_leftovers(path)
+            if not path.is_file() or path.stat().st_mtime < self.began:
+                continue
             found = already_done(clip.request, output, batch.preset.name, self.settings.save_latents, batch.run_fields)
             if found is None or found.status != "skipped":
                 continue

@@ -14,6 +14,7 @@ from test_parallel_runtime import ENV, workers_of
 from test_reliability_faults import install
 
 STALLS = '''
+import os
 import time
 
 import torch.distributed as dist
@@ -23,13 +24,13 @@ from h3gen.stages.sampler import EulerSampler
 
 
 class StallsOnRank1(EulerSampler):
-    """Global rank 1 stalls in its second clip, while its first is muxed: written, not yet recorded."""
+    """Global rank 1 stalls in its second clip (STALL_AT), while its first is muxed: written, not yet recorded."""
     kind, name = "sampler", "stalls-on-rank-1"
     clips = 0
 
     def run(self, clip):
         self.clips += 1
-        if dist.is_initialized() and dist.get_rank() == 1 and self.clips > 1:
+        if dist.is_initialized() and dist.get_rank() == 1 and self.clips >= int(os.environ.get("STALL_AT", "2")):
             time.sleep(300)
         return super().run(clip)
 
@@ -81,3 +82,31 @@ def test_a_killed_worker_stops_the_run_at_once_and_its_written_clips_count(tmp_p
     assert in_manifest(manifest) == in_json == on_disk, (in_json, on_disk)
     assert f"{len(on_disk)} of 8 clips written" in stderr, stderr[-3000:]
     assert not list(out.glob(".*")), list(out.glob(".*"))  # the killed worker's lock and partial file went too
+
+
+def test_a_clip_a_killed_worker_was_redoing_with_force_is_not_counted(tmp_path):
+    """With --force the old file stays in place until the new one replaces it: a worker killed before that did not
+    write it, and the run must not count it."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(json.dumps({"id": f"clip{i}", "prompt": f"prompt number {i}"}) + "\n"
+                               for i in range(2)))
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "h3gen.cli.main", "render", str(prompts), "-o", str(out), "--json",
+               "--set", "sampler.use=stalls-on-rank-1"]
+    env = {**os.environ, **ENV, **install(tmp_path / "site", "stalls", STALLS), "STALL_AT": "1"}
+    subprocess.run(command, env=env, capture_output=True, check=True)  # one process: nothing stalls
+    old = (out / "clip0.mp4").stat().st_mtime_ns
+    run = subprocess.Popen([*command, "--force", "--cpu-workers", "2"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    # Rank 0 wrote clip0 again, and rank 1 claimed clip1 and stalls in its sampler.
+    while (out / "clip0.mp4").stat().st_mtime_ns == old or not (out / ".clip1.mp4.lock").exists():
+        assert run.poll() is None and time.monotonic() < deadline, "the run ended before both clips started"
+        time.sleep(0.05)
+    time.sleep(1)
+    os.kill(workers_of(run.pid)[1], signal.SIGKILL)
+    stdout, stderr = run.communicate(timeout=120)
+    assert run.returncode == 1, stderr[-3000:]
+    written = sorted(r["path"].rsplit("/", 1)[-1] for r in map(json.loads, stdout.splitlines()) if r["ok"])
+    assert written == ["clip0.mp4"] and "1 of 2 clips written" in stderr, stderr[-3000:]
+    assert not re.search(r"wrote \S*clip1.mp4", stderr), stderr[-3000:]
