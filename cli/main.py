@@ -98,7 +98,8 @@ def vram_setting(text: str | None) -> list[str]:
         return []
     found = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:g|gb|gib)?\s*", text, re.IGNORECASE)
     if not found:
-        raise UsageError(f"--vram {text} is not a number of GiB", "give one like 24, 24G or 24GB, or 0 for what is free")
+        raise UsageError(f"--vram {text} is not a number of GiB",
+                         "give one like 24, 24G or 24GB, or 0 for what is free")
     return [f"runtime.vram_gib={float(found.group(1)):g}"]
 
 
@@ -125,10 +126,12 @@ def render(
                                                   help="Preset name or TOML file (default: h3-base with "
                                                        "--model or H3GEN_MODEL, else tiny).")] = None,
     model: Annotated[Optional[Path], typer.Option("--model", envvar="H3GEN_MODEL", metavar="DIR",
-                                                  help="MiniMax-H3 repository directory (default: embedded tiny model).")] = None,
+                                                  help="MiniMax-H3 repository directory (default: embedded tiny "
+                                                       "model).")] = None,
     seed: Annotated[int, typer.Option("--seed", metavar="N",
                                       help="Base seed; a clip's seed is this plus its index.")] = 0,
-    overrides: Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE", autocompletion=set_keys,
+    overrides: Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE",
+                                                           autocompletion=set_keys,
                                                            help="Override a preset value.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per finished clip on stdout.")] = False,
     vram: Annotated[Optional[str], typer.Option("--vram", metavar="GIB", help=VRAM_HELP)] = None,
@@ -142,7 +145,8 @@ def render(
     shard: Annotated[Optional[str], typer.Option("--shard", metavar="I/N",
                                                  help="Render only shard I of N (0-based): the prompts whose place "
                                                       "in the file (0-based, comments and blank lines not counted) "
-                                                      "is I modulo N. For independent runs splitting one file.")] = None,
+                                                      "is I modulo N. For independent runs splitting one "
+                                                      "file.")] = None,
     gpus: Annotated[Optional[int], typer.Option("--gpus", metavar="N",
                                                 help="Render with N GPU workers (torchrun, NCCL), each on its own "
                                                      "GPU.")] = None,
@@ -211,7 +215,8 @@ def bench(
     stages: Annotated[str, typer.Option("--stages", metavar="STAGE,...", autocompletion=bench_stages,
                                         help="Stages to time: encode,dit,vae,mux.")] = "encode,dit,vae,mux",
     forwards: Annotated[Optional[int], typer.Option("--forwards", metavar="K", min=1,
-                                                    help="Time K DiT forwards and scale to the preset's count.")] = None,
+                                                    help="Time K DiT forwards and scale to the preset's "
+                                                         "count.")] = None,
     text_tokens: Annotated[int, typer.Option("--text-tokens", metavar="N", min=1,
                                              help="Prompt length in tokens.")] = 256,
     output: Annotated[Path, typer.Option("-o", "--output", metavar="DIR",
@@ -352,8 +357,8 @@ def presets_list(strict_plugins: StrictPlugins = False):
 def presets_show(
     name: Annotated[str, typer.Argument(metavar="NAME|FILE", autocompletion=preset_names,
                                         help="Preset name or TOML file.")],
-    overrides: Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE", autocompletion=set_keys,
-                                                           help="Override a value.")] = None,
+    overrides: Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE",
+                                                           autocompletion=set_keys, help="Override a value.")] = None,
     as_toml: Annotated[bool, typer.Option("--toml", help="Print the resolved preset as TOML that resolves back to "
                                                         "the same values: a start for a preset of your own.")] = False,
 ):

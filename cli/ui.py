@@ -130,7 +130,8 @@ class PlainReporter:
             self.say(f"[{result.request.index + 1}/{self.total}] skipped {result.path}: "
                      + (result.note or "already there and valid (--force renders it again)"))
         elif result.ok:
-            reused = f", {result.forwards_reused} of {result.forwards} forwards reused" if result.forwards_reused else ""
+            reused = (f", {result.forwards_reused} of {result.forwards} forwards reused" if result.forwards_reused
+                      else "")
             self.say(f"[{result.request.index + 1}/{self.total}] wrote {result.path} in {result.end_to_end:.2f}s "
                      f"(RTF {result.rtf:.2f}{reused})")
         else:

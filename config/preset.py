@@ -211,7 +211,8 @@ def _check_request(request: dict, sources: dict) -> None:
 def _check_runtime(runtime: dict, where: str) -> None:
     device, dtype = runtime["device"], runtime["dtype"]
     if not 0 <= runtime["vram_gib"] < float("inf"):  # NaN fails this too
-        raise UsageError(f"{where} [runtime] vram_gib is {runtime['vram_gib']}", "give GiB above 0, or 0 for what is free")
+        raise UsageError(f"{where} [runtime] vram_gib is {runtime['vram_gib']}",
+                         "give GiB above 0, or 0 for what is free")
     if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
         raise UsageError(f"{where} [runtime] device {device!r} is not one h3gen runs on",
                          "use auto, cpu, cuda or cuda:N")
@@ -233,7 +234,8 @@ def _section(data: dict, section: str, defaults: dict, where: str, sources: dict
     for key, value in values.items():
         if key not in defaults:
             raise UsageError(f"unknown key '{key}' in {where} [{section}]", f"allowed keys: {', '.join(defaults)}")
-        if not isinstance(value, type(defaults[key])) and not (isinstance(defaults[key], float) and isinstance(value, int)):
+        widened = isinstance(defaults[key], float) and isinstance(value, int)  # 5 where 5.0 is meant
+        if not isinstance(value, type(defaults[key])) and not widened:
             raise UsageError(f"{where} [{section}] {key} must be {type(defaults[key]).__name__}, got {value!r}",
                              "fix the value in the preset or --set")
         sources.setdefault(f"{section}.{key}", where)

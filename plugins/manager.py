@@ -41,7 +41,8 @@ class Registry:
             allowed = ", ".join(sorted(n for k, n in self.stages if k == kind)) or "none"
             broken = "".join(f"; plugin '{p}' {why}" for p, why in self.failed)
             left_out = (f"; H3GEN_LOAD_PLUGINS={os.environ.get('H3GEN_LOAD_PLUGINS', '')} leaves out the installed "
-                        f"plugin(s) {', '.join(map(repr, self.left_out))}, which may register it" if self.left_out else "")
+                        f"plugin(s) {', '.join(map(repr, self.left_out))}, which may register it"
+                        if self.left_out else "")
             raise UsageError(f"unknown {kind} stage {name!r}", f"registered {kind} stages: {allowed}{broken}{left_out}")
         return found.stage
 

@@ -52,7 +52,8 @@ def test_set_overrides_and_records_where_values_came_from(tmp_path):
 
 
 @pytest.mark.parametrize("text, overrides, message", [
-    (BASE.replace("steps = 6", "stepz = 6"), [], "unknown key 'stepz'.*allowed keys: adaln_table, attention, audio_shift"),
+    (BASE.replace("steps = 6", "stepz = 6"), [],
+     "unknown key 'stepz'.*allowed keys: adaln_table, attention, audio_shift"),
     (BASE.replace('use = "euler"', 'use = "os:system"'), [], "unknown sampler stage 'os:system'"),
     (BASE.replace("steps = 6", 'steps = "six"'), [], "steps must be int"),
     (BASE.replace("version = 1", "version = 99"), [], "version 99"),
@@ -78,7 +79,8 @@ def test_bad_presets(tmp_path, text, overrides, message):
 
 
 def test_unknown_preset_name_lists_the_available_ones():
-    with pytest.raises(UsageError, match="available: diffusers, fasth3, fasth3-fp8, h3-base, h3-base-fast, h3-base-fast-fixed, h3-base-fp8, h3-exact, h3-reference, tiny, turbo-8"):
+    with pytest.raises(UsageError, match="available: diffusers, fasth3, fasth3-fp8, h3-base, h3-base-fast, "
+                                         "h3-base-fast-fixed, h3-base-fp8, h3-exact, h3-reference, tiny, turbo-8"):
         resolve("nope", registry())
 
 

@@ -361,7 +361,8 @@ def test_a_clip_that_cannot_fit_on_the_disk_fails_before_it_renders(tmp_path, mo
     clip = Request(index=0, prompt="x", seed=0, width=1344, height=768, frames=243)
     check_disk(tmp_path, clip)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 2**20, 2**20))
-    with pytest.raises(ClipError, match=f"only 1 MiB free in {tmp_path}, the clip needs up to 121 MiB \\(free disk space"):
+    with pytest.raises(ClipError,
+                       match=f"only 1 MiB free in {tmp_path}, the clip needs up to 121 MiB \\(free disk space"):
         check_disk(tmp_path, clip)
 
 
