@@ -1,3 +1,4 @@
+import functools
 import gc
 import os
 import subprocess
@@ -47,7 +48,8 @@ def h3gen(*args, env=None, check_code=None, fresh=False, **kwargs) -> subprocess
     torch, diffusers and transformers (tests/zygote.py), or with `fresh` (or an environment a library reads at
     import, or other subprocess arguments) a new interpreter."""
     args = [str(a) for a in args]
-    if fresh or set(env or {}) - FORKABLE_ENV or set(kwargs) - {"cwd"} or os.environ.get("H3GEN_TESTS_FRESH"):
+    if (fresh or cuda_machine() or set(env or {}) - FORKABLE_ENV or set(kwargs) - {"cwd"}
+            or os.environ.get("H3GEN_TESTS_FRESH")):
         result = subprocess.run([sys.executable, "-m", "h3gen.cli.main", *args], capture_output=True,
                                 text=True, env={**os.environ, **(env or {})}, **kwargs)
     else:
@@ -55,6 +57,15 @@ def h3gen(*args, env=None, check_code=None, fresh=False, **kwargs) -> subprocess
     if check_code is not None:
         assert result.returncode == check_code, result.stderr[-3000:]
     return result
+
+
+@functools.cache
+def cuda_machine() -> bool:
+    """On a machine with a GPU, a child forked from a process that imported torch cannot initialize CUDA (torch marks
+    it a bad fork), so every command there runs in a fresh interpreter."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def forked(args, env, cwd) -> subprocess.CompletedProcess:

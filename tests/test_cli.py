@@ -94,7 +94,8 @@ def test_man_page_names_every_exit_status_and_environment_variable_the_code_has(
         if not {".venv", "tests", "examples"} & set(path.relative_to(ROOT).parts):
             read |= set(re.findall(r"""(?:environ(?:\.get|\.setdefault)?[(\[]|getenv\(|envvar=)\s*["']([A-Z0-9_]+)""",
                                    path.read_text()))
-    set_by_others = {"LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",  # torchrun, for each worker
+    set_by_others = {"GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",  # torchrun, for each worker
+                     "MASTER_PORT",
                      "TORCHELASTIC_ERROR_FILE",  # torchrun too
                      "TRITON_INTERPRET",  # Triton's interpreter, which the kernels' tests run
                      "OUT"}  # the folder the GPU check scripts in bench/ write to
