@@ -257,11 +257,17 @@ COMPARE_COLUMNS = (("psnr_mean", "PSNR dB", "{:.2f}"), ("psnr_worst", "worst fra
                    ("audio_snr_db", "audio SNR dB", "{:.2f}"), ("log_mel_distance_db", "log-mel dist dB", "{:.3f}"))
 
 
+def compared_names(record) -> str:
+    """A's file name, and B's beside it where the clips were matched by their request."""
+    a, b = Path(record["a"]).name, Path(record["b"]).name
+    return a if a == b else f"{a} ({b})"
+
+
 def compare_table(records) -> None:
     """`h3gen compare`'s table, on stderr: a row a clip, or where that is wider than the terminal, a row a measure.
     A clip's name is never cut (one wider than the terminal folds onto the next line), nor a number."""
     console, title = Console(stderr=True, highlight=False), "h3gen compare (A against B)"
-    rows = [(Path(record["a"]).name, ["-" if record[key] is None else fmt.format(record[key])
+    rows = [(compared_names(record), ["-" if record[key] is None else fmt.format(record[key])
                                       for key, _, fmt in COMPARE_COLUMNS]) for record in records]
     table = Table(title=title, title_justify="left")
     table.add_column("clip", no_wrap=True)
