@@ -221,8 +221,8 @@ def test_compare_s_table_keeps_clip_names_and_numbers_whole_in_a_narrow_terminal
 
     monkeypatch.setenv("COLUMNS", str(columns))
     name = "a-very-long-clip-name-from-a-prompt-id-0001.mp4"
-    compare_table([{"a": f"out/{name}", "psnr_mean": 35.2, "psnr_worst": 30.0, "ssim_mean": 0.98, "ssim_worst": 0.95,
-                    "audio_snr_db": float("inf"), "log_mel_distance_db": 0.1}])
+    compare_table([{"a": f"out/{name}", "b": f"ref/{name}", "psnr_mean": 35.2, "psnr_worst": 30.0, "ssim_mean": 0.98,
+                    "ssim_worst": 0.95, "audio_snr_db": float("inf"), "log_mel_distance_db": 0.1}])
     lines = capsys.readouterr().err.splitlines()
     assert max(map(len, lines)) <= columns
     assert "".join(line.split("│")[1].strip() for line in lines if line.startswith("│")) == name  # folded at most
