@@ -24,6 +24,9 @@ from types import SimpleNamespace
 PLAN_KEY = "h3gen/plan"
 # Rank 0 reads the prompts file and checks which clips are already written before the others hear the plan.
 PLAN_WAIT = timedelta(hours=6)
+# What the sampler wrote on a clip, sent with each stage's time: a clip whose worker died before it reported the
+# clip done is recorded with them.
+SAMPLED = ("forwards", "forwards_reused", "attention")
 PUMP_DRAIN_S = 20  # how long a stopped rank 0 waits for the last results of a group whose first rank it cannot see
 
 
@@ -103,7 +106,8 @@ class RemoteReporter:
         self.send({"started": clip.request.index, "path": str(clip.path)})
 
     def stage_done(self, clip, kind, seconds):
-        self.send({"stage": clip.request.index, "kind": kind, "seconds": seconds, "clip": clip.seconds})
+        self.send({"stage": clip.request.index, "kind": kind, "seconds": seconds, "clip": clip.seconds,
+                   **{name: getattr(clip, name) for name in SAMPLED}})
 
     def step(self, clip, step, steps):
         self.send({"step": clip.request.index, "n": step, "of": steps})
@@ -200,6 +204,7 @@ class EventPump(threading.Thread):
         elif "stage" in event:
             clip = self.clips.get(event["stage"]) or self.clip(event["stage"], "")
             clip.seconds = event["clip"]
+            clip.__dict__.update({name: event[name] for name in SAMPLED if name in event})
             self.reporter.stage_done(clip, event["kind"], event["seconds"])
         elif "step" in event:
             clip = self.clips.get(event["step"]) or self.clip(event["step"], "")
@@ -214,6 +219,7 @@ class EventPump(threading.Thread):
 
     def clip(self, index: int, path: str):
         """What a reporter reads of a clip: its request, file and stage times so far."""
-        clip = SimpleNamespace(request=self.requests[index], path=Path(path), seconds={})
+        clip = SimpleNamespace(request=self.requests[index], path=Path(path), seconds={}, forwards=0,
+                               forwards_reused=0, attention="")
         self.clips[index] = clip
         return clip

@@ -158,7 +158,8 @@ class Worker:
             if found is None or found.status != "skipped":
                 continue
             result = dataclasses.replace(found, skipped=False, status="ok", seconds=clip.seconds,
-                                         end_to_end=sum(clip.seconds.get(kind, 0.0) for kind in PIPELINE))
+                                         end_to_end=sum(clip.seconds.get(kind, 0.0) for kind in PIPELINE),
+                                         **{name: getattr(clip, name) for name in events.SAMPLED})
             outputs.record(output, result, batch.preset.name, result.status)
             batch.reporter.clip_done(result)
             written.append(result)

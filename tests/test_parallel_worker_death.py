@@ -78,8 +78,12 @@ def test_a_killed_worker_stops_the_run_at_once_and_its_written_clips_count(tmp_p
     assert re.search(r"\[2/8\] wrote \S*clip1.mp4", stderr), stderr[-3000:]
 
     on_disk = sorted(p.name for p in out.glob("*.mp4"))
-    in_json = sorted(r["path"].rsplit("/", 1)[-1] for r in map(json.loads, stdout.splitlines()) if r["ok"])
+    records = {r["path"].rsplit("/", 1)[-1]: r for r in map(json.loads, stdout.splitlines()) if r["ok"]}
+    in_json = sorted(records)
     assert in_manifest(manifest) == in_json == on_disk, (in_json, on_disk)
+    # clip1, recorded by rank 0 from the disk, carries what its sampler reported as the others do
+    sampled = {name: records["clip1.mp4"][name] for name in ("forwards", "forwards_reused", "attention")}
+    assert sampled == {name: records["clip0.mp4"][name] for name in sampled} and sampled["forwards"] > 0, records
     assert f"{len(on_disk)} of 8 clips written" in stderr, stderr[-3000:]
     assert not list(out.glob(".*")), list(out.glob(".*"))  # the killed worker's lock and partial file went too
 
