@@ -6,6 +6,7 @@ Audio: SNR of one soundtrack against the other, and the mean distance of their l
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -21,9 +22,11 @@ def pairs(a: Path, b: Path) -> tuple[list[tuple[Path, Path]], list[Path]]:
     matched by file name (a prompt's id), else by the request in its h3gen stamp (prompt, seed, size, frames, media),
     else by that request without the seed, each only where the match is the one candidate on both sides."""
     if a.is_dir() and b.is_dir():
+        from h3gen.run.fingerprint import read_stamp
+
         left, right = sorted(a.glob("*.mp4")), sorted(b.glob("*.mp4"))
-        matched = []
-        for key in (lambda p: p.name, request_key(seed=True), request_key(seed=False)):
+        matched, stamp = [], functools.cache(read_stamp)  # each clip's stamp read once for both request keys
+        for key in (lambda p: p.name, request_key(stamp, seed=True), request_key(stamp, seed=False)):
             found = one_to_one(left, right, key)
             matched += found
             left = [p for p in left if p not in {x for x, _ in found}]
@@ -40,12 +43,11 @@ def pairs(a: Path, b: Path) -> tuple[list[tuple[Path, Path]], list[Path]]:
     return [(a, b)], []
 
 
-def request_key(seed: bool):
-    """A clip's request as its stamp holds it (None for a clip h3gen did not stamp)."""
-    from h3gen.run.fingerprint import read_stamp
-
+def request_key(stamp, seed: bool):
+    """A clip's request as its stamp holds it (`stamp`: h3gen.run.fingerprint.read_stamp; None for a clip h3gen did
+    not stamp)."""
     def key(path: Path):
-        fields = read_stamp(path)
+        fields = stamp(path)
         if fields is None:
             return None
         request = {k: v for k, v in fields.items() if k.startswith("request.") and (seed or k != "request.seed")}

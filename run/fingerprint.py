@@ -122,10 +122,11 @@ def model_identity(root: str) -> str:
     cache folder is the same model, and so is one named by a relative path or through a link."""
     hashed = hashlib.sha256()
     base = Path(root)
-    owns = {json.dumps(str(form))[1:-1].encode() for form in (base.absolute(), base.resolve())}
+    owns = sorted({json.dumps(str(form))[1:-1].encode() for form in (base.absolute(), base.resolve())}, key=len,
+                  reverse=True)  # the longer first: one path may hold the other
     for path in sorted(p for p in base.rglob("*") if p.is_file() and not p.name.startswith(".")):
         summary, size = file_summary(path), path.stat().st_size
-        for own in sorted(owns, key=len, reverse=True):
+        for own in owns:
             if own in summary:  # a file read whole
                 summary = summary.replace(own, b".")
                 size = len(summary)

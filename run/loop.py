@@ -109,8 +109,9 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
         check_adapters(preset, requests, repo.root)  # an adapter's step/shift/task contract, before any weight loads
         check_cache(preset, found)
         for kind, (name, config) in preset.stages.items():
-            found.stage(kind, name).check_config(config)
-            found.stage(kind, name).check_model(config, repo)
+            stage = found.stage(kind, name)
+            stage.check_config(config)
+            stage.check_model(config, repo)
         if check_layout is not None:
             check_layout(preset, repo, found)
         memory_plan = plan_memory_budget(preset, requests, repo, reporter)
