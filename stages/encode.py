@@ -32,6 +32,13 @@ class Qwen3VLEncoder(Stage):
                    "ref2va references through diffusers' blocks and the VAE encoders")
 
     @classmethod
+    def check_config(cls, config) -> None:
+        """The preset's encode values (Stage.check_config)."""
+        if config.max_tokens < 1:
+            raise UsageError(f"encode.max_tokens is {config.max_tokens}, so every prompt would be over it",
+                             "set encode.max_tokens to a positive token count (1024 by default)")
+
+    @classmethod
     def check_model(cls, config, repo) -> None:
         """The hidden state H3 reads must be one the text encoder has."""
         total = repo.text_encoder_config().text_config.num_hidden_layers

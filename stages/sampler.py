@@ -107,6 +107,14 @@ class EulerSampler(Stage):
 
         if len(config.sigma_positions) == 1 or (not config.sigma_positions and config.steps < 2):
             raise UsageError("the sigma grid needs at least 2 points", "set sampler.steps >= 2")
+        positions = config.sigma_positions
+        if any(not 0 <= p <= 1 for p in positions) or any(a <= b for a, b in zip(positions, positions[1:])):
+            raise UsageError(f"sampler.sigma_positions {positions} is not a decreasing grid within 0 to 1",
+                             "list the positions from the highest to 0, each one below the last, e.g. [0.999, 0.5, 0]")
+        for key in ("video_shift", "audio_shift"):
+            if not getattr(config, key) > 0:
+                raise UsageError(f"sampler.{key} is {getattr(config, key)}, and a sigma shift must be above 0",
+                                 f"set sampler.{key} to a positive number (H3: video 12, audio 3)")
         if config.dit not in ("h3gen", "diffusers"):
             raise UsageError(f"unknown sampler.dit '{config.dit}'", "choose diffusers or h3gen")
         if config.stream_blocks and config.dit != "h3gen":

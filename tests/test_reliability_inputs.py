@@ -54,6 +54,11 @@ def test_bad_prompts_file_is_refused_before_anything_loads(tmp_path, text, messa
 
 @pytest.mark.parametrize("values, message", [
     (["sampler.steps=0"], "the sigma grid needs at least 2 points"),
+    (["sampler.video_shift=0"], "sampler.video_shift is 0.0, and a sigma shift must be above 0"),
+    (["sampler.audio_shift=-3"], "sampler.audio_shift is -3.0, and a sigma shift must be above 0"),
+    (["sampler.sigma_positions=[0.5, 0.9, 0]"], "sampler.sigma_positions [0.5, 0.9, 0.0] is not a decreasing grid"),
+    (["sampler.sigma_positions=[1.5, 0.5, 0]"], "sampler.sigma_positions [1.5, 0.5, 0.0] is not a decreasing grid"),
+    (["encode.max_tokens=0"], "encode.max_tokens is 0, so every prompt would be over it"),
     (["vae.use=fast", "vae.tile_height=100"], "vae tile 100x256 with overlap 64 is not a tiling"),
     (["mux.x264_preset=warp"], "mux.x264_preset = 'warp' is not one of x264's presets (use one of ultrafast, "),
     (["mux.crf=99"], "mux.crf = 99 is outside x264's 0-51"),
