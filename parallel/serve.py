@@ -160,7 +160,7 @@ class Worker:
             result = dataclasses.replace(found, skipped=False, status="ok", seconds=clip.seconds,
                                          end_to_end=sum(clip.seconds.get(kind, 0.0) for kind in PIPELINE),
                                          **{name: getattr(clip, name) for name in events.SAMPLED})
-            outputs.record(output, result, batch.preset.name, result.status)
+            result = outputs.recorded(output, result, batch.preset.name)
             batch.reporter.clip_done(result)
             written.append(result)
         return written

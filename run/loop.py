@@ -96,7 +96,7 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
     every = read_prompts(settings.prompts, settings.seed, preset.request)
     check_unique_outputs(every, preset.name, settings.prompts)  # across shards too: two shards must not write one file
     requests = shard_requests(every, settings.shard)
-    created = not settings.output.exists()
+    created = [d for d in [settings.output, *settings.output.parents] if not d.exists()]
     check_writable(settings.output)
     try:
         check_device(preset.runtime["device"])
@@ -125,9 +125,12 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
     return Batch(preset, found, requests, repo, reporter, run_fields(preset, found, repo), memory_plan)
 
 
-def remove_if_empty(directory: Path, created: bool) -> None:
-    if created and directory.is_dir() and not any(directory.iterdir()):
-        directory.rmdir()
+def remove_if_empty(directory: Path, created: list[Path]) -> None:
+    """Remove the directories this run made for `directory` (innermost first) while they are empty."""
+    for made in created:
+        if not made.is_dir() or any(made.iterdir()):
+            return
+        made.rmdir()
 
 
 def plan_memory_budget(preset, requests, repo, reporter):
@@ -142,6 +145,8 @@ def plan_memory_budget(preset, requests, repo, reporter):
 
 
 def check_writable(directory: Path) -> None:
+    from h3gen.run import outputs
+
     if directory.exists() and not directory.is_dir():
         raise UsageError(f"output directory {directory} is a file", "pass -o with a directory, or a path not yet taken")
     try:
@@ -152,6 +157,11 @@ def check_writable(directory: Path) -> None:
         what = "cannot be created" if not directory.is_dir() else "is not writable"
         raise UsageError(f"output directory {directory} {what} ({e.strerror or e})",
                          "pass -o with a directory you can write to") from None
+    try:
+        outputs.check_manifest(directory)
+    except OSError as e:
+        raise UsageError(f"the run's manifest {e.filename} cannot be written ({e.strerror})",
+                         "move what is in its place away, or pass -o with another directory") from None
 
 
 def clear_leftovers(requests, output: Path, preset_name: str) -> None:
@@ -246,19 +256,20 @@ def plan(batch: Batch, settings: RunSettings) -> list:
 def skip_finished(batch: Batch, output: Path, save_latents: bool) -> list:
     """Results for the clips a previous run already wrote (file there, valid, same fingerprint): a rerun resumes;
     and for those it wrote with other settings (conflicts), which this run leaves alone."""
-    from h3gen.run.outputs import record
+    from h3gen.run.outputs import recorded
     from h3gen.run.render import already_done, to_render
 
     preset_name, reporter = batch.preset.name, batch.reporter
     found = [already_done(request, output, preset_name, save_latents, batch.run_fields)
              for request in batch.requests]
+    finished = []
     for result in filter(None, found):
         if to_render(result):
             reporter.say(f"note: {shown(str(result.path))} is {result.error}")
         else:
-            record(output, result, preset_name, result.status)
-            reporter.clip_done(result)
-    return [result for result in found if not to_render(result)]
+            finished.append(recorded(output, result, preset_name))
+            reporter.clip_done(finished[-1])
+    return finished
 
 
 def render_batch(settings: RunSettings, preset, found, make_reporter) -> int:

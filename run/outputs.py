@@ -99,10 +99,35 @@ def record(out_dir: Path, result, preset: str, status: str) -> str:
     return ""
 
 
+def recorded(out_dir: Path, result, preset: str):
+    """`result` once its manifest line is written; failed with the reason when it cannot be: a clip the manifest
+    does not mention is not counted as done, even when its file is there."""
+    import dataclasses
+
+    unrecorded = record(out_dir, result, preset, result.status)
+    if unrecorded and result.ok:
+        return dataclasses.replace(result, ok=False, error=unrecorded, status="failed")
+    return result
+
+
+def check_manifest(out_dir: Path) -> None:
+    """Raise OSError (with the manifest's path) when a line could not be appended to it, before any clip renders.
+    A manifest not there yet is left to the first line (the directory is known to be writable)."""
+    path = out_dir / MANIFEST
+    if not os.path.lexists(path):
+        return
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
+
+
 def write_error(path: Path, error: OSError) -> str:
     """The one line a failed write costs its clip."""
     text = f"cannot write {path}: {error.strerror or error}"
-    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    if error.errno == errno.EFBIG:
+        text += " (a file size limit stops it: raise `ulimit -f`; a rerun redoes only the clips that are missing)"
+    elif error.errno in (errno.ENOSPC, errno.EDQUOT):
         text += f" (free space in {path.parent}; a rerun redoes only the clips that are missing)"
     return text
 

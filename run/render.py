@@ -304,9 +304,7 @@ class Renderer:
                             attention=clip.attention, status=status or ("ok" if ok else "failed"),
                             fingerprint=fingerprint.digest(clip.fingerprint) if clip.fingerprint else "",
                             memory_plan=self.memory_plan)
-        unrecorded = outputs.record(self.out_dir, result, self.preset.name, result.status)
-        if unrecorded and result.ok and not result.skipped:  # written, but the manifest does not say so
-            result = dataclasses.replace(result, ok=False, error=unrecorded, status="failed")
+        result = outputs.recorded(self.out_dir, result, self.preset.name)
         self.reporter.clip_done(result)
         return result
 

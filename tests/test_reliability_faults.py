@@ -342,9 +342,10 @@ def test_disk_full_while_writing_costs_one_clip_and_leaves_no_partial_file(promp
     assert result.returncode == 1, result.stderr[-2000:]
     clips = records(result)
     assert clips["small"]["ok"] and validate_clip(out / "small.mp4", expected_frames=124) == []
-    for name, line, reason in (("full", 1, "No space left on device"), ("big", 3, "File too large")):
+    for name, line, reason, hint in (("full", 1, "No space left on device", f"free space in {out}"),
+                                     ("big", 3, "File too large", "a file size limit stops it: raise `ulimit -f`")):
         assert not clips[name]["ok"]
-        assert clips[name]["error"] == (f"cannot write {out / name}.mp4: {reason} (free space in {out}; "
+        assert clips[name]["error"] == (f"cannot write {out / name}.mp4: {reason} ({hint}; "
                                         "a rerun redoes only the clips that are missing)")
         assert f"failed {name}.mp4 (line {line}): cannot write {out / name}.mp4: {reason}" in result.stderr
     assert "1 of 3 clips written, 2 failed" in result.stderr
@@ -523,6 +524,34 @@ def test_a_manifest_line_that_cannot_be_written_fails_its_clip(tmp_path, monkeyp
     problem = outputs.record(tmp_path, result, "tiny", "ok")
     assert problem == (f"cannot write {tmp_path / 'manifest.jsonl'}: No space left on device (free space in "
                        f"{tmp_path}; a rerun redoes only the clips that are missing)")
+
+
+@pytest.mark.parametrize("dry", [False, True])
+def test_a_manifest_that_cannot_be_written_refuses_the_run_before_any_clip(prompts_file, tmp_path, dry):
+    """A directory where the manifest goes: said before a clip renders (a dry run too), not after it."""
+    out = tmp_path / "out"
+    (out / "manifest.jsonl").mkdir(parents=True)
+    result = h3gen("render", prompts_file("a fox\n"), "-o", out, *(["--dry-run"] if dry else []))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"h3gen: error: the run's manifest {out / 'manifest.jsonl'} cannot be written (Is a directory) (move what "
+        "is in its place away, or pass -o with another directory)")
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.jsonl"]
+
+
+def test_a_skipped_clip_the_manifest_cannot_record_fails_the_run(prompts_file, tmp_path):
+    """A rerun finds the clip written, but its manifest line cannot be appended (past the file-size limit): the run
+    says so and exits 1, rather than leaving the manifest short without a word."""
+    out = tmp_path / "out"
+    prompts = prompts_file("a fox\n")
+    assert h3gen("render", prompts, "-o", out).returncode == 0
+    manifest = out / "manifest.jsonl"
+    lines = manifest.read_text()
+    result = h3gen("render", prompts, "-o", out, preexec_fn=limit_file_size(manifest.stat().st_size))
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert (f"cannot write {manifest}: File too large (a file size limit stops it: raise `ulimit -f`; a rerun "
+            "redoes only the clips that are missing)") in result.stderr
+    assert manifest.read_text() == lines
 
 
 def test_a_claim_that_cannot_be_created_fails_its_clip(tiny_model, tmp_path, monkeypatch):
