@@ -1,7 +1,8 @@
 """Help in plain words: a value is shown by its metavar (PROMPTS, FILE..., N, SECTION.KEY=VALUE), never by typer's
 type labels ({PROMPTS}, <list[Path]>, <int>), and an option that can be given more than once says so.
 
-The commands' `--help` and the man page (h3gen.cli.manpage) both read their lines from here.
+The commands' `--help` and the man page (h3gen.cli.manpage) both read their lines from here; PlainCommand is
+also where every command meets a closed stdout.
 """
 
 from __future__ import annotations
@@ -65,6 +66,19 @@ def write_params(command, ctx, formatter) -> None:
 
 
 class PlainCommand(TyperCommand):
+    def invoke(self, ctx):
+        """stdout's reader gone (`h3gen validate --json ... | head -1`): the command ends as SIGPIPE ends other
+        tools, quietly with 141, not with Click's exit 1 (`render` ends its run so itself, at the next clip)."""
+        import signal
+
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            from h3gen.cli.ui import silence_stdout
+
+            silence_stdout()
+            raise SystemExit(128 + signal.SIGPIPE) from None
+
     def collect_usage_pieces(self, ctx) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
         return pieces + [usage_piece(param) for param in self.get_params(ctx) if is_argument(param)]

@@ -17,6 +17,8 @@ def run_render(settings: RunSettings) -> int:
     with stop_on_signals():
         try:
             return _run_render(settings)
+        except BrokenPipeError:  # stdout's reader gone in a dry run: the command ends as SIGPIPE ends it
+            raise
         except OSError as e:  # a write outside any clip: one line, never a traceback
             from h3gen.run.outputs import write_error
 

@@ -44,10 +44,15 @@ def print_result(line: str) -> bool:
         print(line, file=sys.stdout, flush=True)
         return True
     except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's last flush has somewhere to go
-        os.close(devnull)
+        silence_stdout()
         return False
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null once its reader has gone, so the interpreter's last flush has somewhere to go."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def heartbeat_seconds() -> float:

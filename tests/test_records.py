@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import h3gen
 
 PROMPTS = 'a fox in the snow\n{"id": "waves", "prompt": "waves on rocks", "seed": 5}\n'
@@ -59,6 +60,22 @@ def test_a_closed_stdout_ends_the_run_as_sigpipe_does(prompts_file, tmp_path):
     assert "1 of 2 clips written" in stderr and "stopped by SIGPIPE" in stderr
     assert len(list(out.glob("*.mp4"))) == 1 and not list(out.glob(".*"))
     assert [json.loads(line)["status"] for line in (out / "manifest.jsonl").read_text().splitlines()] == ["ok"]
+
+
+@pytest.mark.parametrize("command", [["presets", "list"], ["validate", "--json", "PROMPTS"],
+                                     ["render", "PROMPTS", "-o", "OUT", "--dry-run", "--json"]])
+def test_every_command_ends_quietly_with_141_when_its_reader_is_gone(prompts_file, tmp_path, command):
+    """`h3gen ... | head -0`: 141 as SIGPIPE would end it, not Click's exit 1, and no "Broken pipe" on stderr."""
+    prompts = str(prompts_file(PROMPTS))
+    args = [{"PROMPTS": prompts, "OUT": str(tmp_path / "out")}.get(arg, arg) for arg in command]
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "w") as stdout:
+        run = subprocess.run([sys.executable, "-m", "h3gen.cli.main", *args], stdout=stdout, stderr=subprocess.PIPE,
+                             text=True, env={**os.environ, **ENV}, timeout=300)
+    assert run.returncode == 141, run.stderr[-2000:]
+    assert "Broken pipe" not in run.stderr and "Exception ignored" not in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_reader_gone_stays_gone_and_ends_the_run_with_141(monkeypatch, tmp_path):
