@@ -30,9 +30,23 @@ def check_safetensors(path: Path) -> None:
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
         if path.stat().st_size < 8 + header_len + end:
             raise ValueError("truncated")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, MemoryError) as e:
-        raise ModelError(f"corrupt or truncated checkpoint {path} ({e})",
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, MemoryError, OverflowError) as e:
+        reason = str(e) if isinstance(e, ValueError) and str(e) else "its header is not a safetensors header"
+        raise ModelError(f"corrupt or truncated checkpoint {path} ({reason})",
                          "re-download this file from the repository") from None
+
+
+def read_json_object(path: Path) -> dict:
+    """A config or index file of the repository: a JSON object, or an error that names the file."""
+    try:
+        value = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ModelError(f"{path} is not valid JSON ({str(e).splitlines()[0]})",
+                         "re-download this file from the repository") from None
+    if not isinstance(value, dict):
+        raise ModelError(f"{path} holds a JSON {type(value).__name__}, not an object",
+                         "re-download this file from the repository")
+    return value
 
 
 class ModelRepo:
@@ -60,7 +74,7 @@ class ModelRepo:
 
     def transformer_config(self) -> dict:
         """The DiT's config.json, read before any weight loads."""
-        return json.loads((self.path("transformer") / "config.json").read_text())
+        return read_json_object(self.path("transformer") / "config.json")
 
     def text_dim(self) -> int:
         return self.transformer_config().get("text_dim", 5120)
@@ -98,6 +112,7 @@ class ModelRepo:
             return
         if not (folder / "config.json").is_file():
             raise ModelError(f"{folder / 'config.json'} is missing", "copy the complete folder from the repository")
+        read_json_object(folder / "config.json")
         weights = sorted(folder.glob("*.safetensors"))
         if not weights:
             pickles = [p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES]
@@ -106,7 +121,7 @@ class ModelRepo:
                                  "download the .safetensors files of the repository instead")
             raise ModelError(f"no .safetensors weights in {folder}", "copy the weights from the repository")
         for index in folder.glob("*.safetensors.index.json"):
-            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+            shards = set(read_json_object(index).get("weight_map", {}).values())
             for shard in sorted(shards):
                 if not (folder / shard).is_file():
                     raise ModelError(f"{folder / shard} is missing (listed in {index.name})",

@@ -52,10 +52,28 @@ def test_truncated_safetensors_names_the_file(repo_copy):
         ModelRepo(repo_copy)
 
 
-def test_garbage_safetensors_names_the_file(repo_copy):
-    (repo_copy / "audio_vae" / "diffusion_pytorch_model.safetensors").write_bytes(b"\x10" * 64)
-    with pytest.raises(ModelError, match="audio_vae/diffusion_pytorch_model.safetensors"):
+@pytest.mark.parametrize("content", [b"\x10" * 64, (2).to_bytes(8, "little") + b"[]"])
+def test_garbage_safetensors_names_the_file_and_why(repo_copy, content):
+    weights = repo_copy / "audio_vae" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(content)
+    with pytest.raises(ModelError) as error:
         ModelRepo(repo_copy)
+    assert str(error.value) == (f"corrupt or truncated checkpoint {weights} (its header is not a safetensors header) "
+                                "(re-download this file from the repository)")
+
+
+@pytest.mark.parametrize("folder", ["transformer", "vae"])
+@pytest.mark.parametrize("text, why", [('{"hidden_size": 64', "is not valid JSON (Expecting"),
+                                       ("[1, 2]", "holds a JSON list, not an object")])
+def test_a_malformed_config_names_the_file_and_exits_2(repo_copy, prompts_file, tmp_path, folder, text, why):
+    config = repo_copy / folder / "config.json"
+    config.write_text(text)
+    out = tmp_path / "out"
+    result = h3gen("render", prompts_file("x\n"), "-o", out, "--model", repo_copy, "--preset", "tiny")
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"h3gen: error: {config} {why}") and "a bug" not in last, last
+    assert last.endswith("(re-download this file from the repository)") and not out.exists()
 
 
 def test_shapes_that_do_not_match_the_config_exit_2(repo_copy, prompts_file, tmp_path):
