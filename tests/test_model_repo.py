@@ -52,7 +52,7 @@ def test_truncated_safetensors_names_the_file(repo_copy):
         ModelRepo(repo_copy)
 
 
-@pytest.mark.parametrize("content", [b"\x10" * 64, (2).to_bytes(8, "little") + b"[]"])
+@pytest.mark.parametrize("content", [b"\x10" * 64, (2).to_bytes(8, "little") + b"[]"], ids=["garbage", "list"])
 def test_garbage_safetensors_names_the_file_and_why(repo_copy, content):
     weights = repo_copy / "audio_vae" / "diffusion_pytorch_model.safetensors"
     weights.write_bytes(content)
