@@ -428,7 +428,10 @@ def tiny(directory: Annotated[Optional[Path], typer.Argument(metavar="DIR", help
     """
     from h3gen.models.tiny import TINY_NOTICE, ensure_tiny_model
 
-    typer.echo(str(ensure_tiny_model(directory)))
+    try:
+        typer.echo(str(ensure_tiny_model(directory)))
+    except H3genError as e:
+        fail(e)
     typer.echo(f"note: {TINY_NOTICE}", err=True)
 
 

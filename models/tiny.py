@@ -44,10 +44,42 @@ def default_tiny_dir() -> Path:
 
 
 def ensure_tiny_model(target: Path | None = None) -> Path:
-    """Return the tiny model's directory, writing it first when it is not there yet."""
-    target = Path(target) if target is not None else default_tiny_dir()
+    """Return the tiny model's directory (absolute), writing it first when it is not there yet or is damaged. A
+    folder that holds anything else is never written over."""
+    from h3gen.errors import ModelError, UsageError
+    from h3gen.models.repo import ModelRepo
+
+    default = target is None
+    target = (default_tiny_dir() if default else Path(target).expanduser()).absolute()
+    if target.exists() and not target.is_dir():
+        raise UsageError(f"{target} is a file", "pass a folder for the tiny model that is new or empty")
     if (target / "modular_model_index.json").is_file():
-        return target
+        try:
+            ModelRepo(target)
+            return target
+        except ModelError:
+            if not is_tiny_model(target):
+                raise
+    elif target.is_dir() and any(target.iterdir()):
+        raise UsageError(f"{target} holds other files, and the tiny model is written only into a new or empty folder",
+                         "pass a folder for the tiny model that is new or empty")
+    try:
+        write_into(target)
+    except Exception as e:  # OSError, or safetensors' own error for a full disk
+        raise write_failure(target, e, default) from None
+    return target
+
+
+def is_tiny_model(directory: Path) -> bool:
+    """Whether `directory` is a tiny model h3gen wrote (its README says so), so that it may be written anew."""
+    try:
+        return (directory / "README.md").read_text().startswith("h3gen tiny model")
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def write_into(target: Path) -> None:
+    """Write the tiny model beside `target` and put it in place whole (a damaged copy of it is replaced)."""
     from h3gen.run.quiet import quiet_libraries
 
     quiet_libraries()  # no third-party progress bars ("Writing model shards") in the user's log
@@ -60,7 +92,23 @@ def ensure_tiny_model(target: Path | None = None) -> Path:
         os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+
+def write_failure(target: Path, error: Exception, default: bool):
+    """The one-line error of a tiny model that could not be written: a full disk is a write error (exit 1), a folder
+    that cannot be written is a usage error (exit 2)."""
+    import errno
+
+    from h3gen.errors import UsageError, WriteError
+
+    reason = getattr(error, "strerror", None) or (str(error).strip().splitlines() or [type(error).__name__])[0]
+    where = "the cache folder (XDG_CACHE_HOME)" if default else str(target.parent)
+    text = f"cannot write the tiny model into {target} ({reason})"
+    if not isinstance(error, OSError) or error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return WriteError(text, f"free space in {where}, or pass --model" if default else f"free space in {where}")
+    fix = "set XDG_CACHE_HOME to a folder you can write to, or pass --model" if default else \
+        "pass a folder you can write to"
+    return UsageError(text, fix)
 
 
 def _tiny_tokenizer():

@@ -10,7 +10,7 @@ import signal
 import tempfile
 from pathlib import Path
 
-from h3gen.errors import UsageError, WriteError
+from h3gen.errors import UsageError
 from h3gen.run.report import SilentReporter
 from h3gen.run.settings import RunSettings
 from h3gen.text import shown
@@ -226,11 +226,7 @@ def model_repo(model, reporter):
     if model is None:
         from h3gen.models.tiny import ensure_tiny_model
 
-        try:
-            model = ensure_tiny_model()
-        except Exception as e:  # OSError, or safetensors' own error for a full disk
-            raise WriteError(f"cannot write the tiny model into the cache ({str(e).splitlines()[0] if str(e) else e})",
-                             "free space in the cache folder (XDG_CACHE_HOME), or pass --model") from None
+        model = ensure_tiny_model()
     return ModelRepo(model)
 
 

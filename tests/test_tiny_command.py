@@ -1,0 +1,59 @@
+"""`h3gen tiny` and the default model's cache: written whole, at an absolute path, repaired when damaged, and
+never over a folder that holds anything else."""
+
+import shutil
+
+import pytest
+
+from conftest import h3gen
+from h3gen.run import fingerprint
+
+
+def test_a_relative_folder_gets_the_model_at_its_absolute_path(tmp_path, tiny_model):
+    result = h3gen("tiny", "models/tiny", cwd=tmp_path, check_code=0)
+    written = tmp_path / "models" / "tiny"
+    assert result.stdout.strip() == str(written)
+    index = (written / "modular_model_index.json").read_text()
+    assert f'"{written}' in index and '"models/tiny' not in index
+    fingerprint.model_identity.cache_clear()
+    assert fingerprint.model_identity(str(written)) == fingerprint.model_identity(str(tiny_model))
+
+
+def test_a_damaged_tiny_model_is_written_anew(tmp_path, tiny_model):
+    """The same bytes as before it was damaged (the tiny model is written deterministically)."""
+    copy = tmp_path / "tiny"
+    shutil.copytree(tiny_model, copy)
+    weights = copy / "vae" / "diffusion_pytorch_model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:100])
+    h3gen("tiny", copy, check_code=0)
+    assert weights.read_bytes() == whole
+
+
+@pytest.mark.parametrize("place, message, fix", [
+    ("file", "is a file", "pass a folder for the tiny model that is new or empty"),
+    ("clips", "holds other files, and the tiny model is written only into a new or empty folder",
+     "pass a folder for the tiny model that is new or empty"),
+    ("/proc/h3gen-nope/tiny", "cannot write the tiny model into /proc/h3gen-nope/tiny (", "pass a folder you can "
+                                                                                          "write to"),
+])
+def test_a_folder_it_cannot_or_must_not_write_is_refused_with_exit_2(tmp_path, place, message, fix):
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "clips").mkdir()
+    (tmp_path / "clips" / "a.mp4").write_bytes(b"mine")
+    target = tmp_path / place
+    result = h3gen("tiny", target, check_code=2)
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("h3gen: error: ") and message in last and last.endswith(f"({fix})"), last
+    assert (tmp_path / "file").read_text() == "mine" and (tmp_path / "clips" / "a.mp4").read_bytes() == b"mine"
+
+
+def test_a_cache_folder_it_cannot_write_is_said_as_such(prompts_file, tmp_path):
+    """The default model cannot be written into XDG_CACHE_HOME: exit 2 and the variable to change, not a disk to
+    free."""
+    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out",
+                   env={"XDG_CACHE_HOME": "/proc/h3gen-nope"}, check_code=2)
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("h3gen: error: cannot write the tiny model into /proc/h3gen-nope/h3gen/tiny-v"), last
+    assert last.endswith("(set XDG_CACHE_HOME to a folder you can write to, or pass --model)")
+    assert not (tmp_path / "out").exists()
