@@ -149,7 +149,8 @@ class StageBench:
             self.clip = clip
             self.forwards_run = clip.forwards or self.forwards_run
             self.forwards_reused = clip.forwards_reused or self.forwards_reused
-            self.peaks[kind] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+            if cuda:  # the device's peak; a CPU run has none to report
+                self.peaks[kind] = torch.cuda.max_memory_allocated() / 2**30
             self.host[kind] = max(loaded, host_gib())
             parts = ", ".join(f"{part} {value:.2f} s" for part, value in timed[-1].items())
             self.say(f"bench:   {kind} timed: {parts}{self.allocated()}")
@@ -213,6 +214,10 @@ def summarize(values: list[float]) -> tuple[float, float]:
 STAGE_KINDS = {"dit": "sampler", "vae_video": "vae", "vae_audio": "vae", "transfer": "vae"}  # record stage -> stage
 
 
+def gib(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
 def records_for(name, baseline, request, runs, forwards_run, full_forwards, peaks, common, attention,
                 dit_rel_err=None, forwards_reused=0, host=None) -> list[dict]:
     duration = request.duration
@@ -237,7 +242,7 @@ def records_for(name, baseline, request, runs, forwards_run, full_forwards, peak
         record = dict(common, preset=name, baseline=baseline, duration_s=round(duration, 4), frames=request.frames,
                       size=f"{request.width}x{request.height}", stage=stage, median_s=round(median, 4),
                       p95_s=round(p95, 4), repeats=len(values), per_forward_s=None, forwards=None,
-                      peak_gib=round(max(peaks.values(), default=0.0) if stage == "e2e" else peaks.get(kind, 0.0), 3),
+                      peak_gib=gib(max(peaks.values(), default=None) if stage == "e2e" else peaks.get(kind)),
                       host_gib=round(max(host.values(), default=0.0) if stage == "e2e" else host.get(kind, 0.0), 3)
                       if host else None,
                       rtf=round(median / duration, 4) if stage == "e2e" else None, dit_rel_err=None)
@@ -290,8 +295,9 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
                                         notes=f"failed: {type(e).__name__}: {e}"[:500]))
                     continue
                 error, reference = output_error(plan, request, bench.clip, baseline, reference)
+                gpus = int(bench.runtime.device.startswith("cuda"))  # a CPU run has none
                 measured = records_for(preset.name, baseline, request, runs, bench.forwards_run, full_forwards,
-                                       bench.peaks, common, bench.clip.attention or "-", error,
+                                       bench.peaks, dict(common, gpus=gpus), bench.clip.attention or "-", error,
                                        bench.forwards_reused, bench.host)
                 for record in measured:
                     record["vram_gib"] = preset.runtime["vram_gib"] or None

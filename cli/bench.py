@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from h3gen.errors import UsageError
 
 STAGES = ("encode", "dit", "vae", "mux")
@@ -53,7 +55,7 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     from h3gen.plugins.manager import registry
     from h3gen.config.preset import parse_override, resolve
     from h3gen.run.budget import check_budget
-    from h3gen.run.loop import check_model_kind
+    from h3gen.run.loop import check_model_kind, check_writable
     from h3gen.run.quiet import quiet_libraries
     from h3gen.run.render import pick_device
 
@@ -74,8 +76,10 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     quiet_libraries()
     source = weights_source(random_weights, model)
     if random_weights is None:  # random weights stand in for whichever model a preset is made for
-        for preset in resolved:
-            check_model_kind(preset, source, model is None)
+        for index, preset in enumerate(resolved):
+            check_model_kind(preset, source, model is None, baseline=bool(plan.baseline) and index == len(resolved) - 1)
+
+    check_writable(Path(output))  # now, not after the benchmark's minutes
 
     def say(text):
         print(text, file=sys.stderr, flush=True)

@@ -205,17 +205,18 @@ def check_unique_outputs(requests, preset_name: str, prompts: Path) -> None:
         first_line[name] = request.line
 
 
-def check_model_kind(preset, repo, embedded: bool) -> None:
+def check_model_kind(preset, repo, embedded: bool, baseline: bool = False) -> None:
     """A preset made for the tiny model on a real repository, or for a real one on the tiny model, renders nothing
-    worth having: stop before any weight loads."""
+    worth having: stop before any weight loads. `baseline`: the preset is `h3gen bench`'s baseline."""
     needs, has = preset.model["needs"], repo.kind()
     if needs in ("any", has):
         return
     anyway = f"or --set model.needs=any to run preset {preset.name} on it anyway"
     if needs == "MiniMax-H3":
         given = "the embedded tiny model was given" if embedded else f"{repo.root} holds a tiny model"
+        instead = "--baseline none" if baseline else "--preset tiny"
         raise UsageError(f"preset {preset.name} needs a MiniMax-H3 repository, and {given}",
-                         f"pass --model DIR (or H3GEN_MODEL) with the MiniMax-H3 repository, --preset tiny, {anyway}")
+                         f"pass --model DIR (or H3GEN_MODEL) with the MiniMax-H3 repository, {instead}, {anyway}")
     raise UsageError(f"preset {preset.name} is made for the tiny smoke-test model, and {repo.root} is a MiniMax-H3 "
                      "repository", f"leave out --preset (h3-base), pick one from `h3gen presets list`, {anyway}")
 

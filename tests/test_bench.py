@@ -3,6 +3,7 @@
 import json
 import re
 
+import pytest
 import torch
 
 from conftest import h3gen
@@ -41,6 +42,8 @@ def test_bench_tiny_writes_json_table_and_chart(tmp_path):
     assert all(r["host_gib"] > 0.1 for r in data["records"]) and e2e["host_gib"] == max(
         by[("tiny", s)]["host_gib"] for s in ("encode", "dit", "vae_video", "mux"))
     assert open(paths[2], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    # On the CPU: no GPU and no device peak to report, rather than 1 GPU at 0.0 GiB.
+    assert {(r["gpus"], r["peak_gib"]) for r in data["records"]} == {(0, None)}
 
 
 def test_bench_stage_subset_uses_random_stand_ins(tmp_path):
@@ -82,9 +85,21 @@ def test_bench_checks_the_model_each_preset_is_made_for(tmp_path):
                                      "tiny model was given")
     baseline = h3gen("bench", "--preset", "tiny", *common, check_code=2)  # the baseline, diffusers, is checked too
     assert baseline.stderr.startswith("h3gen: error: preset diffusers needs a MiniMax-H3 repository")
+    assert "--baseline none, or --set model.needs=any" in baseline.stderr and "--preset tiny" not in baseline.stderr
     anyway = h3gen("bench", "--preset", "h3-base", *common, "--set", "model.needs=any", check_code=0)
     records = json.loads(open(anyway.stdout.split()[0]).read())["records"]
     assert {r["preset"] for r in records} == {"h3-base", "diffusers"}
+
+
+@pytest.mark.parametrize("output", ["file", "/proc/h3gen-nope/results"])
+def test_bench_refuses_an_output_it_cannot_write_before_it_runs(tmp_path, output):
+    (tmp_path / "file").write_text("mine")
+    target = tmp_path / output
+    result = h3gen("bench", "--preset", "tiny", "--baseline", "none", "--random-weights", "tiny", "--durations", "5",
+                   "--size", "32x32", "-o", target, check_code=2)
+    assert result.stderr.startswith(f"h3gen: error: output directory {target} ")
+    assert "bench:" not in result.stderr  # nothing ran
+    assert (tmp_path / "file").read_text() == "mine"
 
 
 def test_the_report_s_device_line_leaves_out_what_the_machine_has_not():
