@@ -51,10 +51,12 @@ def signals_held():
 
 @contextlib.contextmanager
 def stop_on_signals():
-    """Turn SIGINT, SIGTERM and SIGHUP into `Interrupted` in the main thread; a second one ends the process at once."""
+    """Turn SIGINT, SIGTERM and SIGHUP into `Interrupted` in the main thread; a second one, of any of the three, ends
+    the process at once (what it leaves, a claim or a partial file, the next run on the folder clears)."""
 
     def stop(signum, frame):
-        signal.signal(signum, signal.SIG_DFL)
+        for each in STOP_SIGNALS:
+            signal.signal(each, signal.SIG_DFL)
         if _held["depth"]:
             _held["signum"] = signum
             return

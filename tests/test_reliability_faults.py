@@ -427,6 +427,20 @@ def test_signal_discards_the_clip_in_flight_and_a_rerun_resumes(faults, prompts_
     assert (out / "a.mp4").stat().st_mtime_ns != first
 
 
+def test_after_one_stop_signal_any_second_one_ends_the_process_at_once():
+    """SIGTERM, then SIGINT while the run winds down: the second kills, as a second SIGTERM would."""
+    from h3gen.run.loop import STOP_SIGNALS, Interrupted, stop_on_signals
+
+    before = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    with stop_on_signals():
+        with pytest.raises(Interrupted):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        assert {signum: signal.getsignal(signum) for signum in STOP_SIGNALS} == dict.fromkeys(STOP_SIGNALS,
+                                                                                             signal.SIG_DFL)
+    assert {signum: signal.getsignal(signum) for signum in STOP_SIGNALS} == before
+
+
 def test_signal_with_background_muxing_leaves_only_whole_files(faults, prompts_file, tmp_path):
     env, preset = faults
     out, marker = tmp_path / "out", tmp_path / "muxing-b"
