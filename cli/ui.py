@@ -280,7 +280,10 @@ def compare_table(records) -> None:
         table.add_column(heading, justify="right")  # headings wrap at their spaces
     for name, cells in rows:
         table.add_row(name, *cells)
-    if console.measure(table, options=console.options.update_width(2**16)).minimum > console.width:
+    # Whether rich had to cut a cell: its measure says the row fits at some widths where its layout still cuts one.
+    with console.capture() as drawn:
+        console.print(table)
+    if drawn.get().count("…") > sum(name.count("…") for name, _ in rows):
         table = Table(title=title, title_justify="left")
         table.add_column("clip", overflow="fold")
         table.add_column("measure", no_wrap=True)
@@ -288,4 +291,6 @@ def compare_table(records) -> None:
         for name, cells in rows:
             for i, ((_, heading, _), cell) in enumerate(zip(COMPARE_COLUMNS, cells)):
                 table.add_row("" if i else name, heading, cell, end_section=i == len(cells) - 1)
-    console.print(table)
+        console.print(table)
+    else:
+        console.file.write(drawn.get())

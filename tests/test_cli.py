@@ -229,6 +229,22 @@ def test_compare_s_table_keeps_clip_names_and_numbers_whole_in_a_narrow_terminal
     assert all(any(number in line for line in lines) for number in ("35.20", "30.00", "0.9800", "0.9500", "inf"))
 
 
+def test_compare_s_table_cuts_no_number_at_any_width(monkeypatch, capsys):
+    """Widths where rich's measure says a row a clip fits but its layout would cut a cell ("-0.84…"): those get the
+    row a measure too."""
+    from h3gen.cli.ui import compare_table
+
+    record = {"a": "out/h3-0123456789-seed1101.mp4", "b": "ref/h3-0123456789-seed1101.mp4", "psnr_mean": -0.8412,
+              "psnr_worst": -12.34, "ssim_mean": -0.84123, "ssim_worst": 0.12345, "audio_snr_db": -120.55,
+              "log_mel_distance_db": -0.845}
+    for columns in range(50, 141):
+        monkeypatch.setenv("COLUMNS", str(columns))
+        compare_table([record])
+        text = capsys.readouterr().err
+        assert "…" not in text and max(map(len, text.splitlines())) <= columns, columns
+        assert all(n in text for n in ("-0.84", "-12.34", "-0.8412", "0.1235", "-120.55", "-0.845")), columns
+
+
 def test_every_command_has_an_example_and_plain_metavars():
     for command in (["render"], ["validate"], ["presets", "list"], ["presets", "show"], ["plugins"], ["tiny"],
                     ["bench"], ["compare"]):
