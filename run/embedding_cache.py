@@ -47,6 +47,7 @@ class EmbeddingCache:
     def __init__(self, encoder: str, settings: dict, directory: Path | None = None):
         self.directory = directory or cache_dir()
         self.prefix = json.dumps({"encoder": encoder, **settings}, sort_keys=True)
+        self.problem = ""  # why the first entry that could not be written was not, for the run to say once
 
     def path(self, prompt: str) -> Path:
         key = hashlib.sha256(f"{self.prefix}\0{prompt}".encode()).hexdigest()
@@ -72,5 +73,7 @@ class EmbeddingCache:
             path.parent.mkdir(parents=True, exist_ok=True)
             save_tensors({"prompt_embeds": prompt_embeds.detach().cpu().contiguous(),
                           "text_token_tags": text_token_tags.cpu().contiguous()}, path)
-        except OSError:  # a cache that cannot be written only costs speed
-            pass
+        except OSError as e:  # a cache that cannot be written only costs speed
+            self.problem = self.problem or (
+                f"the embedding cache in {self.directory} cannot be written ({e.strerror or e}): these prompts are "
+                "encoded again on the next run (set encode.cache_dir or XDG_CACHE_HOME to a folder you can write to)")

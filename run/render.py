@@ -132,6 +132,7 @@ class Renderer:
         # (clip, claim, future, the file's state before the mux) in render order; finished results not yet yielded
         self.muxing, self.done = [], []
         self.claim_on_device = None
+        self.cache_problem_said = False  # the embedding cache's write problem, said once a run
         self.results = []  # every clip this renderer finished, in the order their manifest lines were written
 
     def render(self, requests: list[Request], out_dir: Path, save_latents: bool = False,
@@ -211,6 +212,10 @@ class Renderer:
         where = f" ({first + 1}-{first + len(clips)} of {total})" if len(clips) < total else ""
         self.reporter.say(f"h3gen: encoded {len(clips) - len(failed)} prompt(s){where} in "
                           f"{time.perf_counter() - began:.2f}s ({cached} from the embedding cache)")
+        problem = getattr(getattr(encode, "cache", None), "problem", "")
+        if problem and not self.cache_problem_said:
+            self.reporter.say(f"h3gen: note: {problem}")
+            self.cache_problem_said = True
         if last or self.runtime.device.startswith("cuda"):
             self.unload(encode)
             memory.settle(self.runtime.device)

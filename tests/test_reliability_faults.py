@@ -522,6 +522,18 @@ def test_a_full_cache_disk_costs_only_the_cache(full_disk, prompts_file, tiny_mo
     assert [json.loads(line)["ok"] for line in result.stdout.splitlines()] == [True]
 
 
+def test_an_embedding_cache_folder_that_cannot_be_written_is_said_once(prompts_file, tmp_path):
+    """encode.cache_dir where nothing can be written: the clips render, and the run says once why the next one will
+    encode the prompts again."""
+    result = h3gen("render", prompts_file("a fox\nwaves\n"), "-o", tmp_path / "out", "--set",
+                   'encode.cache_dir="/proc/h3gen-nope"', check_code=0)
+    note = ("h3gen: note: the embedding cache in /proc/h3gen-nope cannot be written (No such file or directory): these "
+            "prompts are encoded again on the next run (set encode.cache_dir or XDG_CACHE_HOME to a folder you can "
+            "write to)")
+    assert result.stderr.count(note) == 1, result.stderr[-2000:]
+    assert len(list((tmp_path / "out").glob("*.mp4"))) == 2
+
+
 def test_a_manifest_line_that_cannot_be_written_fails_its_clip(tmp_path, monkeypatch):
     import errno
 
