@@ -450,8 +450,8 @@ def main():
         from h3gen.errors import one_line
         from h3gen.run.render import debugging
 
-        if debugging():
-            raise
+        if debugging():  # where it came from, then the same one line
+            traceback.print_exception(e, file=sys.stderr)
         print(f"h3gen: error: {type(e).__name__}: {one_line(str(e))} (a bug; rerun with --traceback for where, and "
               "report it)", file=sys.stderr)
         sys.exit(1)

@@ -335,3 +335,21 @@ def test_a_run_started_in_the_checkout_finds_installed_packages_not_its_folders(
              "spec = importlib.util.find_spec('kernels'); print(spec.origin if spec else None)")
     found = subprocess.run([sys.executable, "-c", probe, root], cwd=root, capture_output=True, text=True, check=True)
     assert found.stdout.strip() != os.path.join(root, "kernels", "__init__.py"), found.stdout
+
+
+@pytest.mark.parametrize("debug", ["", "1"])
+def test_a_bug_is_one_line_and_with_traceback_the_traceback_comes_before_it(monkeypatch, capsys, debug):
+    import h3gen.cli.main as cli
+
+    def broken(**kwargs):
+        raise RuntimeError("something h3gen did not expect")
+
+    monkeypatch.setattr(cli, "app", broken)
+    monkeypatch.setenv("H3GEN_DEBUG", debug)
+    with pytest.raises(SystemExit) as exit:
+        cli.main()
+    assert exit.value.code == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == ("h3gen: error: RuntimeError: something h3gen did not expect (a bug; rerun with "
+                                    "--traceback for where, and report it)")
+    assert ("Traceback (most recent call last)" in err) == bool(debug)
