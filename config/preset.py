@@ -232,12 +232,15 @@ def _check_parallel(parallel: dict, where: str) -> None:
 def _section(data: dict, section: str, defaults: dict, where: str, sources: dict) -> dict:
     values = dict(_table(data.get(section, {}), section, where))
     for key, value in values.items():
+        given = sources.get(f"{section}.{key}") == "--set"
         if key not in defaults:
-            raise UsageError(f"unknown key '{key}' in {where} [{section}]", f"allowed keys: {', '.join(defaults)}")
+            raise UsageError(f"--set {section}.{key}: unknown key '{key}' in {where} [{section}]" if given
+                             else f"unknown key '{key}' in {where} [{section}]", f"allowed keys: {', '.join(defaults)}")
         widened = isinstance(defaults[key], float) and isinstance(value, int)  # 5 where 5.0 is meant
         if not isinstance(value, type(defaults[key])) and not widened:
-            raise UsageError(f"{where} [{section}] {key} must be {type(defaults[key]).__name__}, got {value!r}",
-                             "fix the value in the preset or --set")
+            label = f"--set {section}.{key}" if given else f"{where} [{section}] {key}"
+            raise UsageError(f"{label} must be {type(defaults[key]).__name__}, got {value!r}",
+                             "fix the value after the =" if given else "fix the value in the preset or --set")
         sources.setdefault(f"{section}.{key}", where)
     for key, value in defaults.items():
         values.setdefault(key, value)
@@ -269,7 +272,8 @@ def _stage(kind: str, data: dict, registry, where: str, sources: dict, key: str 
             raise UsageError(f"unknown key '{unknown}' in {where} [{key}]: {kind} stage '{name}' wraps "
                              f"'{wraps.get('use')}', which may take it",
                              f"set the wrapped stage's keys under [{key}.wraps], or --set {key}.wraps.{unknown}=...")
-    config = build_config(stage.Config, section, f"{where} [{key}]")
+    set_as = {k: f"{key}.{k}" for k in section if sources.get(f"{key}.{k}") == "--set"}
+    config = build_config(stage.Config, section, f"{where} [{key}]", set_as)
     if wrapping:
         from h3gen.stages.base import Wrapped
 

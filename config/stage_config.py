@@ -38,20 +38,24 @@ def config_problem(config_cls) -> str:
     return ""
 
 
-def build_config(config_cls: type, values: dict[str, Any], where: str):
-    """Make a config dataclass from preset values: unknown keys and wrong types are errors listing what is allowed."""
+def build_config(config_cls: type, values: dict[str, Any], where: str, set_as: dict[str, str] | None = None):
+    """Make a config dataclass from preset values: unknown keys and wrong types are errors listing what is allowed.
+    `set_as` names the keys a --set gave ({"steps": "sampler.steps"}): their errors blame the --set, not `where`."""
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
     hints = typing.get_type_hints(config_cls)
+    set_as = set_as or {}
     for key, value in values.items():
         if key not in fields:
             allowed = ", ".join(sorted(fields))
-            raise UsageError(f"unknown key '{key}' in {where}",
+            raise UsageError(f"--set {set_as[key]}: unknown key '{key}' in {where}" if key in set_as
+                             else f"unknown key '{key}' in {where}",
                              f"allowed keys: {allowed}" if allowed else "this stage takes no keys")
-        values[key] = _coerce(value, hints[key], f"{where}.{key}")
+        values[key] = _coerce(value, hints[key], f"--set {set_as[key]}" if key in set_as else f"{where}.{key}",
+                              "fix the value after the =" if key in set_as else "fix the value in the preset or --set")
     return config_cls(**values)
 
 
-def _coerce(value, hint, where: str):
+def _coerce(value, hint, where: str, fix: str):
     origin = typing.get_origin(hint) or hint
     if origin is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -59,8 +63,7 @@ def _coerce(value, hint, where: str):
         if not isinstance(value, (list, tuple)):
             raise UsageError(f"{where} must be a list, got {value!r}", "write it as [a, b, ...]")
         (item,) = set(typing.get_args(hint)[:1]) or {object}
-        return origin(_coerce(v, item, where) for v in value)
+        return origin(_coerce(v, item, where, fix) for v in value)
     if origin is object or isinstance(value, origin) and not (origin is int and isinstance(value, bool)):
         return value
-    raise UsageError(f"{where} must be {getattr(origin, '__name__', origin)}, got {value!r}",
-                     "fix the value in the preset or --set")
+    raise UsageError(f"{where} must be {getattr(origin, '__name__', origin)}, got {value!r}", fix)

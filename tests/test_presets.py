@@ -63,7 +63,12 @@ def test_set_overrides_and_records_where_values_came_from(tmp_path):
     (BASE.replace("[mux]\nuse = \"pyav\"\n", ""), [], r"\[mux\] needs use"),
     (BASE, ["sampler.steps"], "is not section.key=value"),
     (BASE, ["video.x=1"], "unknown section 'video'"),
-    (BASE, ["runtime.dtype=1"], "dtype must be str"),
+    (BASE, ["runtime.dtype=1"], r"^--set runtime.dtype must be str, got 1 \(fix the value after the =\)"),
+    # A value a --set gave is blamed on the --set, not on the preset that never held it.
+    (BASE, ["sampler.steps=abc"], r"^--set sampler.steps must be int, got 'abc' \(fix the value after the =\)"),
+    (BASE, ["sampler.stepz=4"], r"^--set sampler.stepz: unknown key 'stepz' in preset custom \[sampler\]"),
+    (BASE, ["runtime.devise=cpu"], r"^--set runtime.devise: unknown key 'devise' in preset custom \[runtime\]"),
+    (BASE, ["vae.use=fast", "vae.tile_height=big"], r"^--set vae.tile_height must be int, got 'big'"),
     (BASE.replace("steps = 6", "steps = 6 6"), [], "not valid TOML.*line 6"),
     # The defaults a prompt takes are checked as its own values are, and blamed on where they were set.
     (BASE, ["request.duration=4"], r"^--set request.duration=4: duration 4 s is outside H3's 5-15 s"),
