@@ -85,8 +85,20 @@ VRAM_HELP = ("Device memory budget in GiB, as 24, 24G or 24GB (default, or 0: wh
              "starts; a budget above that plans for what is free): DiT blocks beyond it stream from pinned host "
              "memory, and the allocator is held to it.")
 TRACEBACK_HELP = "Print a failure's traceback besides its one line (also H3GEN_DEBUG=1)."
-StrictPlugins = Annotated[bool, typer.Option("--strict-plugins", envvar="H3GEN_STRICT_PLUGINS",
-                                             help="Stop when a plugin fails to load instead of skipping it.")]
+
+
+def strict_plugins_option(flag: bool) -> bool:
+    """--strict-plugins, or H3GEN_STRICT_PLUGINS read here (not by Click), so a value it cannot take is one line."""
+    text = os.environ.get("H3GEN_STRICT_PLUGINS", "").strip().lower()
+    if text not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+        fail(UsageError(f"H3GEN_STRICT_PLUGINS is '{text}', not a yes or a no",
+                        "set it to 1 (or true, yes, on) or 0 (or false, no, off), or unset it"))
+    return flag or text in ("1", "true", "yes", "on")
+
+
+StrictPlugins = Annotated[bool, typer.Option("--strict-plugins", callback=strict_plugins_option,
+                                             help="Stop when a plugin fails to load instead of skipping it (also "
+                                                  "H3GEN_STRICT_PLUGINS=1).")]
 
 
 def vram_setting(text: str | None) -> list[str]:

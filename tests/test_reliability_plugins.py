@@ -113,6 +113,14 @@ def test_strict_plugins_stops_the_listings_too(site, command, strict):
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize("command", [["plugins"], ["render", "PROMPTS", "--dry-run"]])
+def test_a_strict_plugins_variable_it_cannot_read_is_one_line(prompts_file, tmp_path, command):
+    args = [str(prompts_file("x\n")) if arg == "PROMPTS" else arg for arg in command]
+    result = h3gen(*args, env={"H3GEN_STRICT_PLUGINS": "maybe"}, check_code=2, cwd=tmp_path)
+    assert result.stderr == ("h3gen: error: H3GEN_STRICT_PLUGINS is 'maybe', not a yes or a no (set it to 1 (or true, "
+                             "yes, on) or 0 (or false, no, off), or unset it)\n")
+
+
 def test_preset_using_a_stage_of_a_broken_plugin_says_why(site, prompts_file, tmp_path):
     preset = tmp_path / "uses-half.toml"
     preset.write_text((ROOT / "presets" / "tiny.toml").read_text().replace('use = "euler"', 'use = "half"'))
