@@ -93,6 +93,10 @@ def load_preset(name_or_file: str, registry, folder: Path | None = None,
     if not isinstance(base, str):
         raise UsageError(f"preset {name}: extends must be a preset name or file, got {base!r:.40}",
                          'e.g. extends = "h3-base"')
+    try:
+        find_preset(base, registry, path.parent)
+    except UsageError as e:  # said with the file that names it: the user's command line may not show it
+        raise UsageError(f"{path}: extends = {base!r}: {e.problem}", e.fix) from None
     _, merged, origins = load_preset(base, registry, path.parent, chain + (path.resolve(),))
     for key, value in data.items():
         if key in STAGE_KINDS and isinstance(value, dict) and isinstance(merged.get(key), dict):

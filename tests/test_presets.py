@@ -63,6 +63,8 @@ def test_set_overrides_and_records_where_values_came_from(tmp_path):
     (BASE.replace("[mux]\nuse = \"pyav\"\n", ""), [], r"\[mux\] needs use"),
     (BASE, ["sampler.steps"], "is not section.key=value"),
     (BASE, ["video.x=1"], "unknown section 'video'"),
+    (BASE.replace("version = 1\n", 'version = 1\nextends = "nosuch"\n'), [],
+     r"custom.toml: extends = 'nosuch': unknown preset 'nosuch' \(available: "),
     (BASE, ["runtime.dtype=1"], r"^--set runtime.dtype must be str, got 1 \(fix the value after the =\)"),
     # A value a --set gave is blamed on the --set, not on the preset that never held it.
     (BASE, ["sampler.steps=abc"], r"^--set sampler.steps must be int, got 'abc' \(fix the value after the =\)"),
