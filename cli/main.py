@@ -388,6 +388,9 @@ def presets_show(
         resolved = resolve(name, registry(), overrides or [])
     except H3genError as e:
         fail(e)
+    described_by = resolved.sources.get("description", f"preset {resolved.name}")
+    if described_by != f"preset {resolved.name}":  # inherited through extends
+        resolved = dataclasses.replace(resolved, description=f"{resolved.description} ({described_by}'s description)")
     if overrides:  # the description was written for the preset as it was
         resolved = dataclasses.replace(resolved, description=f"{resolved.description} (with --set "
                                                                f"{', '.join(overrides)})")

@@ -312,7 +312,7 @@ def _adapter(data: dict, quant: tuple[str, Any], registry, where: str, sources: 
 
 def describe(preset: Preset) -> list[tuple[str, Any, str]]:
     """Every resolved value as (key, value, where it came from), for `h3gen presets show`."""
-    rows = [("version", preset.version, f"preset {preset.name}")]
+    rows = [("version", preset.version, preset.sources.get("version", f"preset {preset.name}"))]
     rows += [(f"request.{k}", v, preset.sources[f"request.{k}"]) for k, v in preset.request.items()]
     rows += [(f"runtime.{k}", v, preset.sources[f"runtime.{k}"]) for k, v in preset.runtime.items()]
     rows += [(f"parallel.{k}", v, preset.sources[f"parallel.{k}"]) for k, v in preset.parallel.items()]

@@ -100,6 +100,14 @@ def test_presets_cli_list_and_show():
     assert shown.splitlines()[0].endswith(" (with --set mux.crf=20)")  # the description was the preset's
 
 
+def test_presets_show_credits_what_a_child_inherits_to_its_parent(tmp_path):
+    child = tmp_path / "child.toml"
+    child.write_text('extends = "tiny"\n[mux]\ncrf = 20\n')
+    first, version = h3gen("presets", "show", child, check_code=0).stdout.splitlines()[:2]
+    assert first.startswith("# child: Smoke test") and first.endswith(" (preset tiny's description)")
+    assert version.split() == ["version", "=", "1", "#", "preset", "tiny"]
+
+
 def test_a_bad_request_default_from_set_is_blamed_on_the_set_not_a_prompts_line(prompts_file, tmp_path):
     result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--set", "request.duration=4",
                    "--dry-run", check_code=2)
