@@ -333,7 +333,17 @@ def compare(
         for path in unmatched:
             typer.echo(f"note: {shown(str(path))} has no one match in the other folder (by file name, or by prompt "
                        "and seed); not compared", err=True)
-        records = [compare_clips(x, y) for x, y in matched]
+        records, refused = [], []
+        for x, y in matched:
+            try:
+                records.append(compare_clips(x, y))
+            except H3genError as e:  # two folders: that pair is left out, the others compared
+                if not a.is_dir() or len(matched) == 1:
+                    raise
+                refused.append(e)
+                typer.echo(f"note: {shown(e.problem)}; not compared", err=True)
+        if not records:
+            raise refused[-1]
     except H3genError as e:
         fail(e)
     compare_table(records)
@@ -341,6 +351,8 @@ def compare(
         for record in records:
             typer.echo(json.dumps({k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
                                    for k, v in record.items()}))
+    if refused:
+        raise typer.Exit(1)
 
 
 @presets_app.command("list", cls=PlainCommand)

@@ -63,6 +63,18 @@ def test_folders_of_two_presets_are_matched_by_the_request_in_each_clip(tmp_path
     assert "not compared" in result.stderr and "h3-1.mp4 (h3-9.mp4)" in result.stderr
 
 
+def test_a_pair_of_two_folders_that_cannot_be_compared_is_left_out_with_a_note(tmp_path):
+    """One pair differs in frame count: the other pairs are compared, the table drawn, and the exit is 1."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    clip(a / "same.mp4", 1), clip(b / "same.mp4", 2)
+    clip(a / "longer.mp4", 1), clip(b / "longer.mp4", 1, frames=39)
+    result = h3gen("compare", a, b, "--json", check_code=1)
+    assert [Path(r["a"]).name for r in records(result)] == ["same.mp4"]
+    assert (f"note: {a / 'longer.mp4'} and {b / 'longer.mp4'} differ in frame counts (22 and 39); not compared"
+            in result.stderr)
+    assert "same.mp4" in result.stderr  # the table
+
+
 def test_folders_without_one_match_are_refused(tmp_path):
     stamped(tmp_path / "a" / "h3-1.mp4", "a fox", 7, "fast"), stamped(tmp_path / "b" / "h3-2.mp4", "a cat", 7, "ref")
     result = h3gen("compare", tmp_path / "a", tmp_path / "b", check_code=2)
