@@ -426,9 +426,12 @@ def plugins(strict_plugins: StrictPlugins = False):
 
     found = registry()
     report_failed_plugins(found, strict_plugins)
-    for (kind, name), entry in sorted(found.stages.items()):
-        typer.echo(f"{kind:8s} {name:16s} {entry.origin:20s} {entry.stage.__module__}.{entry.stage.__qualname__}"
-                   + (f"  {entry.stage.description}" if entry.stage.description else ""))
+    rows = [(kind, name, entry.origin, f"{entry.stage.__module__}.{entry.stage.__qualname__}",
+             entry.stage.description or "") for (kind, name), entry in sorted(found.stages.items())]
+    widths = [max((len(row[column]) for row in rows), default=0) for column in range(4)]
+    for *columns, description in rows:  # columns padded to the widest of each, the description last
+        line = " ".join(f"{text:{width}s}" for text, width in zip(columns, widths))
+        typer.echo(f"{line}  {description}" if description else line.rstrip())
 
 
 def report_failed_plugins(found, strict: bool) -> None:

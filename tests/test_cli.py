@@ -353,3 +353,14 @@ def test_a_bug_is_one_line_and_with_traceback_the_traceback_comes_before_it(monk
     assert err.splitlines()[-1] == ("h3gen: error: RuntimeError: something h3gen did not expect (a bug; rerun with "
                                     "--traceback for where, and report it)")
     assert ("Traceback (most recent call last)" in err) == bool(debug)
+
+
+def test_plugins_lists_its_columns_aligned():
+    """Kind, name, origin and class padded to the widest of each, so the descriptions start in one column."""
+    import re
+
+    lines = h3gen("plugins", check_code=0).stdout.splitlines()
+    classes = [re.search(r"h3gen(\.\w+)+", line) for line in lines]  # the class: a dotted path
+    starts = {c.start() for c in classes}
+    descriptions = {c.end() + len(line[c.end():]) - len(line[c.end():].lstrip()) for c, line in zip(classes, lines)}
+    assert len(starts) == 1 and len(descriptions) == 1, (starts, descriptions)
