@@ -48,7 +48,13 @@ class BatchReporter(SilentReporter):
 
     def clip_done(self, result):
         self.finished[result.request.index] = time.perf_counter()
-        self.say(f"bench: clip {result.request.index + 1} {'ok' if result.ok else 'failed: ' + result.error}")
+        self.say(f"bench: {clip_label(result.request)} {'ok' if result.ok else 'failed: ' + result.error}")
+
+
+def clip_label(request: Request) -> str:
+    """"warm-up clip 1", "clip 2": a batch's clips counted apart from the untimed ones before them."""
+    kind, number = request.id.rsplit("-", 1)
+    return f"{'warm-up clip' if kind == 'warmup' else 'clip'} {int(number) + 1}"
 
 
 def batch_requests(plan: BenchPlan, seconds: float, clips: int, warmup: int = 0) -> list[Request]:

@@ -126,6 +126,9 @@ def test_bench_batch_times_clips_through_the_renderer(tmp_path):
     assert tiny["forwards"] == 3 and base["forwards"] == 1
     assert tiny["full_forwards"] == 3 and base["full_forwards"] == 49
     assert tiny["warmup_clips"] == base["warmup_clips"] == 1  # --warmup's default: one untimed clip first
+    said = [line for line in result.stderr.splitlines() if line.startswith("bench: ") and line.endswith(" ok")]
+    assert said == ["bench: warm-up clip 1 ok", "bench: clip 1 ok", "bench: warm-up clip 1 ok", "bench: clip 1 ok",
+                    "bench: clip 2 ok"]  # the baseline's, then the preset's: the batch's clips counted apart
     assert tiny["extra_per_clip_s"] > 0 and tiny["vae_s_per_clip"] > 0 and tiny["mux_s_per_clip"] > 0
     assert 0 < tiny["last_clip_tail_s"] < tiny["wall_s"] and 0 < base["last_clip_tail_s"] < base["wall_s"]
     # The wall ends at the last file written; the unload after it is reported apart.
