@@ -153,6 +153,11 @@ def render(
                                                             "clip would conflict, as the run would.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Render clips whose output already exists and validates "
                                                         "(by default they are skipped).")] = False,
+    redo_conflicts: Annotated[bool, typer.Option("--redo-conflicts", help="Render again the clips whose file h3gen "
+                                                                          "rendered with other settings (by default "
+                                                                          "they are left alone and the run exits 1); "
+                                                                          "clips with these settings are still "
+                                                                          "skipped.")] = False,
     strict_plugins: StrictPlugins = False,
     shard: Annotated[Optional[str], typer.Option("--shard", metavar="I/N",
                                                  help="Render only shard I of N (0-based): the prompts whose place "
@@ -199,7 +204,7 @@ def render(
         settings = RunSettings(prompts, output, preset, model, seed, tuple(overrides), json_out, save_latents,
                                force, strict_plugins, parse_shard(shard) if shard is not None else None,
                                Parallel(gpus, cpu_workers, ulysses, nnodes, node_rank, rdzv_endpoint, rdzv_id),
-                               dry_run)
+                               dry_run, redo_conflicts)
         code = run_render(settings)
     except H3genError as e:
         fail(from_model_variable(ctx, model, e))

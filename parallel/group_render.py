@@ -26,13 +26,13 @@ class GroupRenderer(Renderer):
         for kind in DEVICE_STAGES:
             self.stages[kind].parallelize(group)
 
-    def admit(self, clip, force):
+    def admit(self, clip, redo):
         import torch
         import torch.distributed as dist
 
         status, claim, error = "", None, ""
         if self.leads:
-            status, claim, error = super().admit(clip, force)
+            status, claim, error = super().admit(clip, redo)
             if claim is not None:
                 try:  # here rather than in render_one: the others must hear of it before the sampler starts
                     check_disk(self.out_dir, clip.request)

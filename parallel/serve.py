@@ -54,7 +54,7 @@ class Worker:
             self.batch = prepare(settings, preset, found, self.make_reporter)
             self.batch.reporter = events.SharedReporter(self.batch.reporter)
             requests, reporter = self.batch.requests, self.batch.reporter
-            finished = [] if settings.force else skip_finished(self.batch, settings.output, settings.save_latents)
+            finished = skip_finished(self.batch, settings)
             done = {result.request.index for result in finished}
             pending = [request for request in requests if request.index not in done]
             heads = job["heads"] if not job["split_refusal"] else 1

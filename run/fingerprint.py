@@ -83,7 +83,17 @@ def differences(old: dict | None, new: dict) -> list[str]:
     if old is None:
         return ["fingerprint: none -> " + digest(new)]
     keys = sorted(set(old) | set(new))
-    return [f"{key}: {shown(old.get(key))} -> {shown(new.get(key))}" for key in keys if old.get(key) != new.get(key)]
+    return [f"{key}: {shown(old.get(key))} -> {shown(new.get(key))}{in_seconds(key, old.get(key), new.get(key))}"
+            for key in keys if old.get(key) != new.get(key)]
+
+
+def in_seconds(key: str, old, new) -> str:
+    """A frame count is what a prompt's `duration` became: said in seconds too."""
+    from h3gen.inputs.request import FPS
+
+    if key != "request.frames" or not all(isinstance(v, int) for v in (old, new)):
+        return ""
+    return f" (duration {old / FPS:.2f} s -> {new / FPS:.2f} s)"
 
 
 def shown(value) -> str:

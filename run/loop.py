@@ -247,19 +247,20 @@ def plan(batch: Batch, settings: RunSettings) -> list:
     from h3gen.run.render import already_done, clip_name
 
     return [(request, settings.output / clip_name(request, batch.preset.name),
-             None if settings.force else already_done(request, settings.output, batch.preset.name,
-                                                      settings.save_latents, batch.run_fields))
+             already_done(request, settings.output, batch.preset.name, settings.save_latents, batch.run_fields,
+                          settings.redo))
             for request in batch.requests]
 
 
-def skip_finished(batch: Batch, output: Path, save_latents: bool) -> list:
+def skip_finished(batch: Batch, settings: RunSettings) -> list:
     """Results for the clips a previous run already wrote (file there, valid, same fingerprint): a rerun resumes;
-    and for those it wrote with other settings (conflicts), which this run leaves alone."""
+    and for those it wrote with other settings (conflicts), which this run leaves alone; none of either that
+    `settings.redo` renders again."""
     from h3gen.run.outputs import recorded
     from h3gen.run.render import already_done, to_render
 
-    preset_name, reporter = batch.preset.name, batch.reporter
-    found = [already_done(request, output, preset_name, save_latents, batch.run_fields)
+    preset_name, reporter, output = batch.preset.name, batch.reporter, settings.output
+    found = [already_done(request, output, preset_name, settings.save_latents, batch.run_fields, settings.redo)
              for request in batch.requests]
     finished = []
     for result in filter(None, found):
@@ -275,7 +276,7 @@ def render_batch(settings: RunSettings, preset, found, make_reporter) -> int:
     """A one-process run: check, skip what is written, render the rest, report; the exit status."""
     batch = prepare(settings, preset, found, make_reporter)
     reporter, requests = batch.reporter, batch.requests
-    results = [] if settings.force else skip_finished(batch, settings.output, settings.save_latents)
+    results = skip_finished(batch, settings)
     finished = {result.request.index for result in results}
     pending = [request for request in requests if request.index not in finished]
     stopped = None
@@ -340,7 +341,7 @@ def render_pending(requests, settings: RunSettings, preset, found, repo, reporte
     reporter.start()
     try:
         try:
-            for _ in renderer.render(requests, settings.output, settings.save_latents, settings.force):
+            for _ in renderer.render(requests, settings.output, settings.save_latents, settings.redo):
                 pass  # every result is in renderer.results from the moment its manifest line is written
         except Interrupted:
             interrupted = True

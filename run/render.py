@@ -136,7 +136,7 @@ class Renderer:
         self.results = []  # every clip this renderer finished, in the order their manifest lines were written
 
     def render(self, requests: list[Request], out_dir: Path, save_latents: bool = False,
-               force: bool = False) -> Iterator[ClipResult]:
+               redo: str = "") -> Iterator[ClipResult]:
         """Yield one result per request as it finishes.
 
         The prompts are encoded a chunk at a time (`chunk_sizes`), and on a GPU the text encoder is freed before the
@@ -153,15 +153,15 @@ class Renderer:
             clips, pending = pending[:size], pending[size:]
             failed = yield from self.encode_chunk(clips, first, total, last=not pending)
             first += len(clips)
-            yield from self.render_chunk(clips, failed, force)
+            yield from self.render_chunk(clips, failed, redo)
         yield from self.collect(wait=True)
 
-    def render_chunk(self, clips: list[Clip], failed: set, force: bool) -> Iterator[ClipResult]:
+    def render_chunk(self, clips: list[Clip], failed: set, redo: str) -> Iterator[ClipResult]:
         clips[:] = [clip for clip in clips if clip.request.index not in failed]
         sampler = self.stages["sampler"]
         while clips:  # popped as they go (the caller's list too), so nothing keeps a finished clip alive
             clip = clips.pop(0)
-            status, claim, error = self.admit(clip, force)
+            status, claim, error = self.admit(clip, redo)
             if status or error:
                 yield self.finish(clip, error, status=status)
                 continue
@@ -172,7 +172,7 @@ class Renderer:
             memory.release(self.runtime.device)
             yield from self.collect(wait=False)
 
-    def admit(self, clip: Clip, force: bool) -> tuple[str, object, str]:
+    def admit(self, clip: Clip, redo: str) -> tuple[str, object, str]:
         """(status, claim, error): the claim when this run renders the clip; status "busy" when another run holds
         it, "skipped" when an overlapping run finished it after this one started."""
         claim = outputs.ClipClaim(clip.path)
@@ -182,8 +182,7 @@ class Renderer:
         except OSError as e:
             return "", None, write_error(claim.lock_path, e)
         self.claim_on_device = claim  # from here a signal can land (the check below decodes): close() releases it
-        there = None if force else already_done(clip.request, self.out_dir, self.preset.name, self.save_latents,
-                                                 self.run_fields)
+        there = already_done(clip.request, self.out_dir, self.preset.name, self.save_latents, self.run_fields, redo)
         if not to_render(there):
             claim.release()
             return there.status, None, there.error
@@ -424,21 +423,23 @@ MP4_BYTES_PER_PIXEL, AUDIO_BYTES = 0.5, 2**20
 
 
 def already_done(request: Request, out_dir: Path, preset: str, save_latents: bool,
-                 run_fields: dict) -> ClipResult | None:
+                 run_fields: dict, redo: str = "") -> ClipResult | None:
     """What a run does with a clip whose file may be there: None when it is not (render it); skipped when it was
     rendered with the same fingerprint and validates for this request, so a rerun resumes; a conflict (left alone)
     when it was rendered with other settings or is a whole MP4 h3gen did not write; damaged (rendered again, see
-    `to_render`) when it does not validate and is h3gen's or cut short."""
+    `to_render`) when it does not validate and is h3gen's or cut short. `redo` (RunSettings.redo): "all" renders
+    every clip again (None), "conflicts" those h3gen stamped with other settings (a file it did not stamp stays)."""
     from h3gen.run.validate import box_problem, validate_clip
 
     path = out_dir / clip_name(request, preset)
-    if not path.is_file() or save_latents and not latents_path(path).is_file():
+    if redo == "all" or not path.is_file() or save_latents and not latents_path(path).is_file():
         return None
     wanted = fingerprint.clip_fields(run_fields, request)
     stored = fingerprint.read_stamp(path)
     settings = fingerprint.differences(stored, wanted)
     if stored is not None and settings:  # a changed duration too: not a clip of the wrong length to replace
-        return conflict(request, path, wanted, settings, "rendered with different settings")
+        return None if redo == "conflicts" else conflict(request, path, wanted, settings,
+                                                         "rendered with different settings", REDO_HINT)
     problems = validate_clip(path, expected_frames=request.frames)
     if problems and stored is None and not box_problem(path):
         return conflict(request, path, wanted, problems, "a whole MP4 h3gen did not write")
@@ -450,10 +451,14 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
     return ClipResult(request, path, True, {}, 0.0, skipped=True, fingerprint=fingerprint.digest(wanted))
 
 
-def conflict(request: Request, path: Path, wanted: dict, reasons: list[str], what: str) -> ClipResult:
+REDO_HINT = "--redo-conflicts to render these again, --force every clip, or -o elsewhere"
+
+
+def conflict(request: Request, path: Path, wanted: dict, reasons: list[str], what: str,
+             hint: str = "--force to redo, or -o elsewhere") -> ClipResult:
     more = f", and {len(reasons) - 3} more" if len(reasons) > 3 else ""
     return ClipResult(request, path, False, {}, 0.0, skipped=True, status="conflict",
-                      error=f"exists, {what} ({'; '.join(reasons[:3])}{more}); --force to redo, or -o elsewhere",
+                      error=f"exists, {what} ({'; '.join(reasons[:3])}{more}); {hint}",
                       fingerprint=fingerprint.digest(wanted))
 
 

@@ -40,6 +40,12 @@ class RunSettings:
     shard: tuple[int, int] | None = None  # (i, n): the prompts at places i modulo n
     parallel: Parallel = Parallel()
     dry_run: bool = False  # say what would be rendered, skipped or in conflict, and render nothing
+    redo_conflicts: bool = False  # render again the clips h3gen stamped with other settings
+
+    @property
+    def redo(self) -> str:
+        """Which clips already there render again: "all" (--force), "conflicts" (--redo-conflicts) or none ("")."""
+        return "all" if self.force else "conflicts" if self.redo_conflicts else ""
 
     def to_json(self) -> dict:
         """What the launcher hands its workers: the paths as the user gave them and the directory they are relative

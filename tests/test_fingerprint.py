@@ -47,13 +47,14 @@ def test_a_rerun_skips_only_on_a_matching_fingerprint(prompts_file, tmp_path, ti
         record = json.loads(rerun.stdout)
         assert record["status"] == "conflict" and not record["ok"], what
         [line] = conflicts(rerun)
-        assert "--force to redo, or -o elsewhere" in line, what
+        assert "; --redo-conflicts to render these again, --force every clip, or -o elsewhere" in line, what
         assert "there from other settings" in rerun.stderr, what
     assert record_error(out, 2).count(" -> ") == 1 and "sampler.steps: 4 -> 3" in record_error(out, 2)
     assert record_error(out, 3).count(" -> ") == 1 and "request.seed: 3 -> 4" in record_error(out, 3)
     assert "model: " in record_error(out, 4)
     # another duration: a conflict, not a clip of the wrong length to render over
-    assert record_error(out, 5).count(" -> ") == 1 and "request.frames: 124 -> " in record_error(out, 5)
+    assert record_error(out, 5).count(" -> ") == 2 and ("request.frames: 124 -> 158 (duration 5.17 s -> 6.58 s)"
+                                                         in record_error(out, 5))
     manifest = [json.loads(line)["status"] for line in (out / "manifest.jsonl").read_text().splitlines()]
     assert manifest == ["ok", "skipped", "conflict", "conflict", "conflict", "conflict"]
     assert (out / "c.mp4").read_bytes() == clip  # a conflict leaves the clip as it was
@@ -86,6 +87,28 @@ def test_a_whole_mp4_h3gen_did_not_write_is_left_alone(prompts_file, tmp_path):
     assert re.match(r"conflict +\S+drums\.mp4: exists, a whole MP4 h3gen did not write \(.*\); --force to redo",
                     planned.stdout.strip()), planned.stdout
     assert (out / "drums.mp4").read_bytes() == before
+    # --redo-conflicts renders again only the clips h3gen stamped: a file of the user's own stays
+    kept = h3gen("render", prompts_file('{"id": "drums", "prompt": "drums"}\n'), "-o", out, "--redo-conflicts",
+                 check_code=1)
+    assert "a whole MP4 h3gen did not write" in kept.stderr and (out / "drums.mp4").read_bytes() == before
+
+
+def test_redo_conflicts_renders_only_the_clips_from_other_settings(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text('{"id": "a", "prompt": "a fox"}\n{"id": "b", "prompt": "waves", "seed": 5}\n')
+    only_b = tmp_path / "only-b.txt"
+    only_b.write_text('{"id": "b", "prompt": "waves", "seed": 5}\n')
+    out = tmp_path / "out"
+    h3gen("render", prompts, "-o", out, check_code=0)
+    h3gen("render", only_b, "-o", out, "--set", "mux.crf=30", "--force", check_code=0)  # b now from other settings
+    b_before = (out / "b.mp4").read_bytes()
+    planned = h3gen("render", prompts, "-o", out, "--dry-run", "--redo-conflicts", check_code=0).stdout.split()
+    assert planned[0::2] == ["skip", "render"]
+    again = h3gen("render", prompts, "-o", out, "--json", "--redo-conflicts", check_code=0)
+    assert [(r["id"], r["status"]) for r in map(json.loads, again.stdout.splitlines())] == [("a", "skipped"),
+                                                                                            ("b", "ok")]
+    assert (out / "b.mp4").read_bytes() != b_before
+    assert json.loads(h3gen("render", only_b, "-o", out, "--json", check_code=0).stdout)["status"] == "skipped"
 
 
 def record_error(out, index: int) -> str:
