@@ -118,17 +118,17 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
             check_layout(preset, repo, found)
         memory_plan = plan_memory_budget(preset, requests, repo, reporter)
     except BaseException:
-        remove_if_empty(settings.output, created)  # a refused run leaves no directory it made behind
+        remove_if_empty(created)  # a refused run leaves no directory it made behind
         raise
     if settings.dry_run:
-        remove_if_empty(settings.output, created)  # nor does a dry run
+        remove_if_empty(created)  # nor does a dry run
     from h3gen.run.fingerprint import run_fields
 
     return Batch(preset, found, requests, repo, reporter, run_fields(preset, found, repo), memory_plan)
 
 
-def remove_if_empty(directory: Path, created: list[Path]) -> None:
-    """Remove the directories this run made for `directory` (innermost first) while they are empty."""
+def remove_if_empty(created: list[Path]) -> None:
+    """Remove the directories this run made for its output (innermost first) while they are empty."""
     for made in created:
         if not made.is_dir() or any(made.iterdir()):
             return
