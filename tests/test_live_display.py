@@ -70,7 +70,7 @@ def test_ctrl_c_takes_the_stopped_clip_s_bar_away_and_prints_no_empty_table(monk
     monkeypatch.setattr(quiet, "quiet_libraries", lambda: None)
     reporter = ui.LiveReporter(len(PROMPTS))
     requests = [Request(i, prompt, i, 32, 32, 124, line=i + 1) for i, prompt in enumerate(PROMPTS)]
-    settings = SimpleNamespace(output=tmp_path, save_latents=False, force=False)
+    settings = SimpleNamespace(output=tmp_path, save_latents=False, redo="")
     preset = SimpleNamespace(runtime={"dtype": "float32"})
 
     with loop.stop_on_signals():
