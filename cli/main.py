@@ -199,6 +199,12 @@ def render(
     from h3gen.run.settings import Parallel, RunSettings
 
     try:
+        if preset is not None and not preset.strip():
+            raise UsageError("--preset is empty", "give a preset name or file, or leave --preset out")
+        if force and redo_conflicts:
+            raise UsageError("--force and --redo-conflicts both given",
+                             "--force renders every clip again, --redo-conflicts only those from other settings: "
+                             "keep one")
         preset = preset or ("h3-base" if model is not None else "tiny")
         overrides = [*(overrides or ()), *vram_setting(vram)]
         settings = RunSettings(prompts, output, preset, model, seed, tuple(overrides), json_out, save_latents,

@@ -59,6 +59,21 @@ def prompt_lines(text: str) -> list[str]:
     return [line.removesuffix("\r") for line in text.removeprefix("\ufeff").split("\n")]
 
 
+def encodable(value) -> bool:
+    """Whether every string in a JSON value is text that UTF-8 can write (JSON's \\u escapes can name half a
+    surrogate pair, which no encoder, tokenizer or file name takes)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+    elif isinstance(value, list):
+        return all(map(encodable, value))
+    elif isinstance(value, dict):
+        return all(map(encodable, [*value, *value.values()]))
+    return True
+
+
 def _parse_line(line: str, where: str) -> dict:
     # A line that starts like JSON is JSON or an error: a typo in an object must never render as its text.
     if not line.startswith(("{", "[")):
@@ -74,6 +89,10 @@ def _parse_line(line: str, where: str) -> dict:
     for key, value in fields.items():
         if key not in FIELDS:
             raise UsageError(f"{where}: unknown field {key!r}", f"allowed fields: {', '.join(FIELDS)}")
+        if not encodable(value):
+            raise UsageError(f"{where}: field '{key}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                             "without its pair), which is not text",
+                             "write the character itself, or both halves of its surrogate pair")
         if not isinstance(value, FIELDS[key]) or isinstance(value, bool):
             raise UsageError(f"{where}: field '{key}' has the wrong type ({_short(value)})",
                              f"give {KINDS[FIELDS[key]]} (the README's prompts file table)")

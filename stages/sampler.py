@@ -9,6 +9,7 @@ device. Conditioning rows (fl2va keyframes, ref2va references) lead the video an
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from h3gen.errors import ClipError, UsageError
 from h3gen.inputs.request import AUDIO_CHANNELS, AUDIO_LATENT_CHANNELS, VIDEO_LATENT_CHANNELS
@@ -20,6 +21,7 @@ from h3gen.stages.clip import FORWARDS_PART
 # (diffusers' keyframe_noise_aug). Reference soundtracks ride along clean, at t = 1. Checkpoint contracts, both.
 CONDITION_T, AUDIO_CONDITION_T = 0.999, 1.0
 # Each task's checkpoint partition: ref2va has a DiT of its own, with the same architecture.
+MAX_STEPS = 1000  # H3 takes 50 points; a grid far beyond would only fill memory with its schedule
 PARTITIONS = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
 
 
@@ -107,13 +109,16 @@ class EulerSampler(Stage):
 
         if len(config.sigma_positions) == 1 or (not config.sigma_positions and config.steps < 2):
             raise UsageError("the sigma grid needs at least 2 points", "set sampler.steps >= 2")
+        if max(config.steps, len(config.sigma_positions)) > MAX_STEPS:
+            raise UsageError(f"the sigma grid has {max(config.steps, len(config.sigma_positions))} points, more than "
+                             f"h3gen runs ({MAX_STEPS})", f"set sampler.steps to at most {MAX_STEPS}; H3 takes 50")
         positions = config.sigma_positions
         if any(not 0 <= p <= 1 for p in positions) or any(a <= b for a, b in zip(positions, positions[1:])):
             raise UsageError(f"sampler.sigma_positions {positions} is not a decreasing grid within 0 to 1",
                              "list the positions from the highest to 0, each one below the last, e.g. [0.999, 0.5, 0]")
         for key in ("video_shift", "audio_shift"):
-            if not getattr(config, key) > 0:
-                raise UsageError(f"sampler.{key} is {getattr(config, key)}, and a sigma shift must be above 0",
+            if not 0 < getattr(config, key) < math.inf:  # nan fails this too
+                raise UsageError(f"sampler.{key} is {getattr(config, key)}, and a sigma shift must be above 0 and finite",
                                  f"set sampler.{key} to a positive number (H3: video 12, audio 3)")
         if config.dit not in ("h3gen", "diffusers"):
             raise UsageError(f"unknown sampler.dit '{config.dit}'", "choose diffusers or h3gen")

@@ -41,6 +41,8 @@ def refused(result, message):
     ('{"prompt": "same", "seed": 3}\n{"prompt": "same", "seed": 3}\n', "prompts.txt:2: writes h3-"),
     (b"ok\n\xff\xfe\n", "prompts.txt:2: not UTF-8 text"),
     ('["a", "b"]\n', "prompts.txt:1: a JSON line must be an object"),
+    ('{"prompt": "\\ud800"}\n', "prompts.txt:1: field 'prompt' holds a lone UTF-16 surrogate"),
+    ('{"id": "sur", "prompt": "x\\udfff y"}\n', "prompts.txt:1: field 'prompt' holds a lone UTF-16 surrogate"),
     ('{"prompt": "x", "width": 320000, "height": 320000}\n', "prompts.txt:1: size 320000x320000 at 124 frames needs"),
     ('{"prompt": "x", "width": 16384, "height": 16384, "duration": 15}\n', "prompts.txt:1: size 16384x16384 at 345 frames"),
 ])
@@ -54,8 +56,10 @@ def test_bad_prompts_file_is_refused_before_anything_loads(tmp_path, text, messa
 
 @pytest.mark.parametrize("values, message", [
     (["sampler.steps=0"], "the sigma grid needs at least 2 points"),
-    (["sampler.video_shift=0"], "sampler.video_shift is 0.0, and a sigma shift must be above 0"),
-    (["sampler.audio_shift=-3"], "sampler.audio_shift is -3.0, and a sigma shift must be above 0"),
+    (["sampler.video_shift=0"], "sampler.video_shift is 0.0, and a sigma shift must be above 0 and finite"),
+    (["sampler.audio_shift=-3"], "sampler.audio_shift is -3.0, and a sigma shift must be above 0 and finite"),
+    (["sampler.video_shift=inf"], "sampler.video_shift is inf, and a sigma shift must be above 0 and finite"),
+    (["sampler.steps=1000000000"], "the sigma grid has 1000000000 points, more than h3gen runs (1000)"),
     (["sampler.sigma_positions=[0.5, 0.9, 0]"], "sampler.sigma_positions [0.5, 0.9, 0.0] is not a decreasing grid"),
     (["sampler.sigma_positions=[1.5, 0.5, 0]"], "sampler.sigma_positions [1.5, 0.5, 0.0] is not a decreasing grid"),
     (["encode.max_tokens=0"], "encode.max_tokens is 0, so every prompt would be over it"),
@@ -230,3 +234,12 @@ def test_a_bf16_preset_on_the_cpu_leaks_no_library_warning(prompts_file, tmp_pat
     result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--preset", "h3-exact", "--set",
                    "model.needs=any", "--set", "request.width=32", "--set", "request.height=32", check_code=0)
     assert "Warning" not in result.stderr and "warn(" not in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", ""], "--preset is empty (give a preset name or file, or leave --preset out)"),
+    (["--force", "--redo-conflicts"], "--force and --redo-conflicts both given"),
+])
+def test_options_that_cannot_mean_anything_together_are_refused(prompts_file, tmp_path, args, message):
+    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--dry-run", *args, check_code=2)
+    assert result.stderr.startswith(f"h3gen: error: {message}") and not (tmp_path / "out").exists()
