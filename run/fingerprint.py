@@ -126,8 +126,9 @@ def adapter_files(preset, model_root) -> list[Path]:
 
 @cache
 def model_identity(root: str) -> str:
-    """The repository's weights and configs without reading the weights: each file's path and size, the header of
-    each safetensors file, and the content of every other file up to 64 MiB. The repository's own path, which a
+    """The repository's weights and configs without reading every weight: each file's path and size, each
+    safetensors file's header and samples of its tensors (`file_summary`), and the content of every other file up to
+    64 MiB. The repository's own path, which a
     saved modular_model_index.json records for each component, counts as ".": the same model written in another
     cache folder is the same model, and so is one named by a relative path or through a link."""
     hashed = hashlib.sha256()
@@ -145,13 +146,27 @@ def model_identity(root: str) -> str:
     return hashed.hexdigest()[:16]
 
 
-def file_summary(path: Path) -> bytes:
+WHOLE_BYTES = 2**26  # a file up to this size is read whole
+SAMPLES, SAMPLE_BYTES = 8, 2**20  # a larger safetensors file: its header, then these spread over its tensors
+
+
+def file_summary(path: Path, whole_bytes: int = WHOLE_BYTES) -> bytes:
+    """What a file counts by: a safetensors file by its header and, past `whole_bytes`, evenly spread samples of
+    its tensor bytes, the last ending at the file's end (weights retrained at the same shapes differ there); any
+    other file whole, or past `whole_bytes` by its modification time."""
     size = path.stat().st_size
     with path.open("rb") as f:
-        if path.suffix == ".safetensors":
-            length = f.read(8)
-            return length + f.read(min(int.from_bytes(length, "little"), 2**27))
-        return f.read() if size <= 2**26 else str(path.stat().st_mtime_ns).encode()
+        if path.suffix != ".safetensors":
+            return f.read() if size <= whole_bytes else str(path.stat().st_mtime_ns).encode()
+        if size <= whole_bytes:
+            return f.read()
+        length = f.read(8)
+        summary = [length, f.read(min(int.from_bytes(length, "little"), 2**27))]
+        start = f.tell()
+        for i in range(SAMPLES):
+            f.seek(start + max(0, size - start - SAMPLE_BYTES) * i // (SAMPLES - 1))
+            summary.append(f.read(SAMPLE_BYTES))
+        return b"".join(summary)
 
 
 def file_digest(path: Path) -> str:

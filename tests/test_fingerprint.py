@@ -160,3 +160,28 @@ def test_the_same_model_in_another_cache_folder_is_the_same_model(tmp_path, tiny
     config.write_text(config.read_text().replace('"norm_eps": 1e-05', '"norm_eps": 1e-06'))
     fingerprint.model_identity.cache_clear()
     assert fingerprint.model_identity(str(elsewhere)) != fingerprint.model_identity(str(tiny_model))
+
+
+def test_weights_retrained_at_the_same_shapes_are_another_model(tmp_path, tiny_model):
+    """One byte of one tensor changed, 50 bytes before the file's end: same sizes, same headers, another model."""
+    copy = tmp_path / "flip"
+    shutil.copytree(tiny_model, copy)
+    weights = copy / "transformer" / "diffusion_pytorch_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-50] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    fingerprint.model_identity.cache_clear()
+    assert fingerprint.model_identity(str(copy)) != fingerprint.model_identity(str(tiny_model))
+
+
+def test_a_large_safetensors_file_counts_by_its_header_and_samples_reaching_its_end(tmp_path, tiny_model):
+    """Past the size read whole: the header and samples spread over the tensors, the last ending at the file's end."""
+    weights = tmp_path / "w.safetensors"
+    original = (tiny_model / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes()
+    weights.write_bytes(original)
+    summary = fingerprint.file_summary(weights, whole_bytes=1024)
+    assert summary != original and summary.startswith(original[:8])
+    data = bytearray(original)
+    data[-50] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert fingerprint.file_summary(weights, whole_bytes=1024) != summary
