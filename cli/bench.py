@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from h3gen.errors import UsageError
@@ -22,6 +23,8 @@ def parse_plan(presets, baseline, durations, size, repeat, warmup, stages, forwa
     for duration in seconds:  # as `h3gen render` checks a prompt's
         check_clip(duration, width, height, f"--durations {durations}", f"--size {size}")
     chosen = tuple(s.strip() for s in stages.split(",") if s.strip())
+    if not chosen:
+        raise UsageError(f"--stages {stages!r} names no stage", f"choose from {','.join(STAGES)}")
     unknown = set(chosen) - set(STAGES)
     if unknown:
         raise UsageError(f"unknown stage '{sorted(unknown)[0]}' in --stages", f"choose from {','.join(STAGES)}")
@@ -71,6 +74,10 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     resolved = [resolve(name, found, plan.overrides) for name in plan.presets]
     for preset in resolved:
         check_budget(preset.runtime["vram_gib"], pick_device(preset.runtime["device"]))
+        limit = getattr(preset.stages["encode"][1], "max_tokens", None)
+        if limit is not None and text_tokens > limit:
+            raise UsageError(f"--text-tokens {text_tokens} is over preset {preset.name}'s encoder limit of {limit}",
+                             f"give at most {limit}")
     if plan.baseline:  # [model] says what a preset is made for, not how it runs: --set model.needs=any reaches it
         resolved.append(resolve(plan.baseline, found, [s for s in plan.overrides if parse_override(s)[0] == "model"]))
     quiet_libraries()
@@ -93,3 +100,8 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     say(paths["md"].read_text())
     for path in paths.values():
         print(path)
+    failed = [record for record in json.loads(paths["json"].read_text())["records"]
+              if str(record.get("notes", "")).startswith("failed:")]
+    if failed:  # the others' numbers are written all the same
+        say(f"bench: {len(failed)} of the runs failed (their records' notes say why)")
+    return 1 if failed else 0

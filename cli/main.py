@@ -274,11 +274,12 @@ def bench(
 
     show_tracebacks(tracebacks)
     try:
-        run_bench_command(presets or ["h3-base"], baseline, durations, size, repeat, warmup, random_weights, model,
-                          stages, forwards, text_tokens, output, batch, warm_cache, baseline_clips,
-                          [*(sets or ()), *vram_setting(vram)], baseline_forwards)
+        code = run_bench_command(presets or ["h3-base"], baseline, durations, size, repeat, warmup, random_weights,
+                                 model, stages, forwards, text_tokens, output, batch, warm_cache, baseline_clips,
+                                 [*(sets or ()), *vram_setting(vram)], baseline_forwards)
     except H3genError as e:
         fail(from_model_variable(ctx, model, e))
+    raise typer.Exit(code)
 
 
 @app.command(cls=PlainCommand)

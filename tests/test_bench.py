@@ -246,3 +246,28 @@ def test_random_weights_made_on_read_keep_a_module_s_buffers_as_built():
     MadeOnRead(model, "cpu", seed=1).make_all()
     assert torch.equal(model.steps, torch.arange(4.0)) and model.weight.abs().sum() > 0
     assert not model.weight.requires_grad
+
+
+def test_a_bench_whose_run_failed_exits_1_with_the_others_numbers_written(tmp_path, monkeypatch):
+    from h3gen.bench import sweep
+    from h3gen.cli.bench import run_bench_command
+
+    def one_failed(plan, registry, source, random_weights, say):
+        return [dict(preset="tiny", baseline=False, duration_s=5.0, frames=124, size="32x32", stage="e2e",
+                     median_s=None, p95_s=None, repeats=0, per_forward_s=None, forwards=None, peak_gib=None,
+                     host_gib=None, rtf=None, dit_rel_err=None, vram_gib=None, gpus=0, layout="single",
+                     random_weights="tiny", notes="failed: ClipError: over the encoder limit")]
+
+    monkeypatch.setattr(sweep, "run_bench", one_failed)
+    code = run_bench_command(["tiny"], "none", "5", "32x32", 1, 0, "tiny", None, "encode", None, 8, tmp_path)
+    assert code == 1 and len(list(tmp_path.glob("*.json"))) == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--stages", ","], "--stages ',' names no stage (choose from encode,dit,vae,mux)"),
+    (["--text-tokens", "5000"], "--text-tokens 5000 is over preset tiny's encoder limit of 1024 (give at most 1024)"),
+])
+def test_bench_refuses_a_plan_that_cannot_measure_anything(tmp_path, args, message):
+    result = h3gen("bench", "--preset", "tiny", "--baseline", "none", "--random-weights", "tiny", "--durations", "5",
+                   "--size", "32x32", "-o", tmp_path / "results", *args, check_code=2)
+    assert result.stderr == f"h3gen: error: {message}\n" and not (tmp_path / "results").exists()
