@@ -109,6 +109,11 @@ class ModelRepo:
             if not any((folder / f).is_file() for f in CONFIG_ONLY[name]):
                 raise ModelError(f"{folder} has none of {', '.join(CONFIG_ONLY[name])}",
                                  "copy the complete folder from the repository")
+            # The vocabulary itself: without it the tokenizer loads empty and every prompt encodes to nothing.
+            if name == "tokenizer" and not (folder / "tokenizer.json").is_file() and not all(
+                    (folder / f).is_file() for f in ("vocab.json", "merges.txt")):
+                raise ModelError(f"{folder} has no tokenizer.json (nor vocab.json and merges.txt)",
+                                 "copy the complete folder from the repository")
             return
         if not (folder / "config.json").is_file():
             raise ModelError(f"{folder / 'config.json'} is missing", "copy the complete folder from the repository")
@@ -140,6 +145,7 @@ def load_component(name: str, loader, *args, **kwargs):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "meta tensor" in first:  # a module the config declares and the weights never filled
             first = "the weights lack tensors its config declares"
+        first = first.split(" If you want to instead overwrite")[0]  # diffusers' advice to load them anyway
         folder = Path(args[0]) if args and isinstance(args[0], (str, Path)) else None
         if folder is None or not (folder / "config.json").is_file():
             raise ModelError(f"cannot load {name}: {first[:300]}",

@@ -82,6 +82,7 @@ def test_shapes_that_do_not_match_the_config_exit_2(repo_copy, prompts_file, tmp
     result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--model", repo_copy, "--preset", "tiny")
     assert result.returncode == 2
     assert "cannot load transformer" in result.stderr and result.stderr.strip().count("\n") <= 2
+    assert "ignore_mismatched_sizes" not in result.stderr  # advice to load mismatched weights anyway
     assert not list((tmp_path / "out").glob("*.mp4"))
 
 
@@ -107,3 +108,11 @@ def test_a_config_that_does_not_match_its_weights_names_the_file(repo_copy, prom
     error = result.stderr.strip().splitlines()[-1]
     assert error.startswith("h3gen: error: ") and str(config) in error, error
     assert "meta tensor" not in error
+
+
+def test_a_tokenizer_without_its_vocabulary_is_refused_before_loading(repo_copy, prompts_file, tmp_path):
+    (repo_copy / "tokenizer" / "tokenizer.json").unlink()
+    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--model", repo_copy, "--preset", "tiny",
+                   "--dry-run", check_code=2)
+    assert result.stderr == (f"h3gen: error: {repo_copy / 'tokenizer'} has no tokenizer.json (nor vocab.json and "
+                             "merges.txt) (copy the complete folder from the repository)\n")
