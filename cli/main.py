@@ -290,7 +290,8 @@ def validate(
                                                           "problems.")] = False,
 ):
     """Check that clips are valid: H.264 at 24 fps, AAC stereo 32 kHz, matching durations, not blank or silent.
-    Every file is checked; exit 0 when all are valid, 1 when one is not, 2 when one does not exist.
+    Every file is checked; exit 0 when all are valid, 1 when one is not, 2 when one does not exist (or is a
+    directory).
 
     \b
     Example:
@@ -303,9 +304,10 @@ def validate(
 
     bad = missing = 0
     for path in files:
-        if not path.exists():
+        if not path.exists() or path.is_dir():  # not a clip at all: as a file that is not there
             missing += 1
-            problems = ["does not exist"]
+            problems = ["does not exist" if not path.exists() else
+                        f"is a directory (name its clips, e.g. {shown(str(path / '*.mp4'))})"]
         else:
             problems = validate_clip(path, expected_frames=frames)
         bad += bool(problems)

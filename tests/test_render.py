@@ -93,3 +93,10 @@ def test_validate_command_reports_bad_files(tmp_path):
     bad.write_bytes(b"not a video")
     result = h3gen("validate", bad)
     assert result.returncode == 1 and "INVALID" in result.stderr
+
+
+def test_validate_of_a_directory_says_to_name_its_clips(tmp_path):
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    result = h3gen("validate", folder, check_code=2)
+    assert result.stderr == f"{folder}: INVALID: is a directory (name its clips, e.g. {folder / '*.mp4'})\n"
