@@ -126,11 +126,10 @@ def adapter_files(preset, model_root) -> list[Path]:
 
 @cache
 def model_identity(root: str) -> str:
-    """The repository's weights and configs without reading every weight: each file's path and size, each
-    safetensors file's header and samples of its tensors (`file_summary`), and the content of every other file up to
-    64 MiB. The repository's own path, which a
-    saved modular_model_index.json records for each component, counts as ".": the same model written in another
-    cache folder is the same model, and so is one named by a relative path or through a link."""
+    """The repository's weights and configs without reading every weight: each file's path and size, and what
+    `file_summary` reads of it. The repository's own path, which a saved modular_model_index.json records for each
+    component, counts as ".": the same model written in another cache folder is the same model, and so is one named
+    by a relative path or through a link."""
     hashed = hashlib.sha256()
     base = Path(root)
     owns = sorted({json.dumps(str(form))[1:-1].encode() for form in (base.absolute(), base.resolve())}, key=len,
@@ -151,9 +150,9 @@ SAMPLES, SAMPLE_BYTES = 8, 2**20  # a larger safetensors file: its header, then 
 
 
 def file_summary(path: Path, whole_bytes: int = WHOLE_BYTES) -> bytes:
-    """What a file counts by: a safetensors file by its header and, past `whole_bytes`, evenly spread samples of
-    its tensor bytes, the last ending at the file's end (weights retrained at the same shapes differ there); any
-    other file whole, or past `whole_bytes` by its modification time."""
+    """What a file counts by: up to `whole_bytes`, all of it; past that, a safetensors file by its header and
+    samples spread over its tensor bytes, the last ending at the file's end (weights retrained at the same shapes
+    differ there), any other file by its modification time."""
     size = path.stat().st_size
     with path.open("rb") as f:
         if path.suffix != ".safetensors":
