@@ -101,6 +101,14 @@ StrictPlugins = Annotated[bool, typer.Option("--strict-plugins", callback=strict
                                                   "H3GEN_STRICT_PLUGINS=1).")]
 
 
+def output_directory(text: str | Path) -> Path:
+    """-o as given: an empty one (an unset variable in a script, `-o "$OUT"`) is refused rather than read as `.`;
+    the default comes as a Path already."""
+    if isinstance(text, str) and not text.strip():
+        fail(UsageError("-o is empty", "give the directory to write to; for this one, -o ."))
+    return Path(text)
+
+
 def vram_setting(text: str | None) -> list[str]:
     """`--vram` as the override it stands for: a number of GiB, with G, GB or GiB after it or not (a card sold as
     24 GB has 24 GiB)."""
@@ -132,7 +140,7 @@ def render(
     ctx: typer.Context,
     prompts: Annotated[Path, typer.Argument(metavar="PROMPTS",
                                             help="Prompts file: one prompt per line, or JSON Lines.")],
-    output: Annotated[Path, typer.Option("-o", "--output", metavar="DIR",
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="DIR", parser=output_directory,
                                          help="Directory the MP4s are written to.")] = Path("out"),
     preset: Annotated[Optional[str], typer.Option("--preset", metavar="NAME|FILE", autocompletion=preset_names,
                                                   help="Preset name or TOML file (default: h3-base with "
@@ -242,7 +250,7 @@ def bench(
                                                          "count.")] = None,
     text_tokens: Annotated[int, typer.Option("--text-tokens", metavar="N", min=1,
                                              help="Prompt length in tokens.")] = 256,
-    output: Annotated[Path, typer.Option("-o", "--output", metavar="DIR",
+    output: Annotated[Path, typer.Option("-o", "--output", metavar="DIR", parser=output_directory,
                                          help="Results directory.")] = Path("bench/results"),
     batch: Annotated[Optional[int], typer.Option("--batch", metavar="N", min=1,
                                                  help="Render N clips per preset as `render` does and time the batch "

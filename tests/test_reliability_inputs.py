@@ -243,3 +243,12 @@ def test_a_bf16_preset_on_the_cpu_leaks_no_library_warning(prompts_file, tmp_pat
 def test_options_that_cannot_mean_anything_together_are_refused(prompts_file, tmp_path, args, message):
     result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--dry-run", *args, check_code=2)
     assert result.stderr.startswith(f"h3gen: error: {message}") and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", [["render", "PROMPTS", "--dry-run"], ["bench", "--preset", "tiny"]])
+def test_an_empty_output_directory_is_refused_not_read_as_the_current_one(prompts_file, tmp_path, command):
+    """`-o "$OUT"` with OUT unset: refused, nothing written where the command ran."""
+    args = [str(prompts_file("a fox\n")) if arg == "PROMPTS" else arg for arg in command]
+    result = h3gen(*args, "-o", "", cwd=tmp_path, check_code=2)
+    assert result.stderr == "h3gen: error: -o is empty (give the directory to write to; for this one, -o .)\n"
+    assert result.stdout == ""
