@@ -50,6 +50,12 @@ class ArrivingMedia:
             self._audio = audio
             self._changed.notify_all()
 
+    @property
+    def finished(self) -> bool:
+        """The decode has handed over the audio, or failed."""
+        with self._changed:
+            return self._audio is not None or self._error is not None
+
     def fail(self, error: BaseException) -> None:
         with self._changed:
             self._error = error

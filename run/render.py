@@ -244,6 +244,7 @@ class Renderer:
                 if job is None:  # the mux runs in line, after the decode: it takes the finished frames
                     clip.arriving = None
             clip = self.stages["vae"](clip)
+            check_media(clip, self.stages["vae"])
             clip.drop_tensors(keep_media=True)  # the device's share goes now; the mux needs only frames and audio
             clip.peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
             if job is None and mux.background:
@@ -360,6 +361,18 @@ def load(stage, repo) -> None:
     except Exception as e:
         raise stage.failed(f"failed to load: {type(e).__name__}: {e}",
                            "rerun with --traceback for where; fix the stage, or pick another in the preset") from e
+
+
+def check_media(clip: Clip, vae) -> None:
+    """What the decode hands the mux is there: a vae that returns without it is named, not the mux that trips on it."""
+    if clip.arriving is not None:
+        missing = [] if clip.arriving.finished else ["finishing clip.arriving (its audio)"]
+    else:
+        missing = [f"clip.{name}" for name in ("frames", "audio") if getattr(clip, name) is None]
+    if missing:
+        raise vae.failed(f"returned the clip without {' or '.join(missing)}",
+                         "a vae's run(clip) sets clip.frames (uint8 (T, H, W, 3)) and clip.audio (float32 (2, N)), "
+                         "or hands them over through clip.arriving: docs/plugins.md")
 
 
 def file_state(path: Path):

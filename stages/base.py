@@ -97,6 +97,9 @@ class Stage:
         if not isinstance(result, Clip):
             raise self.failed(f"returned {type(result).__name__} from run(), not the clip",
                               "run(clip) must return the clip it was given (or a copy), with its fields set")
+        if self.kind == "mux" and not result.path.is_file():
+            raise self.failed(f"returned without writing {result.path}",
+                              "a mux's run(clip) writes the MP4 at clip.path (h3gen.stages.mux.write_mp4 does it whole)")
         return result
 
     def failed(self, what: str, fix: str = "") -> StageFailed:

@@ -48,6 +48,8 @@ class Faulty(FrameFilter):
             return None
         if clip.request.id == "bad" and self.config.fault == "raise":
             raise ValueError("boom in run")
+        if clip.request.id == "bad" and self.config.fault == "skip":
+            return clip  # no decode: no frames, nothing handed over
         return super().run(clip)
 
     def unload(self):
@@ -85,6 +87,56 @@ def test_a_stage_that_breaks_its_run_costs_its_clip_named(faulty, prompts_file, 
     assert f"failed bad.mp4 (line 1): {message}" in result.stderr
     assert "Traceback" not in result.stderr and "1 of 2 clips written" in result.stderr
     assert sorted(p.name for p in (tmp_path / "out").glob("*.mp4")) == ["good.mp4"]
+
+
+@pytest.mark.parametrize("decode, workers, missing", [
+    ("reference", 2, "clip.frames or clip.audio"),
+    ("fast", 0, "clip.frames or clip.audio"),
+    ("fast", 2, "finishing clip.arriving (its audio)"),  # the mux started with the decode: it is not left waiting
+])
+def test_a_vae_that_hands_on_no_frames_is_named_not_the_mux(faulty, prompts_file, tmp_path, decode, workers, missing):
+    result = render(faulty, prompts_file, tmp_path, "skip", "--set", f"vae.wraps.use={decode}",
+                    "--set", f"mux.workers={workers}")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert (f"failed bad.mp4 (line 1): vae stage 'faulty' (from plugin 'faulty') returned the clip without {missing} "
+            "(a vae's run(clip) sets clip.frames") in result.stderr
+    assert "mux stage" not in result.stderr and "1 of 2 clips written" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.mp4")) == ["good.mp4"]
+
+
+NO_WRITE = '''
+import dataclasses
+from h3gen.plugins.hookspecs import hookimpl
+from h3gen.stages.base import Stage
+
+
+@dataclasses.dataclass
+class NoWriteConfig:
+    pass
+
+
+class NoWrite(Stage):
+    kind, name = "mux", "nowrite"
+    Config = NoWriteConfig
+
+    def run(self, clip):
+        return clip
+
+
+@hookimpl
+def h3gen_register_stages(register):
+    register(NoWrite)
+'''
+
+
+def test_a_mux_that_writes_no_file_fails_its_clip(tmp_path, prompts_file):
+    env = install(tmp_path / "site", "nowrite", NO_WRITE)
+    out = tmp_path / "out"
+    result = h3gen("render", prompts_file(PROMPTS), "-o", out, "--set", "mux.use=nowrite", env=env, check_code=1)
+    assert (f"failed bad.mp4 (line 1): mux stage 'nowrite' (from plugin 'nowrite') returned without writing "
+            f"{out / 'bad.mp4'} (a mux's run(clip) writes the MP4 at clip.path") in result.stderr
+    assert "0 of 2 clips written" in result.stderr
+    assert '"status": "ok"' not in (out / "manifest.jsonl").read_text()
 
 
 @pytest.mark.parametrize("fault, what", [("init", "failed to start: KeyError: 'no such knob'"),
