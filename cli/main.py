@@ -365,7 +365,10 @@ def compare(
                 refused.append(e)
                 typer.echo(f"note: {shown(e.problem)}; not compared", err=True)
         if not records:
-            raise refused[-1]
+            if len(refused) == 1:
+                raise refused[0]
+            raise UsageError(f"none of the {len(refused)} matched pairs of {a} and {b} could be compared (the notes "
+                             "above say why)", "compare folders rendered from one prompts file at one size and duration")
     except H3genError as e:
         fail(e)
     compare_table(records)

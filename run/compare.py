@@ -38,8 +38,9 @@ def pairs(a: Path, b: Path) -> tuple[list[tuple[Path, Path]], list[Path]]:
     for path in (a, b):
         if not path.exists():
             raise UsageError(f"{path} does not exist", "compare two MP4s, or two directories of them")
-        if not path.is_file():
-            raise UsageError(f"{path} is not an MP4 file", "compare two MP4s, or two directories of them")
+    for path, other in ((a, b), (b, a)):
+        if path.is_dir():
+            raise UsageError(f"{path} is a directory and {other} a file", "compare two MP4s, or two directories of them")
     return [(a, b)], []
 
 

@@ -97,3 +97,26 @@ def test_a_file_that_is_not_an_mp4_is_refused(tmp_path):
     text.write_text("not a video\n")
     result = h3gen("compare", text, clip(tmp_path / "a.mp4", 1), check_code=2)
     assert result.stderr.count("\n") == 1 and "cannot read" in result.stderr and "as an MP4" in result.stderr
+
+
+def test_when_no_pair_of_two_folders_can_be_compared_the_last_line_says_so(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for name in ("one.mp4", "two.mp4"):
+        clip(a / name, 1), clip(b / name, 1, frames=39)
+    result = h3gen("compare", a, b, check_code=2)
+    assert result.stderr.count("not compared") == 2
+    assert result.stderr.splitlines()[-1] == (
+        f"h3gen: error: none of the 2 matched pairs of {a} and {b} could be compared (the notes above say why) "
+        "(compare folders rendered from one prompts file at one size and duration)")
+
+
+@pytest.mark.parametrize("order", ["folder first", "folder second"])
+def test_a_missing_or_mismatched_argument_is_the_one_named(tmp_path, order):
+    folder, missing = tmp_path / "out", tmp_path / "nonexist"
+    clip(folder / "a.mp4", 1)
+    args = (folder, missing) if order == "folder first" else (missing, folder)
+    assert f"{missing} does not exist" in h3gen("compare", *args, check_code=2).stderr
+    single = folder / "a.mp4"
+    args = (folder, single) if order == "folder first" else (single, folder)
+    result = h3gen("compare", *args, check_code=2)
+    assert result.stderr.count("\n") == 1 and f"{folder} is a directory and {single} a file" in result.stderr
