@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 
 from h3gen import __version__
@@ -102,5 +103,11 @@ def write_results(records: list[dict], out_dir: Path, stem: str | None = None) -
     paths = {ext: out_dir / f"{stem}.{ext}" for ext in ("json", "md", "png")}
     paths["json"].write_text(json.dumps(result, indent=1) + "\n")
     paths["md"].write_text(markdown(result))
-    chart(result, paths["png"])
+    try:
+        import matplotlib  # noqa: F401  the chart's one dependency, in the `bench` extra
+    except ImportError:
+        print("bench: no chart: matplotlib is not installed (pip install 'h3gen[bench]')", file=sys.stderr)
+        del paths["png"]
+    else:
+        chart(result, paths["png"])
     return paths

@@ -271,3 +271,15 @@ def test_bench_refuses_a_plan_that_cannot_measure_anything(tmp_path, args, messa
     result = h3gen("bench", "--preset", "tiny", "--baseline", "none", "--random-weights", "tiny", "--durations", "5",
                    "--size", "32x32", "-o", tmp_path / "results", *args, check_code=2)
     assert result.stderr == f"h3gen: error: {message}\n" and not (tmp_path / "results").exists()
+
+
+def test_bench_without_matplotlib_writes_its_records_and_says_why_there_is_no_chart(tmp_path):
+    hidden = tmp_path / "hidden" / "matplotlib"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('matplotlib is hidden here')\n")
+    result = h3gen("bench", "--preset", "tiny", "--baseline", "none", "--durations", "5", "--size", "32x32",
+                   "--repeat", "1", "--random-weights", "tiny", "--forwards", "1", "-o", tmp_path / "out",
+                   env={"PYTHONPATH": str(hidden.parent)}, check_code=0)
+    assert [p.rsplit(".", 1)[1] for p in result.stdout.split()] == ["json", "md"]
+    assert "bench: no chart: matplotlib is not installed (pip install 'h3gen[bench]')" in result.stderr
+    assert not list((tmp_path / "out").glob("*.png"))
