@@ -134,6 +134,7 @@ class Renderer:
         self.claim_on_device = None
         self.cache_problem_said = False  # the embedding cache's write problem, said once a run
         self.results = []  # every clip this renderer finished, in the order their manifest lines were written
+        self.bytes_per_pixel = 0.0  # the least an MP4 of this run took per pixel of its frames (check_disk)
 
     def render(self, requests: list[Request], out_dir: Path, save_latents: bool = False,
                redo: str = "") -> Iterator[ClipResult]:
@@ -234,7 +235,7 @@ class Renderer:
         error, mux, job = "", self.stages["mux"], None
         before = file_state(clip.path)  # a mux that fails after writing the file takes it back
         try:
-            check_disk(self.out_dir, clip.request)
+            check_disk(self.out_dir, clip.request, self.bytes_per_pixel)
             clip = self.stages["sampler"](clip)
             if self.save_latents:
                 write_latents(clip)
@@ -310,8 +311,18 @@ class Renderer:
                             fingerprint=fingerprint.digest(clip.fingerprint) if clip.fingerprint else "",
                             memory_plan=self.memory_plan)
         result = outputs.recorded(self.out_dir, result, self.preset.name)
+        if status == "" and ok:
+            self.learn_size(clip)
         self.reporter.clip_done(result)
         return result
+
+    def learn_size(self, clip: Clip) -> None:
+        request = clip.request
+        try:
+            size = clip.path.stat().st_size / (request.frames * request.width * request.height)
+        except OSError:
+            return
+        self.bytes_per_pixel = min(self.bytes_per_pixel, size) if self.bytes_per_pixel else size
 
     def close(self, discard: bool = False) -> list[ClipResult]:
         """Wait for background muxes, or with `discard` (a signal) stop them; the results of the clips that were
@@ -431,8 +442,8 @@ def debugging() -> bool:
 
 
 OOM_HINT = "out of GPU memory (try --vram with less than the GPU has so DiT blocks stream, an FP8 preset, fewer frames or a smaller size)"
-# Generous for H.264 at the presets' CRF (real clips take well under a byte per pixel), plus the soundtrack.
-MP4_BYTES_PER_PIXEL, AUDIO_BYTES = 0.5, 2**20
+# Less than any MP4 of a request takes: a black 10 s 1344x768 clip with a silent soundtrack is 21 KB.
+MP4_FLOOR_BYTES = 64 * 2**10
 
 
 def already_done(request: Request, out_dir: Path, preset: str, save_latents: bool,
@@ -480,20 +491,27 @@ def to_render(found: ClipResult | None) -> bool:
     return found is None or found.status == "damaged"
 
 
-def check_disk(out_dir: Path, request: Request) -> None:
-    """Fail a clip before it spends GPU time when its MP4 cannot fit on the disk."""
-    need = int(request.frames * request.width * request.height * MP4_BYTES_PER_PIXEL) + AUDIO_BYTES
+def check_disk(out_dir: Path, request: Request, bytes_per_pixel: float = 0.0) -> None:
+    """Fail a clip before it spends GPU time when its MP4 cannot fit on the disk: less is free than any MP4 takes, or
+    than the clip would take at `bytes_per_pixel`, the least this run's written clips took. Short of that the clip is
+    rendered, and a disk that fills while it is written fails the clip with nothing partial left (the atomic write)."""
+    pixels = request.frames * request.width * request.height
+    need = max(MP4_FLOOR_BYTES, int(pixels * bytes_per_pixel))
     free = shutil.disk_usage(out_dir).free
     if free < need:
         free_text, need_text = sizes_that_differ(free, need)
-        raise ClipError(f"only {free_text} free in {out_dir}, the clip needs up to {need_text}",
+        size = f"at least {need_text}" if need == MP4_FLOOR_BYTES else f"about {need_text} as this run's clips do"
+        raise ClipError(f"only {free_text} free in {out_dir}, the clip needs {size}",
                         "free disk space; a rerun redoes only the clips that are missing")
 
 
 def sizes_that_differ(a: int, b: int) -> tuple[str, str]:
-    """Both sizes in MiB, with as many decimals as it takes for two different sizes to read differently."""
+    """Both sizes in the larger one's unit (KiB, MiB or GiB), with as many decimals as it takes for two different
+    sizes to read differently."""
+    unit, scale = next((unit, scale) for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+                       if max(a, b) >= scale or unit == "KiB")
     for decimals in range(4):
-        texts = f"{a / 2**20:.{decimals}f} MiB", f"{b / 2**20:.{decimals}f} MiB"
+        texts = f"{a / scale:.{decimals}f} {unit}", f"{b / scale:.{decimals}f} {unit}"
         if texts[0] != texts[1]:
             return texts
     return f"{a:,} bytes", f"{b:,} bytes"

@@ -155,7 +155,12 @@ def test_the_disk_check_shows_sizes_that_differ(tmp_path, monkeypatch):
     from h3gen.inputs.request import Request
     from h3gen.run.render import check_disk
 
-    tiny_clip = Request(index=0, prompt="x", seed=0, width=32, height=32, frames=124)  # needs 1.06 MiB
+    from h3gen.run.render import sizes_that_differ
+
+    tiny_clip = Request(index=0, prompt="x", seed=0, width=32, height=32, frames=124)  # needs 1.06 MiB at 8.75
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 2**20, 2**20))
-    with pytest.raises(ClipError, match=r"only 1\.0 MiB free in .*, the clip needs up to 1\.1 MiB"):
-        check_disk(tmp_path, tiny_clip)
+    with pytest.raises(ClipError, match=r"only 1\.0 MiB free in .*, the clip needs about 1\.1 MiB"):
+        check_disk(tmp_path, tiny_clip, bytes_per_pixel=8.75)
+    assert sizes_that_differ(300 * 2**10, 600 * 2**10) == ("300 KiB", "600 KiB")
+    assert sizes_that_differ(512, 100 * 2**10) == ("0 KiB", "100 KiB")
+    assert sizes_that_differ(3 * 2**30, 2**20) == ("3 GiB", "0 GiB")

@@ -361,10 +361,30 @@ def test_a_clip_that_cannot_fit_on_the_disk_fails_before_it_renders(tmp_path, mo
 
     clip = Request(index=0, prompt="x", seed=0, width=1344, height=768, frames=243)
     check_disk(tmp_path, clip)
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 2**20, 2**20))
+    free = 32 * 2**10
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - free, free))
     with pytest.raises(ClipError,
-                       match=f"only 1 MiB free in {tmp_path}, the clip needs up to 121 MiB \\(free disk space"):
+                       match=f"only 32 KiB free in {tmp_path}, the clip needs at least 64 KiB \\(free disk space"):
         check_disk(tmp_path, clip)
+    free = 2**20  # room for an MP4, but not for one the size per pixel of this run's clips
+    check_disk(tmp_path, clip)
+    with pytest.raises(ClipError, match=f"only 1 MiB free in {tmp_path}, the clip needs about 12 MiB as this run's"):
+        check_disk(tmp_path, clip, bytes_per_pixel=0.05)
+
+
+def test_a_run_learns_the_least_its_clips_take_per_pixel(tmp_path):
+    from types import SimpleNamespace
+
+    from h3gen.inputs.request import Request
+    from h3gen.run.render import Renderer
+
+    renderer = SimpleNamespace(bytes_per_pixel=0.0)
+    for size in (3000, 1000, 2000):
+        path = tmp_path / f"{size}.mp4"
+        path.write_bytes(b"x" * size)
+        Renderer.learn_size(renderer, SimpleNamespace(path=path, request=Request(
+            index=0, prompt="x", seed=0, width=10, height=10, frames=10)))
+    assert renderer.bytes_per_pixel == 1.0
 
 
 # -- signals and resuming -------------------------------------------------------------------------------------------
