@@ -450,7 +450,7 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
                  run_fields: dict, redo: str = "") -> ClipResult | None:
     """What a run does with a clip whose file may be there: None when it is not (render it); skipped when it was
     rendered with the same fingerprint and validates for this request, so a rerun resumes; a conflict (left alone)
-    when it was rendered with other settings or is a whole MP4 h3gen did not write; damaged (rendered again, see
+    when it was rendered with other settings or is a whole MP4 h3gen did not stamp; damaged (rendered again, see
     `to_render`) when it does not validate and is h3gen's or cut short. `redo` (RunSettings.redo): "all" renders
     every clip again (None), "conflicts" those h3gen stamped with other settings (a file it did not stamp stays)."""
     from h3gen.run.validate import box_problem, validate_clip
@@ -466,12 +466,12 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
                                                          "rendered with different settings", REDO_HINT)
     problems = validate_clip(path, expected_frames=request.frames)
     if problems and stored is None and not box_problem(path):
-        return conflict(request, path, wanted, problems, "a whole MP4 h3gen did not write")
+        return conflict(request, path, wanted, problems, "a whole MP4 h3gen did not stamp")
     if problems:  # the atomic write replaces it only once the new file is whole
         return ClipResult(request, path, False, {}, 0.0, status="damaged",
                           error=f"there but damaged: {problems[0]}; rendered again")
-    if stored is None:  # a clip from before fingerprints
-        return conflict(request, path, wanted, settings, "rendered with different settings")
+    if stored is None:  # whole, but without h3gen's stamp: another tool's file, or an older h3gen's
+        return conflict(request, path, wanted, ["no h3gen stamp in its metadata"], "a whole MP4 h3gen did not stamp")
     return ClipResult(request, path, True, {}, 0.0, skipped=True, fingerprint=fingerprint.digest(wanted))
 
 

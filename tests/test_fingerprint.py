@@ -84,13 +84,31 @@ def test_a_whole_mp4_h3gen_did_not_write_is_left_alone(prompts_file, tmp_path):
     before = (out / "drums.mp4").read_bytes()
     planned = h3gen("render", prompts_file('{"id": "drums", "prompt": "drums"}\n'), "-o", out, "--dry-run",
                     check_code=1)
-    assert re.match(r"conflict +\S+drums\.mp4: exists, a whole MP4 h3gen did not write \(.*\); --force to redo",
+    assert re.match(r"conflict +\S+drums\.mp4: exists, a whole MP4 h3gen did not stamp \(.*\); --force to redo",
                     planned.stdout.strip()), planned.stdout
     assert (out / "drums.mp4").read_bytes() == before
     # --redo-conflicts renders again only the clips h3gen stamped: a file of the user's own stays
     kept = h3gen("render", prompts_file('{"id": "drums", "prompt": "drums"}\n'), "-o", out, "--redo-conflicts",
                  check_code=1)
-    assert "a whole MP4 h3gen did not write" in kept.stderr and (out / "drums.mp4").read_bytes() == before
+    assert "a whole MP4 h3gen did not stamp" in kept.stderr and (out / "drums.mp4").read_bytes() == before
+
+
+def test_a_valid_clip_without_the_stamp_is_not_said_to_be_from_other_settings(prompts_file, tmp_path):
+    import av
+
+    prompts, out = prompts_file('{"id": "drums", "prompt": "drums"}\n'), tmp_path / "out"
+    h3gen("render", prompts, "-o", out, check_code=0)
+    stamped, bare = out / "drums.mp4", tmp_path / "bare.mp4"
+    with av.open(str(stamped)) as source, av.open(str(bare), "w") as copy:  # the same streams, no metadata
+        streams = {s.index: copy.add_stream_from_template(s) for s in source.streams}
+        for packet in source.demux():
+            if packet.dts is not None:
+                packet.stream = streams[packet.stream.index]
+                copy.mux(packet)
+    bare.replace(stamped)
+    planned = h3gen("render", prompts, "-o", out, "--dry-run", check_code=1).stdout.strip()
+    assert re.match(r"conflict +\S+drums\.mp4: exists, a whole MP4 h3gen did not stamp \(no h3gen stamp in its "
+                    r"metadata\); --force to redo", planned), planned
 
 
 def test_redo_conflicts_renders_only_the_clips_from_other_settings(tmp_path):
