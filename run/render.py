@@ -456,9 +456,12 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
     from h3gen.run.validate import box_problem, validate_clip
 
     path = out_dir / clip_name(request, preset)
+    wanted = fingerprint.clip_fields(run_fields, request)
+    if path.exists() and not path.is_file():  # no clip can be written there, --force or not
+        return conflict(request, path, wanted, ["a directory" if path.is_dir() else "a special file"], "not a file",
+                        "move it away, or -o elsewhere")
     if redo == "all" or not path.is_file() or save_latents and not latents_path(path).is_file():
         return None
-    wanted = fingerprint.clip_fields(run_fields, request)
     stored = fingerprint.read_stamp(path)
     settings = fingerprint.differences(stored, wanted)
     if stored is not None and settings:  # a changed duration too: not a clip of the wrong length to replace

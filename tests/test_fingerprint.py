@@ -5,6 +5,8 @@ import json
 import re
 import shutil
 
+import pytest
+
 from conftest import h3gen
 from h3gen.run import fingerprint
 
@@ -203,3 +205,16 @@ def test_a_large_safetensors_file_counts_by_its_header_and_samples_reaching_its_
     data[-50] ^= 0xFF
     weights.write_bytes(bytes(data))
     assert fingerprint.file_summary(weights, whole_bytes=1024) != summary
+
+
+@pytest.mark.parametrize("flag", [[], ["--force"]])
+def test_a_directory_where_the_clip_goes_is_a_conflict_before_anything_renders(prompts_file, tmp_path, flag):
+    prompts, out = prompts_file('{"id": "dog", "prompt": "a dog"}\n{"id": "cat", "prompt": "a cat"}\n'), tmp_path / "out"
+    (out / "dog.mp4").mkdir(parents=True)
+    planned = h3gen("render", prompts, "-o", out, "--dry-run", *flag, check_code=1).stdout.splitlines()
+    assert re.match(r"conflict +\S+dog\.mp4: exists, not a file \(a directory\); move it away, or -o elsewhere$",
+                    planned[0]), planned
+    result = h3gen("render", prompts, "-o", out, "--json", *flag, check_code=1)
+    assert [(r["id"], r["status"]) for r in map(json.loads, result.stdout.splitlines())] == [("dog", "conflict"),
+                                                                                            ("cat", "ok")]
+    assert "sampler" not in json.loads(result.stdout.splitlines()[0]).get("seconds", {})
