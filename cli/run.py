@@ -47,7 +47,13 @@ def _run_render(settings: RunSettings) -> int:
     if settings.dry_run:  # refused as the run would be
         return dry_run(prepare(settings, preset, found, reporter_for, check_layout=layout), settings)
     if layout is not None:
-        return launch_workers(prepare(settings, preset, found, check_layout=layout), settings, WORKER_ENTRY)
+        from h3gen.run.loop import remove_if_empty
+
+        batch = prepare(settings, preset, found, check_layout=layout)
+        try:
+            return launch_workers(batch, settings, WORKER_ENTRY)
+        finally:
+            remove_if_empty(batch.created)  # workers that wrote nothing (they failed to load, say) leave no directory
     return render_batch(settings, preset, found, reporter_for)
 
 

@@ -147,6 +147,9 @@ def load_component(name: str, loader, *args, **kwargs):
             first = "the weights lack tensors its config declares"
         first = first.split(" If you want to instead overwrite")[0]  # diffusers' advice to load them anyway
         folder = Path(args[0]) if args and isinstance(args[0], (str, Path)) else None
+        if folder is not None and folder.is_dir():  # a file of it that is not JSON is the likeliest cause: named
+            for path in sorted(folder.glob("*.json")):
+                read_json_object(path)
         if folder is None or not (folder / "config.json").is_file():
             raise ModelError(f"cannot load {name}: {first[:300]}",
                              "check that the folder matches the repository (config and weights of one release)") from e

@@ -81,6 +81,7 @@ class Batch:
     reporter: object
     run_fields: dict  # the fingerprint fields every clip shares (h3gen.run.fingerprint)
     memory_plan: object = None  # h3gen.run.budget.MemoryPlan on a GPU, None on the CPU
+    created: list = dataclasses.field(default_factory=list)  # the output directories the run made (innermost first)
 
 
 def silent(total: int, json_out: bool, preset: str) -> SilentReporter:
@@ -105,6 +106,10 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
         clear_leftovers(requests, settings.output, preset.name)
         # Clips are numbered by their place in the whole file, so [i/n] means the same in every shard.
         reporter = make_reporter(len(every), settings.json_out, preset.name)
+        if settings.shard and not requests:
+            index, count = settings.shard
+            reporter.say(f"h3gen: shard {index}/{count} holds none of the {len(every)} prompt(s) of "
+                         f"{settings.prompts} (prompt k of the file, from 0, goes to shard k mod {count}): nothing to do")
         check_plugins(found, settings.strict_plugins, reporter)
         repo = model_repo(settings.model, reporter)
         check_model_kind(preset, repo, settings.model is None)
@@ -124,7 +129,7 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
         remove_if_empty(created)  # nor does a dry run
     from h3gen.run.fingerprint import run_fields
 
-    return Batch(preset, found, requests, repo, reporter, run_fields(preset, found, repo), memory_plan)
+    return Batch(preset, found, requests, repo, reporter, run_fields(preset, found, repo), memory_plan, created)
 
 
 def remove_if_empty(created: list[Path]) -> None:
@@ -280,15 +285,18 @@ def render_batch(settings: RunSettings, preset, found, make_reporter) -> int:
     finished = {result.request.index for result in results}
     pending = [request for request in requests if request.index not in finished]
     stopped = None
-    if pending:  # weights load only when there is something to render
-        note_tiny(settings, reporter)
-        reporter.say(f"h3gen: {len(pending)} clip(s) to render, preset {preset.name}, model {batch.repo.root}")
-        try:
-            results += render_pending(pending, settings, preset, found, batch.repo, reporter,
-                                      memory_plan=batch.memory_plan)
-        except Interrupted as stop:
-            results += stop.results
-            stopped = stop
+    try:
+        if pending:  # weights load only when there is something to render
+            note_tiny(settings, reporter)
+            reporter.say(f"h3gen: {len(pending)} clip(s) to render, preset {preset.name}, model {batch.repo.root}")
+            try:
+                results += render_pending(pending, settings, preset, found, batch.repo, reporter,
+                                          memory_plan=batch.memory_plan)
+            except Interrupted as stop:
+                results += stop.results
+                stopped = stop
+    finally:
+        remove_if_empty(batch.created)  # a run that wrote nothing (it failed to load, say) leaves no directory
     return report_end(reporter, results, len(requests), stopped)
 
 

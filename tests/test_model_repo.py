@@ -116,3 +116,13 @@ def test_a_tokenizer_without_its_vocabulary_is_refused_before_loading(repo_copy,
                    "--dry-run", check_code=2)
     assert result.stderr == (f"h3gen: error: {repo_copy / 'tokenizer'} has no tokenizer.json (nor vocab.json and "
                              "merges.txt) (copy the complete folder from the repository)\n")
+
+
+def test_a_corrupt_tokenizer_file_is_named(repo_copy, prompts_file, tmp_path):
+    broken = repo_copy / "tokenizer" / "tokenizer.json"
+    broken.write_text('{"version": \n')
+    out = tmp_path / "out"
+    result = h3gen("render", prompts_file("x\n"), "-o", out, "--model", repo_copy, "--preset", "tiny", check_code=2)
+    assert result.stderr.splitlines()[-1].startswith(f"h3gen: error: {broken} is not valid JSON ("), result.stderr
+    assert result.stderr.splitlines()[-1].endswith("(re-download this file from the repository)")
+    assert not out.exists()  # the run made the folder and wrote nothing: it goes again

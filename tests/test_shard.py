@@ -47,3 +47,12 @@ def test_one_process_run_renders_its_shard_only(prompts_file, tmp_path):
 
     (request,) = shard_requests(read_prompts(prompts, 0, DEFAULTS), (1, 2))
     assert [p.name for p in out.glob("*.mp4")] == [clip_name(request, "tiny")]
+
+
+@pytest.mark.parametrize("dry", [[], ["--dry-run"], ["--cpu-workers", "2"]])
+def test_an_empty_shard_says_so_and_leaves_no_directory(prompts_file, tmp_path, dry):
+    prompts, out = prompts_file("a red fox\nwaves on rocks\na lighthouse at night\n"), tmp_path / "out"
+    result = h3gen("render", prompts, "-o", out, "--shard", "4/5", *dry, check_code=0)
+    assert (f"h3gen: shard 4/5 holds none of the 3 prompt(s) of {prompts} (prompt k of the file, from 0, goes to "
+            "shard k mod 5): nothing to do") in result.stderr
+    assert not out.exists()
