@@ -121,7 +121,7 @@ class PlainReporter:
         """A heartbeat inside the sampler: `[1/3] sampler step 12/49, 6m10s, ETA 18m`, every `heartbeat` seconds."""
         index, now = clip.request.index, time.monotonic()
         began = self.clip_began.setdefault(index, now)
-        if now - self.last_beat.setdefault(index, began) < self.heartbeat or step >= steps:
+        if now - self.last_beat.setdefault(index, began) < self.heartbeat:
             return
         self.last_beat[index] = now
         spent = now - began

@@ -71,6 +71,8 @@ def test_plain_lines_read_in_a_log(prompts_file, tmp_path):
     stamp = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (.*)$")
     assert all(stamp.match(line) for line in lines), text
     said = [stamp.match(line).group(1) for line in lines]
+    beats = [line.split(",")[0] for line in said if line.startswith("[1/1] sampler step")]
+    assert beats == [f"[1/1] sampler step {i}/3" for i in (1, 2, 3)], text  # H3GEN_HEARTBEAT_S=0: every step
     assert any(re.fullmatch(r"\[1/1\] sampler step 1/3, \d+s, ETA \d+s", line) for line in said), text
     assert any(line.startswith("[1/1] sampler ") and line.endswith("s") for line in said)
     assert any("wrote" in line and "RTF" in line for line in said)
