@@ -177,8 +177,13 @@ def resolve(name_or_file: str, registry, overrides: list[str] = ()) -> Preset:
                          f"supported versions: {', '.join(map(str, KNOWN_VERSIONS))}; upgrade h3gen or fix the preset")
     unknown = set(data) - TOP_LEVEL - set(STAGE_KINDS) - set(SECTIONS)
     if unknown:
-        raise UsageError(f"{where}: unknown section '{sorted(unknown)[0]}'",
-                         f"allowed: {', '.join(sorted(TOP_LEVEL | set(STAGE_KINDS) | set(SECTIONS)))}")
+        first = sorted(unknown)[0]
+        what = "section" if isinstance(data[first], dict) else "top-level key"
+        raise UsageError(f"{where}: unknown {what} '{first}'", f"allowed: {', '.join(sorted(TOP_LEVEL | {'extends'}))} "
+                         f"and the sections {', '.join(sorted(set(STAGE_KINDS) | set(SECTIONS)))}")
+    if not isinstance(data.get("description", ""), str):
+        raise UsageError(f"{where}: description is {type(data['description']).__name__}, not text",
+                         'write it in quotes, e.g. description = "FP8 linears for 24 GB cards"')
     request = _section(data, "request", REQUEST_DEFAULTS, where, sources)
     _check_request(request, sources)
     runtime = _section(data, "runtime", RUNTIME_DEFAULTS, where, sources)
