@@ -52,6 +52,9 @@ def wanted_plugins() -> set[str] | None:
     return {n.strip() for n in os.environ.get("H3GEN_LOAD_PLUGINS", "").split(",") if n.strip()} or None
 
 
+NOT_INSTALLED = "is named in H3GEN_LOAD_PLUGINS, and no such plugin is installed"
+
+
 def _plugin_manager() -> tuple[pluggy.PluginManager, list[tuple[str, str]], list[str]]:
     pm = pluggy.PluginManager("h3gen")
     pm.add_hookspecs(hookspecs)
@@ -61,7 +64,7 @@ def _plugin_manager() -> tuple[pluggy.PluginManager, list[tuple[str, str]], list
 
     installed = entry_points(group="h3gen")
     for name in sorted((names or set()) - {ep.name for ep in installed}):
-        failed.append((name, f"is named in H3GEN_LOAD_PLUGINS, and no such plugin is installed (installed: "
+        failed.append((name, f"{NOT_INSTALLED} (installed: "
                              f"{', '.join(sorted(ep.name for ep in installed)) or 'none'})"))
     for ep in installed:
         if names is not None and ep.name not in names:

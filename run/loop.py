@@ -192,10 +192,13 @@ def check_device(device: str) -> None:
 
 
 def check_plugins(found, strict: bool, reporter) -> None:
+    from h3gen.plugins.manager import NOT_INSTALLED
+
     for name, why in found.failed:
         if strict:
-            raise UsageError(f"plugin '{name}' {why}",
-                             "fix or uninstall it, leave it out with H3GEN_LOAD_PLUGINS, or drop --strict-plugins")
+            fix = ("correct the name in H3GEN_LOAD_PLUGINS or install the plugin" if why.startswith(NOT_INSTALLED)
+                   else "fix or uninstall it, leave it out with H3GEN_LOAD_PLUGINS")
+            raise UsageError(f"plugin '{name}' {why}", f"{fix}, or drop --strict-plugins")
         reporter.say(f"h3gen: plugin '{name}' {why} (skipped)")
 
 

@@ -279,3 +279,10 @@ def test_a_mux_wrapper_runs_on_the_background_mux_and_a_failure_leaves_no_file(t
                    "--set", "mux.fail=true", env=env, check_code=1)
     assert "mux stage 'sidecar' (from plugin 'sidecar') returned NoneType" in result.stderr
     assert not list(failed.glob("*.mp4"))  # the inner mux's file went with the failed clip
+
+
+def test_a_misspelled_load_plugins_name_under_strict_plugins_asks_for_the_name_fixed(faulty):
+    result = h3gen("plugins", "--strict-plugins", env={**faulty, "H3GEN_LOAD_PLUGINS": "nosuch"}, check_code=2)
+    assert result.stderr == ("h3gen: error: plugin 'nosuch' is named in H3GEN_LOAD_PLUGINS, and no such plugin is "
+                             "installed (installed: faulty) (correct the name in H3GEN_LOAD_PLUGINS or install the "
+                             "plugin, or drop --strict-plugins)\n")
