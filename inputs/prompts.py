@@ -35,6 +35,9 @@ def read_prompts(path: Path, base_seed: int, defaults: dict) -> list[Request]:
     except UnicodeDecodeError as e:
         line = path.read_bytes()[: e.start].count(b"\n") + 1
         raise UsageError(f"{path}:{line}: not UTF-8 text", "save the prompts file as UTF-8") from None
+    if path.suffix.lower() == ".toml":  # a preset in the prompts file's place would render its lines as prompts
+        raise UsageError(f"prompts file {path} is a TOML file, which is how presets are written",
+                         f"pass it as --preset {path}, and a prompts file (text or JSON Lines) first")
     requests, seen = [], {}
     for number, raw in enumerate(prompt_lines(text), start=1):
         line = raw.strip()

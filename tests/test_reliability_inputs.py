@@ -126,6 +126,13 @@ def test_prompts_file_that_is_a_directory(tmp_path):
     refused(h3gen("render", tmp_path, "-o", tmp_path / "out"), "is a directory")
 
 
+def test_a_preset_in_the_prompts_files_place_is_named_as_one(tmp_path):
+    preset = tmp_path / "mine.toml"
+    preset.write_text('version = 1\nextends = "tiny"\n')  # no table: every line would read as a prompt
+    refused(h3gen("render", preset, "-o", tmp_path / "out"),
+            f"prompts file {preset} is a TOML file, which is how presets are written (pass it as --preset {preset}")
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda t: t.replace("steps = 4", "steps = 4 4"), "is not valid TOML: Expected newline or end of document "
                                                       "after a statement (at line 21, column 11)"),
