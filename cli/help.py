@@ -7,7 +7,16 @@ also where every command meets a closed stdout.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
+import typer
 from typer.core import TyperCommand, TyperGroup
+
+try:  # the click typer parses with: its own copy in recent typer, else click itself
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+except ImportError:
+    from click.exceptions import NoArgsIsHelpError, UsageError
 
 REPEATABLE = "(repeatable)"
 
@@ -85,6 +94,30 @@ class PlainCommand(TyperCommand):
 
     def format_options(self, ctx, formatter) -> None:
         write_params(self, ctx, formatter)
+
+
+class OneLineUsageError(UsageError):
+    """A usage error the parser found (a missing argument, an unknown option, a value of the wrong type), said as
+    h3gen says every error: one line, with where to look."""
+
+    def show(self, file=None) -> None:
+        from h3gen.errors import one_line
+
+        where = self.ctx.command_path if self.ctx is not None else "h3gen"
+        typer.echo(f"h3gen: error: {one_line(self.format_message()).rstrip('.')} (see {where} -h)",
+                   file=file or sys.stderr)
+
+
+@contextlib.contextmanager
+def usage_errors_in_one_line():
+    try:
+        yield
+    except NoArgsIsHelpError:  # `h3gen` alone: the help itself
+        raise
+    except UsageError as e:
+        if isinstance(e, OneLineUsageError):
+            raise
+        raise OneLineUsageError(e.format_message(), e.ctx) from None
 
 
 class PlainGroup(TyperGroup):

@@ -18,12 +18,20 @@ import typer
 from h3gen import __version__
 from h3gen.cli.complete import (SHELL_OPTIONS, baseline_names, bench_stages, complete_for, named_shell,
                                 preset_names, random_weights, set_keys, shells_after_option)
-from h3gen.cli.help import PlainCommand, PlainGroup
+from h3gen.cli.help import PlainCommand, PlainGroup, usage_errors_in_one_line
 from h3gen.errors import H3genError, UsageError
 
 
 class Root(PlainGroup):
     """`h3gen` itself: `--install-completion SHELL` and `--show-completion SHELL` act for the shell named."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        with usage_errors_in_one_line():
+            return super().make_context(info_name, args, parent, **extra)
+
+    def invoke(self, ctx):
+        with usage_errors_in_one_line():
+            return super().invoke(ctx)
 
     def parse_args(self, ctx, args):
         asked = named_shell(args)

@@ -364,3 +364,22 @@ def test_plugins_lists_its_columns_aligned():
     starts = {c.start() for c in classes}
     descriptions = {c.end() + len(line[c.end():]) - len(line[c.end():].lstrip()) for c, line in zip(classes, lines)}
     assert len(starts) == 1 and len(descriptions) == 1, (starts, descriptions)
+
+
+@pytest.mark.parametrize("args, line", [
+    (["render", "p.txt", "--seed", "abc"], "h3gen: error: Invalid value for '--seed': Input should be a valid integer, "
+                                           "unable to parse string as an integer (see h3gen render -h)"),
+    (["render"], "h3gen: error: Missing argument 'PROMPTS' (see h3gen render -h)"),
+    (["validate", "--frames", "0", "x.mp4"], "h3gen: error: Invalid value for '--frames': Input should be greater "
+                                             "than or equal to 1 (see h3gen validate -h)"),
+    (["presets", "nosuch"], "h3gen: error: No such command 'nosuch' (see h3gen presets -h)"),
+    (["--bogus"], "h3gen: error: No such option: --bogus (see h3gen -h)"),
+])
+def test_what_the_parser_refuses_is_one_line(args, line):
+    result = h3gen(*args, check_code=2)
+    assert result.stderr == line + "\n" and result.stdout == ""
+
+
+def test_h3gen_alone_still_prints_its_help():
+    result = h3gen(check_code=2)
+    assert "Usage: h3gen [OPTIONS] COMMAND [ARGS]..." in result.stdout + result.stderr
