@@ -62,7 +62,10 @@ class Qwen3VLEncoder(Stage):
             from h3gen.run.embedding_cache import EmbeddingCache
 
             # The device kind too: another device's kernels round differently (and draws other random weights).
-            settings = dict(layer=self.config.layer, dtype=str(self.runtime.dtype), quant=self.runtime.quant.name,
+            # The quant stage with all its knobs: which roles and layers it quantizes decides the embeddings too.
+            quant = self.runtime.quant
+            knobs = dataclasses.asdict(quant.config) if dataclasses.is_dataclass(quant.config) else quant.config
+            settings = dict(layer=self.config.layer, dtype=str(self.runtime.dtype), quant=f"{quant.name} {knobs!r}",
                             device=self.runtime.device.split(":")[0])
             self.cache = EmbeddingCache(repo.text_encoder_identity(), settings,
                                         Path(self.config.cache_dir).expanduser() if self.config.cache_dir else None)
