@@ -63,9 +63,9 @@ class Qwen3VLEncoder(Stage):
 
             # The device kind too: another device's kernels round differently (and draws other random weights).
             # The quant stage with all its knobs: which roles and layers it quantizes decides the embeddings too.
-            quant = self.runtime.quant  # a stage's Config is a dataclass (config.stage_config checks it)
-            settings = dict(layer=self.config.layer, dtype=str(self.runtime.dtype),
-                            quant=f"{quant.name} {dataclasses.asdict(quant.config)!r}",
+            quant = self.runtime.quant  # its Config is a dataclass, or None where a stage is built by hand
+            knobs = dataclasses.asdict(quant.config) if dataclasses.is_dataclass(quant.config) else quant.config
+            settings = dict(layer=self.config.layer, dtype=str(self.runtime.dtype), quant=f"{quant.name} {knobs!r}",
                             device=self.runtime.device.split(":")[0])
             self.cache = EmbeddingCache(repo.text_encoder_identity(), settings,
                                         Path(self.config.cache_dir).expanduser() if self.config.cache_dir else None)
