@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from h3gen.bench.sweep import (BenchPlan, adapter_overrides, bench_frames, cache_overrides, forward_overrides,
-                               host_gib, preset_forwards)
+                               host_gib, preset_forwards, said_failed)
 from h3gen.run.report import SilentReporter
 from h3gen.stages.clip import FORWARDS_PART
 from h3gen.inputs.request import Request
@@ -73,7 +73,9 @@ def run_batch(plan: BenchPlan, registry, source, random_weights: str | None, cli
             for name, baseline in names:
                 preset = plan.preset(name, baseline, registry)
                 full_forwards = preset_forwards(preset)
-                cache_dir = Path(workdir) / f"cache-{name}-{seconds:g}" if plan.warm_cache else None
+                # A folder of each batch's own: the baseline and a measured preset may share a name.
+                folder = Path(workdir) / f"{'baseline' if baseline else 'preset'}-{name}-{seconds:g}s"
+                cache_dir = folder / "embedding-cache" if plan.warm_cache else None
                 forwards = (plan.baseline_forwards or plan.forwards) if baseline else plan.forwards
                 overrides = (forward_overrides(preset, forwards, registry) + cache_overrides(preset, cache_dir)
                              + adapter_overrides(random_weights))
@@ -86,16 +88,17 @@ def run_batch(plan: BenchPlan, registry, source, random_weights: str | None, cli
                         + (f", {run} embedding cache" if run else ""))
                     try:
                         requests = batch_requests(plan, seconds, count, plan.warmup)
-                        record = time_batch(preset, registry, source, requests, Path(workdir) / f"{name}-{run}",
+                        record = time_batch(preset, registry, source, requests, folder / f"clips-{run}",
                                             full_forwards, baseline, say)
                     except Exception as e:  # one preset failing must not lose the others' numbers
-                        say(f"bench: batch with {name} failed: {type(e).__name__}: {str(e)[:300]}")
+                        said_failed(say, f"batch with {name}", e)
                         record = dict(preset=name, baseline=baseline, stage="batch", clips=count,
                                       notes=f"failed: {type(e).__name__}: {e}"[:500])
                     records.append(record | (dict(embedding_cache=run) if run else {}))
     base = next((r for r in records if r.get("baseline") and r.get("clips_per_hour")
                  and r.get("embedding_cache") != "warm"), None)
     for record in records:
+        record.update(vs_baseline=None, vs_baseline_same_forwards=None)  # the keys are there with no baseline too
         if base and record.get("clips_per_hour"):
             record["vs_baseline"] = round(record["clips_per_hour_full"] / base["clips_per_hour_full"], 3)
             # The baseline on this preset's own schedule: its measured seconds per forward and per clip beyond them.

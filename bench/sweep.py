@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 import gc
 import statistics
+import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from h3gen.inputs.request import AUDIO_CHANNELS, FPS, MAX_SECONDS, SAMPLE_RATE, Request
@@ -263,6 +265,15 @@ def records_for(name, baseline, request, runs, forwards_run, full_forwards, peak
     return records
 
 
+def said_failed(say, what: str, error: Exception) -> None:
+    """One line for a preset that failed, the others measured on; with --traceback (H3GEN_DEBUG) where it came from."""
+    from h3gen.run.render import debugging
+
+    if debugging():
+        traceback.print_exception(error, file=sys.stderr)
+    say(f"bench: {what} failed: {type(error).__name__}: {str(error)[:300]}")
+
+
 def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say=print) -> list[dict]:
     common = dict(gpus=1, layout="single", random_weights=random_weights, notes="")
     names = [(plan.baseline, True)] if plan.baseline else []
@@ -286,7 +297,7 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
                     bench = StageBench(preset, registry, source, plan, request, Path(workdir), say)
                     runs = bench.run()
                 except Exception as e:  # one preset failing must not lose the others' numbers
-                    say(f"bench: {name} at {seconds:g} s failed: {type(e).__name__}: {str(e)[:300]}")
+                    said_failed(say, f"{name} at {seconds:g} s", e)
                     records.append(dict(common, preset=name, baseline=baseline, duration_s=request.duration,
                                         frames=request.frames, size=f"{plan.width}x{plan.height}", stage="e2e",
                                         median_s=None, p95_s=None, repeats=0, per_forward_s=None, forwards=None,

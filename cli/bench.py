@@ -48,6 +48,18 @@ def weights_source(random_weights, model):
     return ModelRepo(model)
 
 
+def check_forwards(preset, registry, forwards: int | None, option: str) -> None:
+    """K forwards timed of a preset's N: more than N would time forwards no clip of it runs."""
+    from h3gen.bench.sweep import preset_forwards, reuses_forwards
+
+    if not forwards or reuses_forwards(preset, registry):  # a step cache times all its forwards
+        return
+    full = preset_forwards(preset)
+    if forwards > full:
+        raise UsageError(f"{option} {forwards} is over preset {preset.name}'s {full} DiT forwards a clip",
+                         f"give at most {full}")
+
+
 def run_bench_command(presets, baseline, durations, size, repeat, warmup, random_weights, model, stages, forwards,
                       text_tokens, output, batch=None, warm_cache=False, baseline_clips=None, sets=(),
                       baseline_forwards=None):
@@ -66,6 +78,9 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
         option = ("--warm-cache" if warm_cache else "--baseline-clips" if baseline_clips
                   else "--baseline-forwards")
         raise UsageError(f"{option} belongs to a batch benchmark", "add --batch N")
+    if batch and tuple(s.strip() for s in stages.split(",")) != STAGES:
+        raise UsageError(f"--stages {stages} belongs to the per-stage benchmark: a batch times whole clips, every stage",
+                         "drop --stages, or --batch to time the stages apart")
     plan = parse_plan(presets, baseline, durations, size, repeat, warmup, stages, forwards, text_tokens)
     plan.warm_cache, plan.baseline_clips, plan.overrides = warm_cache, baseline_clips, list(sets)
     plan.baseline_forwards = baseline_forwards
@@ -80,6 +95,10 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
                              f"give at most {limit}")
     if plan.baseline:  # [model] says what a preset is made for, not how it runs: --set model.needs=any reaches it
         resolved.append(resolve(plan.baseline, found, [s for s in plan.overrides if parse_override(s)[0] == "model"]))
+    for index, preset in enumerate(resolved):
+        is_baseline = bool(plan.baseline) and index == len(resolved) - 1
+        option = "--baseline-forwards" if is_baseline and baseline_forwards else "--forwards"
+        check_forwards(preset, found, (baseline_forwards or forwards) if is_baseline else forwards, option)
     quiet_libraries()
     source = weights_source(random_weights, model)
     if random_weights is None:  # random weights stand in for whichever model a preset is made for

@@ -168,6 +168,7 @@ def test_bench_batch_warm_cache_never_loads_the_encoder(tmp_path):
     cold, warm = json.loads(open(paths[0]).read())["records"]
     assert cold["warmup_clips"] == 0
     assert (cold["embedding_cache"], warm["embedding_cache"]) == ("cold", "warm")
+    assert cold["vs_baseline"] is None and warm["vs_baseline_same_forwards"] is None  # no baseline: null, as per stage
     assert cold["encoder_loads"] == 1 and warm["encoder_loads"] == 0
     assert all(s > 0 for s in cold["encode_s_per_clip"]) and len(warm["encode_s_per_clip"]) == 2
     assert "| tiny, warm embedding cache | 2 |" in open(paths[1]).read()
@@ -283,3 +284,41 @@ def test_bench_without_matplotlib_writes_its_records_and_says_why_there_is_no_ch
     assert [p.rsplit(".", 1)[1] for p in result.stdout.split()] == ["json", "md"]
     assert "bench: no chart: matplotlib is not installed (pip install 'h3gen[bench]')" in result.stderr
     assert not list((tmp_path / "out").glob("*.png"))
+
+
+def test_bench_batch_of_a_preset_against_itself_keeps_the_two_batches_apart(tmp_path):
+    """The baseline and a measured preset of one name: each batch renders into a folder of its own."""
+    result = h3gen("bench", "--batch", "1", "--baseline", "tiny", "--preset", "tiny", "--durations", "5", "--size",
+                   "64x32", "--random-weights", "tiny", "--forwards", "1", "--text-tokens", "8", "--warmup", "0",
+                   "-o", tmp_path, check_code=0)
+    base, measured = json.loads(open(result.stdout.split()[0]).read())["records"]
+    assert base["baseline"] and not measured["baseline"]
+    assert base["clips_per_hour"] > 0 and measured["clips_per_hour"] > 0 and measured["vs_baseline"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch", "2", "--stages", "dit"], "--stages dit belongs to the per-stage benchmark: a batch times whole "
+                                          "clips, every stage (drop --stages, or --batch to time the stages apart)"),
+    (["--forwards", "10"], "--forwards 10 is over preset tiny's 3 DiT forwards a clip (give at most 3)"),
+    (["--batch", "1", "--baseline", "tiny", "--baseline-forwards", "4"],
+     "--baseline-forwards 4 is over preset tiny's 3 DiT forwards a clip (give at most 3)"),
+])
+def test_bench_refuses_options_it_would_not_honour(tmp_path, args, message):
+    result = h3gen("bench", "--preset", "tiny", "--random-weights", "tiny", "--durations", "5", "--size", "32x32",
+                   "-o", tmp_path / "results", *args, check_code=2)
+    assert result.stderr == f"h3gen: error: {message}\n" and not (tmp_path / "results").exists()
+
+
+def test_a_failed_preset_s_traceback_is_printed_with_traceback(monkeypatch, capsys):
+    from h3gen.bench.sweep import said_failed
+
+    said = []
+    try:
+        raise KeyError("batch-0")
+    except KeyError as e:
+        said_failed(said.append, "batch with tiny", e)
+        assert "Traceback" not in capsys.readouterr().err  # without --traceback: the one line alone
+        monkeypatch.setenv("H3GEN_DEBUG", "1")  # what --traceback sets
+        said_failed(said.append, "batch with tiny", e)
+    assert said == ["bench: batch with tiny failed: KeyError: 'batch-0'"] * 2
+    assert "Traceback" in capsys.readouterr().err
