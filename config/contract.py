@@ -194,9 +194,10 @@ def check_cache(preset, registry) -> None:
                          "set cache.use=none, or adapter.cache=true if the adapter was trained to take one")
 
 
-def check_adapters(preset, requests, model_root) -> list[AdapterFile]:
+def check_adapters(preset, requests, model_root, prompts: Path | str = "prompts file") -> list[AdapterFile]:
     """Find the preset's adapters and check the run against their contract; raises UsageError saying what the
-    adapter requires. Reads file headers and small JSON files only."""
+    adapter requires, at the prompts file's first line of a task it does not render. Reads file headers and small
+    JSON files only."""
     config = preset.adapter
     adapters = [find_adapter(name, model_root) for name in config.paths]
     for adapter in adapters:
@@ -207,12 +208,16 @@ def check_adapters(preset, requests, model_root) -> list[AdapterFile]:
     asks = sampler_asks(preset.stages["sampler"][1])
     wrong = {key: asks[key] for key in ("forwards", "sigma_positions", "video_shift", "audio_shift")
              if key in contract and key in asks and not _same(contract[key], asks[key])}
-    tasks = sorted({getattr(request, "task", "t2va") for request in requests})
-    if "tasks" in contract and set(tasks) - set(contract["tasks"]):
-        wrong["tasks"] = [task for task in tasks if task not in contract["tasks"]]
     if wrong:
         raise UsageError(f"adapter {', '.join(config.paths)} requires {describe(contract)}; "
                          f"this run asks for {describe(wrong, asked=True)}",
                          "set the sampler to what the adapter requires, or drop the --set that changed it "
                          f"(h3gen presets show {preset.name} lists both)")
+    off = [r for r in requests if "tasks" in contract and getattr(r, "task", "t2va") not in contract["tasks"]]
+    if off:  # the prompts file asks for it, not the sampler: name the line
+        first, more = off[0], f" (and {len(off) - 1} more line(s))" if len(off) > 1 else ""
+        given = "references" if first.task == "ref2va" else "first_frame / last_frame"
+        raise UsageError(f"{prompts}:{first.line}: a {first.task} clip ({given}){more}, and preset {preset.name}'s "
+                         f"adapter {', '.join(config.paths)} renders {describe(dict(tasks=contract['tasks']))}",
+                         f"render those lines with a preset without adapters (h3-base), or drop their {given}")
     return adapters

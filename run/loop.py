@@ -10,7 +10,7 @@ import signal
 import tempfile
 from pathlib import Path
 
-from h3gen.errors import UsageError
+from h3gen.errors import ModelError, UsageError
 from h3gen.run.report import SilentReporter
 from h3gen.run.settings import RunSettings
 from h3gen.text import shown
@@ -113,7 +113,9 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
         check_plugins(found, settings.strict_plugins, reporter)
         repo = model_repo(settings.model, reporter)
         check_model_kind(preset, repo, settings.model is None)
-        check_adapters(preset, requests, repo.root)  # an adapter's step/shift/task contract, before any weight loads
+        # An adapter's step/shift/task contract, and the partition ref2va runs: before any weight loads.
+        check_adapters(preset, requests, repo.root, settings.prompts)
+        check_ref2va_partition(requests, repo, settings.prompts)
         check_cache(preset, found)
         for kind, (name, config) in preset.stages.items():
             stage = found.stage(kind, name)
@@ -130,6 +132,22 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
     from h3gen.run.fingerprint import run_fields
 
     return Batch(preset, found, requests, repo, reporter, run_fields(preset, found, repo), memory_plan, created)
+
+
+def check_ref2va_partition(requests, repo, prompts: Path) -> None:
+    """ref2va runs the transformer_ref/ partition: a model directory without it, or with it incomplete, is refused at
+    the prompts file's first ref2va line, not after the other weights load."""
+    from h3gen.models.repo import ModelRepo
+
+    first = next((r for r in requests if r.task == "ref2va"), None)
+    if first is None or getattr(repo, "root", None) is None:
+        return
+    if not (repo.root / "transformer_ref").is_dir():
+        raise ModelError(f"{prompts}:{first.line}: a ref2va clip (references) runs the transformer_ref/ partition, "
+                         f"which {repo.root} does not have",
+                         "download transformer_ref/ of MiniMaxAI/MiniMax-H3 into the model directory, or drop the "
+                         "ref2va lines")
+    ModelRepo(repo.root, components=("transformer_ref",))  # safetensors only, complete and readable
 
 
 def remove_if_empty(created: list[Path]) -> None:

@@ -130,9 +130,28 @@ def test_a_task_the_adapter_was_not_distilled_for_is_refused(media, tmp_path, pr
     adapter.parent.mkdir()
     save_file({"proj_out.diff_b": torch.zeros(96)}, str(adapter))
     resolved = resolve(preset, registry())
-    requests = parse(media, line, defaults=resolved.request)
-    with pytest.raises(UsageError, match=f"only; this run asks for task {task}"):
-        check_adapters(resolved, requests, tmp_path)
+    requests = parse(media, {}, line, line, defaults=resolved.request)
+    # The prompts file's line asks for the task, not the sampler: the error names the line, and the lines after it.
+    with pytest.raises(UsageError, match=rf"^prompts.jsonl:2: a {task} clip \(.*\) \(and 1 more line\(s\)\), and "
+                                         rf"preset {preset}'s adapter .* renders [a-z0-9 ]+ only \(render those lines with "
+                                         "a preset without adapters"):
+        check_adapters(resolved, requests, tmp_path, "prompts.jsonl")
+
+
+def test_a_model_without_the_ref2va_partition_is_refused_before_loading(media, tiny_model, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model, ignore=shutil.ignore_patterns("transformer_ref"))
+    prompts = media / "sub" / "refs.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n{"prompt": "x", "references": ["../frame.png"]}\n')
+    for dry in ([], ["--dry-run"]):
+        result = h3gen("render", prompts, "--model", model, "--preset", "tiny", "-o", tmp_path / "out", *dry,
+                       check_code=2)
+        assert result.stderr == (f"h3gen: error: {prompts}:2: a ref2va clip (references) runs the transformer_ref/ "
+                                 f"partition, which {model} does not have (download transformer_ref/ of "
+                                 "MiniMaxAI/MiniMax-H3 into the model directory, or drop the ref2va lines)\n")
+        assert not (tmp_path / "out").exists()
 
 
 def test_ref2va_refuses_adapters_and_a_repository_without_its_partition(tmp_path):
