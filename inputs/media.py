@@ -112,7 +112,10 @@ def reference(path: Path, field: str, where: str) -> Reference:
     if probe is None:
         raise UsageError(f"{where}: {field} {path} is not an image, video or audio file h3gen can read",
                          "use PNG/JPEG/WebP images, MP4/MOV/WebM videos, WAV/FLAC/MP3/M4A audio")
-    video, audio = probe
+    video, audio, empty = probe
+    if empty:
+        raise UsageError(f"{where}: {field} {path} has an audio stream with no samples in it",
+                         "use a recording that holds sound")
     if video is not None:
         frame_rate, size, seconds = video
         if not frame_rate:
@@ -141,8 +144,8 @@ def check_soundtrack(audio: tuple[int, int], field: str, path: Path, where: str)
 
 
 def probe_av(path: Path):
-    """((frame rate, (width, height), seconds or None) or None, (sample rate, channels) or None), or None when the
-    file is not a container PyAV can open."""
+    """((frame rate, (width, height), seconds or None) or None, (sample rate, channels) or None, 'audio' when its
+    audio stream holds no samples else None), or None when the file is not media PyAV can open and decode."""
     import av
     from av.stream import Disposition
 
@@ -163,6 +166,14 @@ def probe_av(path: Path):
             if container.streams.audio:
                 stream = container.streams.audio[0]
                 audio = (int(stream.codec_context.sample_rate or 0), int(stream.codec_context.channels or 0))
-            return video, audio
+        # A header says little: a text file named .png opens as a 0x0 picture stream, a WAV header as audio with no
+        # samples. Each stream's first frame must decode.
+        for kind, found in (("video", video), ("audio", audio)):
+            if found is None:
+                continue
+            with av.open(str(path)) as container:
+                if next(container.decode(**{kind: 0}), None) is None:
+                    return None if kind == "video" else (video, audio, "audio")
+        return video, audio, None
     except (av.FFmpegError, OSError, ValueError, UnicodeDecodeError):
         return None

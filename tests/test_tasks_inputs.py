@@ -3,6 +3,7 @@ error, before any weight loads, for media H3 cannot use."""
 
 import importlib.util
 import json
+import wave
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +25,9 @@ def media(tmp_path_factory):
     write_image(folder / "too-wide.png", 200, 32, 3)
     (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
     (folder / "notes.txt").write_text("not media\n")
+    (folder / "notes.png").write_text("not media either, named as an image\n")
+    with wave.open(str(folder / "header.wav"), "wb") as header:  # a WAV header and not one sample
+        header.setnchannels(2), header.setsampwidth(2), header.setframerate(32000)
     write_video(folder / "clip.mp4", 20, sound=False)
     write_video(folder / "blink.mp4", 6, sound=False)
     write_wav(folder / "voice.wav")
@@ -87,6 +91,8 @@ def test_keyframe_canvas_on_h3_base_is_diffusers_canvas_rule(image):
     ({"references": []}, "'references' is empty"),
     ({"references": [7]}, r"references\[0\] must be a path string"),
     ({"references": ["../notes.txt"]}, "notes.txt is not an image, video or audio file"),
+    ({"references": ["../notes.png"]}, "notes.png is not an image, video or audio file h3gen can read"),
+    ({"references": ["../frame.png", "../header.wav"]}, "header.wav has an audio stream with no samples in it"),
     ({"references": ["../too-wide.png"]}, r"references\[0\] .* outside the 1:4 to 4:1"),
     ({"references": ["../voice.wav"]}, "audio references cannot be used on their own"),
     ({"references": ["../clip.mp4"] * 4}, "4 video references, H3 takes at most 3"),
