@@ -96,13 +96,29 @@ def with_preset_workers(settings: RunSettings, preset) -> RunSettings:
     parallel = settings.parallel
     if parallel.gpus is not None and parallel.cpu_workers is not None:
         raise UsageError("--gpus and --cpu-workers both given", "--gpus N for GPU workers, --cpu-workers N for CPU ones")
+    taken = []
     if parallel.gpus is None and parallel.cpu_workers is None:  # the preset's, when the command line says nothing
         parallel = dataclasses.replace(parallel, gpus=preset.parallel["gpus"] or None,
                                        cpu_workers=preset.parallel["cpu_workers"] or None)
-    if not parallel.ulysses and preset.parallel["ulysses"] and parallel.workers:
-        # the preset's for when workers run; one process ignores it
+        taken += [key for key in ("gpus", "cpu_workers") if preset.parallel[key]]
+    if not parallel.ulysses and preset.parallel["ulysses"]:
+        if not parallel.workers:
+            raise UsageError(f"{preset_key(settings, preset, 'ulysses')} = {preset.parallel['ulysses']} splits a clip "
+                             "across workers, and this run has one process",
+                             "add --gpus N or --cpu-workers N, or set parallel.ulysses to 0")
         parallel = dataclasses.replace(parallel, ulysses=preset.parallel["ulysses"])
-    for flag, value in (("--gpus", parallel.gpus), ("--cpu-workers", parallel.cpu_workers)):
-        if value is not None and value < 1:
-            raise UsageError(f"{flag} {value}: at least one worker", f"pass {flag} 1 or more")
+        taken.append("ulysses")
+    parallel = dataclasses.replace(parallel, named={key: preset_key(settings, preset, key) for key in taken})
+    for key in ("gpus", "cpu_workers"):
+        if getattr(parallel, key) is not None and getattr(parallel, key) < 1:
+            raise UsageError(f"{parallel.said(key)}: at least one worker", "ask for 1 or more")
     return dataclasses.replace(settings, parallel=parallel)
+
+
+def preset_key(settings: RunSettings, preset, key: str) -> str:
+    """Where a [parallel] value came from, as errors name it: a --set of it, or the preset."""
+    from h3gen.config.preset import parse_override
+
+    if any(parse_override(text)[:2] == ("parallel", key) for text in settings.overrides):
+        return f"--set parallel.{key}"
+    return f"preset {preset.name}'s [parallel] {key}"

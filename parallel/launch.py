@@ -51,21 +51,27 @@ def check_workers(parallel: Parallel, preset, heads: int, refusal: str) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise UsageError(f"--gpus {gpus}: no CUDA device is visible",
+            raise UsageError(f"{parallel.said('gpus')}: no CUDA device is visible",
                              f"use --cpu-workers {gpus} to run {gpus} worker{'s' if gpus > 1 else ''} on the CPU")
         if gpus > torch.cuda.device_count():
-            raise UsageError(f"--gpus {gpus}: this machine shows {torch.cuda.device_count()} GPU(s)",
+            raise UsageError(f"{parallel.said('gpus')}: this machine shows {torch.cuda.device_count()} GPU(s)",
                              "ask for at most that many (CUDA_VISIBLE_DEVICES limits what is shown)")
         if preset.runtime["device"] == "cpu":
-            raise UsageError(f"--gpus {gpus}: preset {preset.name} runs on the CPU ([runtime] device = \"cpu\")",
+            raise UsageError(f"{parallel.said('gpus')}: preset {preset.name} runs on the CPU ([runtime] device = \"cpu\")",
                              "use --cpu-workers, or --set runtime.device=auto")
     per_node = parallel.workers
     if parallel.ulysses:
-        check_ulysses(parallel.ulysses, per_node, heads, "--gpus" if gpus else "--cpu-workers")
+        check_ulysses(parallel.ulysses, per_node, heads, parallel.said("ulysses"),
+                      parallel.said("gpus" if gpus else "cpu_workers"))
         if parallel.ulysses > 1 and refusal:
-            raise UsageError(f"--ulysses {parallel.ulysses}: {refusal}",
-                             "drop --ulysses to render whole clips per worker")
+            raise UsageError(f"{parallel.said('ulysses')}: {refusal}",
+                             "leave Ulysses out to render whole clips per worker")
     nnodes, node_rank = parallel.nnodes or 1, parallel.node_rank
+    stray = next((flag for flag, value in (("--node-rank", node_rank), ("--rdzv-id", parallel.rdzv_id))
+                  if value is not None and parallel.nnodes is None), None)
+    if stray:  # without --nnodes the run is one machine, which would ignore it
+        raise UsageError(f"{stray} belongs to a multi-node run, and --nnodes is not given",
+                         f"add --nnodes M and --rdzv-endpoint HOST:PORT, or drop {stray}")
     if nnodes < 1:
         raise UsageError(f"--nnodes {nnodes}: at least one machine", "pass --nnodes 1 or more")
     if nnodes > 1 and not parallel.rdzv_endpoint:
@@ -73,6 +79,16 @@ def check_workers(parallel: Parallel, preset, heads: int, refusal: str) -> None:
                          "the address of a machine of the job every node can reach")
     if node_rank is not None and not 0 <= node_rank < nnodes:
         raise UsageError(f"--node-rank {node_rank} is not one of 0..{nnodes - 1}", "number the machines from 0")
+    if parallel.rdzv_endpoint is not None:
+        check_endpoint(parallel.rdzv_endpoint)
+
+
+def check_endpoint(text: str) -> None:
+    """HOST:PORT (an IPv6 host in brackets), the port a number torchrun's store can listen on."""
+    host, colon, port = text.rpartition(":")
+    if not colon or not host.strip("[]") or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UsageError(f"--rdzv-endpoint {text!r} is not HOST:PORT with a port from 1 to 65535",
+                         "e.g. --rdzv-endpoint node0:29500, the same on every machine")
 
 
 def launch_config(parallel: Parallel, per_node: int):

@@ -51,13 +51,14 @@ def choose_layout(world: int, per_node: int, prompts: int, heads: int, ulysses: 
     return Layout(world // k, k)
 
 
-def check_ulysses(ulysses: int, per_node: int, heads: int, flag: str) -> None:
-    """An impossible layout stops the run before any worker starts."""
+def check_ulysses(ulysses: int, per_node: int, heads: int, said: str, workers_said: str) -> None:
+    """An impossible layout stops the run before any worker starts. `said` and `workers_said` name the settings as
+    the user gave them ('--ulysses 3', '--cpu-workers 4')."""
     if ulysses < 1:
-        raise UsageError(f"--ulysses {ulysses}: a group has at least one rank", "pass --ulysses 1 or more")
+        raise UsageError(f"{said}: a group has at least one rank", "ask for 1 or more")
     if per_node % ulysses:
-        raise UsageError(f"--ulysses {ulysses} does not divide {flag} {per_node}",
+        raise UsageError(f"{said} does not divide {workers_said}",
                          f"pick one of {', '.join(str(k) for k in range(1, per_node + 1) if per_node % k == 0)}")
     if heads % ulysses:
-        raise UsageError(f"--ulysses {ulysses} does not divide the DiT's {heads} attention heads",
+        raise UsageError(f"{said} does not divide the DiT's {heads} attention heads",
                          f"pick one of {', '.join(map(str, ulysses_degrees(per_node, heads)))}")

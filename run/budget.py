@@ -65,7 +65,7 @@ class MemoryPlan:
                  f"{self.blocks - self.streamed} of {self.blocks} DiT blocks resident, {self.streamed} streamed from "
                  "pinned host memory")
         budget = f"{self.budget_bytes / GIB:.1f} GiB" + (
-            f" (--vram {self.asked_bytes / GIB:g}: what is free on the GPU)" if self.asked_bytes else
+            f" ({self.asked_bytes / GIB:g} GiB asked: what is free on the GPU)" if self.asked_bytes else
             "" if self.asked else " (free on the GPU)")
         encoder = ", the text encoder streamed layer by layer" if self.stream_encoder else ""
         chunks = f", the feed-forward in {self.ffn_chunk_rows}-row passes" if self.ffn_chunk_rows else ""
@@ -96,7 +96,7 @@ def plan_memory(budget_bytes: int, sizes: DiTSizes, activation_bytes: int, other
             return MemoryPlan(budget_bytes, sizes.blocks, streamed, peak, streamed * sizes.block_bytes, asked,
                               stream_encoder=encoder_bytes + ENCODER_ACTIVATIONS > beside_encoder)
     smallest = (fixed + 2 * sizes.block_bytes) / (1 - ALLOCATOR_SLACK)
-    given = f"--vram {budget_bytes / GIB:.1f} GiB" if asked else f"the {budget_bytes / GIB:.1f} GiB free on the GPU"
+    given = budget_named(budget_bytes / GIB) if asked else f"the {budget_bytes / GIB:.1f} GiB free on the GPU"
     raise UsageError(f"no plan fits the DiT in {given}: with every block streamed the largest clip still needs about "
                      f"{smallest / GIB:.1f} GiB",
                      f"give --vram {math.ceil(smallest / GIB)} or more on a GPU that has it, an FP8 preset, or a "
@@ -180,17 +180,22 @@ def planned(preset, requests, repo, device: str) -> MemoryPlan | None:
 CARD_SIZE_SLACK = 0.1
 
 
+def budget_named(gib: float) -> str:
+    """A budget as an error says it: --vram or the preset's runtime.vram_gib (a --set of it too) gave it."""
+    return f"a device memory budget of {gib:g} GiB (--vram, runtime.vram_gib)"
+
+
 def check_budget(budget_gib: float, device: str) -> None:
     """A budget (0: none) is for a GPU, and at most the GPU's memory (its size as sold)."""
     if not budget_gib:
         return
     if not device.startswith("cuda"):
-        raise UsageError(f"a device memory budget (--vram {budget_gib:g}) on a run on the CPU",
+        raise UsageError(f"{budget_named(budget_gib)} on a run on the CPU",
                          "drop --vram (runtime.vram_gib), or run on a GPU")
     total = device_bytes(device)
     if budget_gib * GIB > total * (1 + CARD_SIZE_SLACK):
-        raise UsageError(f"--vram {budget_gib:g} is more than the GPU's {total / GIB:.1f} GiB",
-                         f"give at most {math.floor(total / GIB)}, or leave --vram out to plan for what is free on it")
+        raise UsageError(f"{budget_named(budget_gib)} is more than the GPU's {total / GIB:.1f} GiB",
+                         f"give at most {math.floor(total / GIB)}, or no budget to plan for what is free on it")
 
 
 def fp8_linears(preset, role: str = "dit") -> bool:

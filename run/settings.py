@@ -18,6 +18,13 @@ class Parallel:
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
+    # How errors name gpus, cpu_workers or ulysses when the preset gave it, not its flag ("preset p's [parallel] gpus").
+    named: dict = dataclasses.field(default_factory=dict)
+
+    def said(self, key: str) -> str:
+        """A worker setting and its value as the user gave it: '--gpus 2', or the preset key that set it."""
+        value = getattr(self, key)
+        return f"{self.named[key]} = {value}" if key in self.named else f"--{key.replace('_', '-')} {value}"
 
     @property
     def workers(self) -> int:

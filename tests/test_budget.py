@@ -37,7 +37,7 @@ def test_the_plan_streams_at_least_what_the_preset_asks_and_says_so():
 
 def test_a_budget_no_plan_meets_names_the_smallest_that_would():
     sizes = DiTSizes.of(H3DiTConfig(), weight_bytes=1, table_rows=50)
-    with pytest.raises(UsageError, match=r"no plan fits the DiT in --vram 4.0 GiB.*give --vram \d+ or more"):
+    with pytest.raises(UsageError, match=r"no plan fits the DiT in a device memory budget of 4 GiB \(--vram, runtime.vram_gib\).*give --vram \d+ or more"):
         plan_memory(4 * GIB, sizes, 10 * GIB)
     with pytest.raises(UsageError, match=r"no plan fits the DiT in the 4.0 GiB free on the GPU"):
         plan_memory(4 * GIB, sizes, 10 * GIB, asked=False)
@@ -55,8 +55,11 @@ def test_the_decoders_weights_count_against_the_budget():
 def test_a_budget_on_a_cpu_run_is_refused_before_any_weight_loads(prompts_file, tmp_path):
     from conftest import h3gen
 
-    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--vram", "8", check_code=2)
-    assert result.stderr.splitlines()[-1].startswith("h3gen: error: a device memory budget (--vram 8) on a run on the CPU")
+    # The budget is said as either source may have given it: --vram, or runtime.vram_gib of the preset or a --set.
+    for budget in (["--vram", "8"], ["--set", "runtime.vram_gib=8"]):
+        result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", *budget, check_code=2)
+        assert result.stderr.splitlines()[-1].startswith(
+            "h3gen: error: a device memory budget of 8 GiB (--vram, runtime.vram_gib) on a run on the CPU")
     assert not (tmp_path / "out").exists()  # nor the output directory the refused run would have made
     (tmp_path / "kept").mkdir()
     h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "kept", "--vram", "8", check_code=2)
@@ -83,7 +86,8 @@ def test_bench_refuses_a_budget_on_the_cpu_before_measuring(tmp_path):
 
     result = h3gen("bench", "--preset", "tiny", "--baseline", "none", "--vram", "8", "--random-weights", "tiny",
                    "-o", tmp_path, check_code=2)
-    assert result.stderr.splitlines()[-1].startswith("h3gen: error: a device memory budget (--vram 8) on a run on the CPU")
+    assert result.stderr.splitlines()[-1].startswith(
+        "h3gen: error: a device memory budget of 8 GiB (--vram, runtime.vram_gib) on a run on the CPU")
     assert not list(tmp_path.iterdir())
 
 
@@ -203,19 +207,20 @@ def test_a_card_s_size_as_sold_is_a_budget_it_takes(monkeypatch, reported_gib, a
 
     monkeypatch.setattr(budget, "device_bytes", lambda device: int(reported_gib * GIB))
     budget.check_budget(accepted, "cuda")
-    with pytest.raises(UsageError, match=rf"--vram {refused} is more than the GPU's {reported_gib:.1f} GiB") as error:
+    with pytest.raises(UsageError, match=rf"a device memory budget of {refused:g} GiB \(--vram, runtime.vram_gib\) "
+                                         rf"is more than the GPU's {reported_gib:.1f} GiB") as error:
         budget.check_budget(refused, "cuda")
-    assert f"give at most {int(reported_gib)}," in error.value.fix and "leave --vram out" in error.value.fix
+    assert f"give at most {int(reported_gib)}," in error.value.fix and "or no budget" in error.value.fix
 
 
 def test_a_budget_above_what_the_gpu_has_free_plans_for_what_is_free(monkeypatch):
     plan = full_size_plan(monkeypatch, "h3-base-fp8", 24, host_gib=128, free_gib=22.5)
     assert plan.budget_bytes == int(22.5 * GIB) and plan.peak_bytes <= 22.5 * GIB
-    assert "memory plan for 22.5 GiB (--vram 24: what is free on the GPU)" in plan.describe()
+    assert "memory plan for 22.5 GiB (24 GiB asked: what is free on the GPU)" in plan.describe()
     assert plan.record()["asked_gib"] == 24 and plan.record()["vram_gib"] == 22.5 and not plan.record()["asked"]
     refused = full_size_plan(monkeypatch, "h3-base", 16, host_gib=128, free_gib=12)  # no plan fits what is free
     assert refused.startswith("no plan fits the DiT in the 12.0 GiB free on the GPU")
-    assert "(--vram" not in full_size_plan(monkeypatch, "h3-base-fp8", 24, host_gib=128).describe()
+    assert "asked" not in full_size_plan(monkeypatch, "h3-base-fp8", 24, host_gib=128).describe()
 
 
 def test_vram_takes_a_number_of_gib_with_or_without_its_unit(prompts_file, tmp_path):

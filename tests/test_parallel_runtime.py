@@ -194,6 +194,16 @@ def test_sigterm_with_workers_counts_every_clip_written(tmp_path):
     (("--gpus", 2, "--cpu-workers", 2), "--gpus and --cpu-workers both given"),
     (("--cpu-workers", 0), "at least one worker"),
     (("--cpu-workers", 2, "--nnodes", 2), "needs --rdzv-endpoint"),
+    (("--cpu-workers", 2, "--nnodes", 2, "--rdzv-endpoint", "localhost:99999"),
+     "--rdzv-endpoint 'localhost:99999' is not HOST:PORT with a port from 1 to 65535"),
+    (("--cpu-workers", 2, "--nnodes", 2, "--rdzv-endpoint", "localhost"), "'localhost' is not HOST:PORT"),
+    (("--cpu-workers", 2, "--node-rank", 1), "--node-rank belongs to a multi-node run, and --nnodes is not given"),
+    (("--cpu-workers", 2, "--rdzv-id", "job"), "--rdzv-id belongs to a multi-node run, and --nnodes is not given"),
+    (("--cpu-workers", 2, "--set", "parallel.ulysses=3"), "--set parallel.ulysses = 3 does not divide --cpu-workers 2"),
+    (("--set", "parallel.cpu_workers=4", "--set", "parallel.ulysses=3"),
+     "--set parallel.ulysses = 3 does not divide --set parallel.cpu_workers = 4"),
+    (("--set", "parallel.ulysses=2"), "--set parallel.ulysses = 2 splits a clip across workers, and this run has one "
+                                      "process (add --gpus N or --cpu-workers N, or set parallel.ulysses to 0)"),
 ])
 @pytest.mark.parametrize("dry", [[], ["--dry-run"]])
 def test_impossible_layouts_fail_before_any_worker_starts(args, message, prompts_file, tmp_path, dry):

@@ -285,4 +285,4 @@ def test_a_misspelled_load_plugins_name_under_strict_plugins_asks_for_the_name_f
     result = h3gen("plugins", "--strict-plugins", env={**faulty, "H3GEN_LOAD_PLUGINS": "nosuch"}, check_code=2)
     assert result.stderr == ("h3gen: error: plugin 'nosuch' is named in H3GEN_LOAD_PLUGINS, and no such plugin is "
                              "installed (installed: faulty) (correct the name in H3GEN_LOAD_PLUGINS or install the "
-                             "plugin, or drop --strict-plugins)\n")
+                             "plugin, or run without --strict-plugins and H3GEN_STRICT_PLUGINS)\n")
