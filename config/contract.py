@@ -188,10 +188,24 @@ def check_cache(preset, registry) -> None:
     refusal = registry.stage("sampler", sampler_name).refuses_cache(sampler_config)
     if refusal:
         raise UsageError(f"preset {preset.name}: cache '{cache_name}': {refusal}", "set cache.use=none")
+    check_cache_steps(preset, cache_config, sampler_config)
     if preset.adapter.paths and not preset.adapter.cache:
         raise UsageError(f"preset {preset.name}: cache '{cache_name}' with adapters {', '.join(preset.adapter.paths)}, "
                          "whose contract does not allow a step cache",
                          "set cache.use=none, or adapter.cache=true if the adapter was trained to take one")
+
+
+def check_cache_steps(preset, cache_config, sampler_config) -> None:
+    """A schedule's forwards computed in full are forwards of the run: one past its last would never come."""
+    from h3gen.stages.sampler import forwards
+
+    steps = getattr(cache_config, "steps", None)
+    if not steps or not hasattr(sampler_config, "steps"):
+        return
+    total = forwards(sampler_config)
+    if max(steps) >= total:
+        raise UsageError(f"preset {preset.name}: cache.steps lists forward {max(steps)}, and the run has {total} "
+                         f"forwards (0 to {total - 1})", f"list forwards below {total}, or raise sampler.steps")
 
 
 def check_adapters(preset, requests, model_root, prompts: Path | str = "prompts file") -> list[AdapterFile]:

@@ -92,7 +92,8 @@ class EulerSampler(Stage):
 
     @classmethod
     def refuses_cache(cls, config) -> str:
-        return "" if config.dit == "h3gen" else f'the step cache needs sampler.dit = "h3gen", not "{config.dit}"'
+        return "" if config.dit == "h3gen" else (f'the step cache runs on sampler.dit = "h3gen" (--set sampler.dit=h3gen), '
+                                                 f'and this preset has "{config.dit}"')
 
     def load_note(self) -> str:
         return f"attention {self.attention_backend}"

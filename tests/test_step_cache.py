@@ -105,11 +105,21 @@ def test_a_cache_is_refused_by_diffusers_dit_and_by_adapters_that_do_not_allow_i
 
     result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--set", "cache.use=residual",
                    check_code=2)
-    assert 'cache \'residual\': the step cache needs sampler.dit = "h3gen", not "diffusers"' in result.stderr
+    assert result.stderr.endswith('cache \'residual\': the step cache runs on sampler.dit = "h3gen" (--set '
+                                  'sampler.dit=h3gen), and this preset has "diffusers" (set cache.use=none)\n')
     found = registry()
     with pytest.raises(UsageError, match="whose contract does not allow a step cache"):
         check_cache(resolve("fasth3", found, ["cache.use=residual"]), found)
     check_cache(resolve("fasth3", found, ["cache.use=residual", "adapter.cache=true"]), found)
+
+
+@pytest.mark.parametrize("dry", [[], ["--dry-run"]])
+def test_a_schedule_of_forwards_past_the_run_s_last_is_refused(prompts_file, tmp_path, dry):
+    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--set", "sampler.dit=h3gen", "--set",
+                   "cache.use=schedule", "--set", "cache.steps=[0, 1, 7]", *dry, check_code=2)
+    assert result.stderr == ("h3gen: error: preset tiny: cache.steps lists forward 7, and the run has 3 forwards "
+                             "(0 to 2) (list forwards below 3, or raise sampler.steps)\n")
+    assert not (tmp_path / "out").exists()
 
 
 def test_each_clip_reports_its_reused_forwards(prompts_file, tmp_path):
