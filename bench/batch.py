@@ -25,11 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from h3gen.bench.sweep import (BenchPlan, adapter_overrides, bench_frames, cache_overrides, forward_overrides,
+from h3gen.bench.sweep import (BenchPlan, adapter_overrides, cache_overrides, forward_overrides,
                                host_gib, preset_forwards, said_failed)
 from h3gen.run.report import SilentReporter
 from h3gen.stages.clip import FORWARDS_PART
-from h3gen.inputs.request import Request
+from h3gen.inputs.request import Request, frames_for_duration
 
 
 class BatchReporter(SilentReporter):
@@ -61,7 +61,7 @@ def batch_requests(plan: BenchPlan, seconds: float, clips: int, warmup: int = 0)
     """`warmup` clips, then `clips` timed ones: ids warmup-i and batch-i."""
     names = [f"warmup-{i}" for i in range(warmup)] + [f"batch-{i}" for i in range(clips)]
     return [Request(index=i, prompt=" ".join([name] + ["a"] * (plan.text_tokens - 1)), seed=plan.seed + i,
-                    width=plan.width, height=plan.height, frames=bench_frames(seconds), id=name)
+                    width=plan.width, height=plan.height, frames=frames_for_duration(seconds), id=name)
             for i, name in enumerate(names)]
 
 

@@ -17,19 +17,13 @@ import time
 import traceback
 from pathlib import Path
 
-from h3gen.inputs.request import AUDIO_CHANNELS, FPS, MAX_SECONDS, SAMPLE_RATE, Request
+from h3gen.inputs.request import AUDIO_CHANNELS, SAMPLE_RATE, Request, frames_for_duration
 from h3gen.stages.clip import FORWARDS_PART, PIPELINE, Clip
 from h3gen.run.render import Runtime, pick_device
 from h3gen.run.timing import StageTimer
 
 SAMPLES_PER_AUDIO_LATENT = 800
 RECORD_STAGES = ("encode", "dit", "cache_check", "vae_video", "vae_audio", "transfer", "mux", "e2e")
-
-
-def bench_frames(seconds: float) -> int:
-    """5 / 10 / 15 s -> 124 / 243 / 345 frames: the nearest 17n+5 within H3's 15 s (as `h3gen render` caps it)."""
-    frames = 17 * round((seconds * FPS - 5) / 17) + 5
-    return frames - 17 if frames > MAX_SECONDS * FPS else frames
 
 
 @dataclasses.dataclass
@@ -283,7 +277,7 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
     with tempfile.TemporaryDirectory(prefix="h3gen-bench-") as workdir:
         for seconds in plan.durations:
             request = Request(index=0, prompt=prompt, seed=plan.seed, width=plan.width, height=plan.height,
-                              frames=bench_frames(seconds), id="bench")
+                              frames=frames_for_duration(seconds), id="bench")
             reference = None  # the baseline's output video latents and forwards, for each preset's dit_rel_err
             for name, baseline in names:
                 preset = plan.preset(name, baseline, registry)

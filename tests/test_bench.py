@@ -322,3 +322,12 @@ def test_a_failed_preset_s_traceback_is_printed_with_traceback(monkeypatch, caps
         said_failed(said.append, "batch with tiny", e)
     assert said == ["bench: batch with tiny failed: KeyError: 'batch-0'"] * 2
     assert "Traceback" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seconds, frames", [(5, 124), (6, 158), (10, 243), (15, 345)])
+def test_the_bench_renders_the_frames_render_gives_a_duration(seconds, frames):
+    """The smallest 17n+5 lasting the duration, as a prompt's duration gives (6 s is 158 frames, not the nearest 141)."""
+    from h3gen.bench.batch import batch_requests
+    from h3gen.bench.sweep import BenchPlan
+
+    assert [r.frames for r in batch_requests(BenchPlan(presets=["tiny"]), seconds, 2)] == [frames] * 2

@@ -128,7 +128,7 @@ def test_the_feed_forward_passes_over_row_chunks_only_where_streaming_every_bloc
     """bf16 h3-base at the full-size 10 s clip: 24 GiB streams blocks with the feed-forward whole; 16 GiB does not
     fit even with every block streamed, so its plan also runs the feed-forward in 16k-row passes."""
     from h3gen.bench.random_weights import FullSizeRandom
-    from h3gen.bench.sweep import bench_frames
+    from h3gen.inputs.request import frames_for_duration
     from h3gen.config.preset import resolve
     from h3gen.inputs.request import Request
     from h3gen.models.repo import ModelRepo
@@ -140,7 +140,7 @@ def test_the_feed_forward_passes_over_row_chunks_only_where_streaming_every_bloc
     monkeypatch.setattr(budget, "host_available_bytes", lambda: 2**50)  # nor the host memory a full-size run needs
     monkeypatch.setattr(memory, "free_on_device", lambda device: 80 * GIB)
     repo = FullSizeRandom(ModelRepo(ensure_tiny_model()))
-    request = Request(index=0, prompt="a", seed=0, width=1344, height=768, frames=bench_frames(10), id="b")
+    request = Request(index=0, prompt="a", seed=0, width=1344, height=768, frames=frames_for_duration(10), id="b")
     plans = {}
     for gib in (24, 16, 12):
         preset = resolve("h3-base", registry(), [f"runtime.vram_gib={gib}"])
@@ -160,7 +160,7 @@ def full_size_plan(monkeypatch, preset_name: str, gib: int, host_gib: float, fre
     """`budget.planned` for the full-size 10 s clip at `gib` GiB, on an 80 GiB GPU with `free_gib` free, with
     `host_gib` free in host memory: the plan, or the UsageError's line and fix."""
     from h3gen.bench.random_weights import FullSizeRandom
-    from h3gen.bench.sweep import bench_frames
+    from h3gen.inputs.request import frames_for_duration
     from h3gen.config.preset import resolve
     from h3gen.inputs.request import Request
     from h3gen.models.repo import ModelRepo
@@ -172,7 +172,7 @@ def full_size_plan(monkeypatch, preset_name: str, gib: int, host_gib: float, fre
     monkeypatch.setattr(memory, "free_on_device", lambda device: int(free_gib * GIB))
     monkeypatch.setattr(budget, "host_available_bytes", lambda: int(host_gib * GIB))
     repo = FullSizeRandom(ModelRepo(ensure_tiny_model()))
-    request = Request(index=0, prompt="a", seed=0, width=1344, height=768, frames=bench_frames(10), id="b")
+    request = Request(index=0, prompt="a", seed=0, width=1344, height=768, frames=frames_for_duration(10), id="b")
     preset = resolve(preset_name, registry(), [f"runtime.vram_gib={gib}"])
     try:
         return budget.planned(preset, [request], repo, "cuda")
