@@ -57,7 +57,8 @@ def check_workers(parallel: Parallel, preset, heads: int, refusal: str) -> None:
             raise UsageError(f"{parallel.said('gpus')}: this machine shows {torch.cuda.device_count()} GPU(s)",
                              "ask for at most that many (CUDA_VISIBLE_DEVICES limits what is shown)")
         if preset.runtime["device"] == "cpu":
-            raise UsageError(f"{parallel.said('gpus')}: preset {preset.name} runs on the CPU ([runtime] device = \"cpu\")",
+            raise UsageError(f"{parallel.said('gpus')}: preset {preset.name} runs on the CPU "
+                             "([runtime] device = \"cpu\")",
                              "use --cpu-workers, or --set runtime.device=auto")
     per_node = parallel.workers
     if parallel.ulysses:

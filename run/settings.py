@@ -18,13 +18,12 @@ class Parallel:
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
-    # How errors name gpus, cpu_workers or ulysses when the preset gave it, not its flag ("preset p's [parallel] gpus").
+    # How errors name gpus, cpu_workers or ulysses when a flag did not give it: "preset p's [parallel] gpus = ".
     named: dict = dataclasses.field(default_factory=dict)
 
     def said(self, key: str) -> str:
-        """A worker setting and its value as the user gave it: '--gpus 2', or the preset key that set it."""
-        value = getattr(self, key)
-        return f"{self.named[key]} = {value}" if key in self.named else f"--{key.replace('_', '-')} {value}"
+        """A worker setting and its value as the user gave it: '--gpus 2', '--set parallel.gpus=2' or the preset's."""
+        return self.named.get(key, f"--{key.replace('_', '-')} ") + str(getattr(self, key))
 
     @property
     def workers(self) -> int:

@@ -199,10 +199,10 @@ def test_sigterm_with_workers_counts_every_clip_written(tmp_path):
     (("--cpu-workers", 2, "--nnodes", 2, "--rdzv-endpoint", "localhost"), "'localhost' is not HOST:PORT"),
     (("--cpu-workers", 2, "--node-rank", 1), "--node-rank belongs to a multi-node run, and --nnodes is not given"),
     (("--cpu-workers", 2, "--rdzv-id", "job"), "--rdzv-id belongs to a multi-node run, and --nnodes is not given"),
-    (("--cpu-workers", 2, "--set", "parallel.ulysses=3"), "--set parallel.ulysses = 3 does not divide --cpu-workers 2"),
+    (("--cpu-workers", 2, "--set", "parallel.ulysses=3"), "--set parallel.ulysses=3 does not divide --cpu-workers 2"),
     (("--set", "parallel.cpu_workers=4", "--set", "parallel.ulysses=3"),
-     "--set parallel.ulysses = 3 does not divide --set parallel.cpu_workers = 4"),
-    (("--set", "parallel.ulysses=2"), "--set parallel.ulysses = 2 splits a clip across workers, and this run has one "
+     "--set parallel.ulysses=3 does not divide --set parallel.cpu_workers=4"),
+    (("--set", "parallel.ulysses=2"), "--set parallel.ulysses=2 splits a clip across workers, and this run has one "
                                       "process (add --gpus N or --cpu-workers N, or set parallel.ulysses to 0)"),
 ])
 @pytest.mark.parametrize("dry", [[], ["--dry-run"]])
@@ -211,6 +211,15 @@ def test_impossible_layouts_fail_before_any_worker_starts(args, message, prompts
     result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", *args, *dry, check_code=2)
     assert result.stderr.startswith("h3gen: error: ") and message in result.stderr
     assert "layout" not in result.stderr and not (tmp_path / "out").exists() and not result.stdout
+
+
+def test_a_preset_s_parallel_values_are_named_as_the_preset_gave_them(prompts_file, tmp_path):
+    preset = tmp_path / "split.toml"
+    preset.write_text('extends = "tiny"\n[parallel]\ncpu_workers = 4\nulysses = 3\n')
+    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--preset", preset, "--dry-run",
+                   check_code=2)
+    assert result.stderr.startswith("h3gen: error: preset split's [parallel] ulysses = 3 does not divide preset "
+                                    "split's [parallel] cpu_workers = 4 (pick one of 1, 2, 4)")
 
 
 @pytest.mark.parametrize("dry", [[], ["--dry-run"]])
