@@ -18,6 +18,7 @@ from h3gen.errors import UsageError
 
 CONTRACT_KEYS = ("forwards", "sigma_positions", "video_shift", "audio_shift", "tasks")
 TASKS = ("t2va", "fl2va", "ref2va")
+TASK_FIELDS = {"t2va": "text alone", "fl2va": "first_frame / last_frame", "ref2va": "references"}  # what makes each
 # What a fusable adapter file may hold, by key ending: LoRA factors, their alpha, full-rank weight and bias deltas.
 KEY_KINDS = (".lora_A.weight", ".lora_B.weight", ".alpha", ".diff", ".diff_b")
 
@@ -230,8 +231,9 @@ def check_adapters(preset, requests, model_root, prompts: Path | str = "prompts 
     off = [r for r in requests if "tasks" in contract and getattr(r, "task", "t2va") not in contract["tasks"]]
     if off:  # the prompts file asks for it, not the sampler: name the line
         first, more = off[0], f" (and {len(off) - 1} more line(s))" if len(off) > 1 else ""
-        given = "references" if first.task == "ref2va" else "first_frame / last_frame"
+        given = TASK_FIELDS[first.task]
         raise UsageError(f"{prompts}:{first.line}: a {first.task} clip ({given}){more}, and preset {preset.name}'s "
                          f"adapter {', '.join(config.paths)} renders {describe(dict(tasks=contract['tasks']))}",
-                         f"render those lines with a preset without adapters (h3-base), or drop their {given}")
+                         "render those lines with a preset without adapters (h3-base)"
+                         + (f", or drop their {given}" if first.task != "t2va" else ""))
     return adapters

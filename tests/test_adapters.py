@@ -184,7 +184,9 @@ def test_contract_as_shipped_passes_and_finds_the_adapter_in_the_model_directory
     (FAST, ["sampler.sigma_positions=[]", "sampler.steps=9"], "this run asks for 8 DiT forwards"),
     (FAST, ["sampler.sigma_positions=[0.999, 0.7, 0.5, 0.25, 0.0]"], "asks for sigma positions 0.999, 0.7,"),
     (FAST, ["sampler.video_shift=5"], "asks for video shift 5"),
-    (FAST, ['adapter.tasks=["fl2va"]'], "asks for task t2va"),
+    (FAST, ['adapter.tasks=["fl2va"]'], "prompts file:1: a t2va clip (text alone), and preset fasth3's adapter "
+                                        "adapters/student.safetensors renders fl2va only (render those lines with a "
+                                        "preset without adapters (h3-base))"),
     ("turbo-8", ["sampler.steps=5", "sampler.audio_shift=1"], "asks for 4 DiT forwards, audio shift 1"),
 ])
 def test_contract_violations_say_what_the_adapter_requires(tmp_path, preset, overrides, asks):
