@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from functools import cache
 from pathlib import Path
 
@@ -128,8 +129,9 @@ def adapter_files(preset, model_root) -> list[Path]:
 def model_identity(root: str) -> str:
     """The repository's weights and configs without reading every weight: each file's path and size, and what
     `file_summary` reads of it. The repository's own path, which a saved modular_model_index.json records for each
-    component, counts as ".": the same model written in another cache folder is the same model, and so is one named
-    by a relative path or through a link."""
+    component, counts as ".", and so does any other absolute path recorded there (the folder copied or moved since):
+    the same model written in another cache folder is the same model, and so is one named by a relative path, through
+    a link, or copied elsewhere."""
     hashed = hashlib.sha256()
     base = Path(root)
     owns = sorted({json.dumps(str(form))[1:-1].encode() for form in (base.absolute(), base.resolve())}, key=len,
@@ -140,12 +142,17 @@ def model_identity(root: str) -> str:
             if own in summary:  # a file read whole
                 summary = summary.replace(own, b".")
                 size = len(summary)
+        if path.suffix == ".json" and path.stat().st_size <= WHOLE_BYTES:  # where a folder copied or moved was saved
+            summary = SAVED_AT.sub(rb'\1"."', summary)
+            size = len(summary)
         hashed.update(f"{path.relative_to(base)}\0{size}\0".encode())
         hashed.update(summary)
     return hashed.hexdigest()[:16]
 
 
 WHOLE_BYTES = 2**26  # a file up to this size is read whole
+# A component's source as save_pretrained recorded it: an absolute path is where the folder was, not what it holds.
+SAVED_AT = re.compile(rb'("pretrained_model_name_or_path":\s*)"/[^"]*"')
 SAMPLES, SAMPLE_BYTES = 8, 2**20  # a larger safetensors file: its header, then these spread over its tensors
 
 

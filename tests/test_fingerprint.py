@@ -176,6 +176,15 @@ def test_the_same_model_in_another_cache_folder_is_the_same_model(tmp_path, tiny
     for named in (elsewhere.relative_to(tmp_path), tmp_path / "link"):  # a relative path, and a link to the folder
         fingerprint.model_identity.cache_clear()
         assert fingerprint.model_identity(str(named)) == fingerprint.model_identity(str(tiny_model)), named
+    import shutil
+
+    shutil.copytree(elsewhere, tmp_path / "copied", symlinks=True)
+    shutil.copytree(elsewhere, tmp_path / "to-move", symlinks=True)
+    shutil.move(tmp_path / "to-move", tmp_path / "moved")
+    for moved in (tmp_path / "copied", tmp_path / "moved"):  # as cp -r and mv leave it: the old path inside
+        fingerprint.model_identity.cache_clear()
+        assert str(elsewhere) in (moved / "modular_model_index.json").read_text()
+        assert fingerprint.model_identity(str(moved)) == fingerprint.model_identity(str(tiny_model)), moved
     config = elsewhere / "transformer" / "config.json"
     config.write_text(config.read_text().replace('"norm_eps": 1e-05', '"norm_eps": 1e-06'))
     fingerprint.model_identity.cache_clear()
