@@ -165,8 +165,9 @@ def render(
     vram: Annotated[Optional[str], typer.Option("--vram", metavar="GIB", help=VRAM_HELP)] = None,
     save_latents: Annotated[bool, typer.Option("--save-latents", help="Also write each clip's final latents.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each prompt's output file and whether it would "
-                                                            "render, skip or conflict; render nothing. Exits 1 when a "
-                                                            "clip would conflict, as the run would.")] = False,
+                                                            "render, skip or conflict (or finds it busy); render and "
+                                                            "change nothing. Exits 1 when a clip would conflict, as "
+                                                            "the run would.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Render clips whose output already exists and validates "
                                                         "(by default they are skipped).")] = False,
     redo_conflicts: Annotated[bool, typer.Option("--redo-conflicts", help="Render again the clips whose file h3gen "

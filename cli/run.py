@@ -58,17 +58,20 @@ def _run_render(settings: RunSettings) -> int:
 
 
 def dry_run(batch, settings: RunSettings) -> int:
-    """One line per clip on stdout (a JSON record with --json): render, skip or conflict, and why. Exits 1 when a
+    """One line per clip on stdout (a JSON record with --json): render, skip, conflict or busy, and why. Exits 1 when a
     clip would conflict, as the run itself would."""
     import json
 
     from h3gen.run.loop import plan
+    from h3gen.run.outputs import held_elsewhere
     from h3gen.run.render import to_render
 
     conflicts = 0
     for request, path, found in plan(batch, settings):
         action = "render" if to_render(found) else "skip" if found.status == "skipped" else "conflict"
         why = found.error if found is not None and found.error else None
+        if action == "render" and held_elsewhere(path):
+            action, why = "busy", "another h3gen run is rendering it"
         conflicts += action == "conflict"
         if settings.json_out:
             print(json.dumps({"path": str(path), "id": request.id, "line": request.line, "seed": request.seed,

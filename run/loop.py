@@ -103,7 +103,8 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
     check_writable(settings.output)
     try:
         check_device(preset.runtime["device"])
-        clear_leftovers(requests, settings.output, preset.name)
+        if not settings.dry_run:  # a dry run changes nothing in the output directory
+            clear_leftovers(requests, settings.output, preset.name)
         # Clips are numbered by their place in the whole file, so [i/n] means the same in every shard.
         reporter = make_reporter(len(every), settings.json_out, preset.name)
         if settings.shard and not requests:

@@ -49,6 +49,21 @@ class ClipClaim:
             self.fd = None
 
 
+def held_elsewhere(path: Path) -> bool:
+    """Whether a live run holds the clip at `path`, found without taking or creating its lock."""
+    try:
+        fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # a shared lock taken here goes with the descriptor
+    return False
+
+
 def leftovers(path: Path) -> list[Path]:
     """The hidden files a run writes beside the clip at `path` before renaming them into place."""
     latents = path.with_suffix(".latents.safetensors")

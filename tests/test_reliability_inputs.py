@@ -101,6 +101,30 @@ def test_a_dry_run_leaves_no_directory_behind(prompts_file, tmp_path, tiny_model
     assert planned.stdout.startswith("render ") and not (tmp_path / "new").exists()
 
 
+def test_a_dry_run_changes_nothing_and_says_busy_for_a_clip_a_live_run_holds(prompts_file, tmp_path):
+    from h3gen.run.outputs import ClipClaim
+
+    out, prompts = tmp_path / "out", prompts_file("a lighthouse at night\nwaves on rocks\n")
+    out.mkdir()
+    first, second = (json.loads(line)["path"] for line in h3gen("render", prompts, "-o", out, "--dry-run", "--json",
+                                                                   check_code=0).stdout.splitlines())
+    # What a killed run left beside the first clip: its partial MP4 and its lock, held by nobody now.
+    left = [out / f".{first.rsplit('/', 1)[1]}{suffix}" for suffix in (".partial.mp4", ".lock")]
+    for path in left:
+        path.write_bytes(b"left by a killed run")
+    live = ClipClaim(out / second.rsplit("/", 1)[1])  # a live run rendering the second
+    assert live.acquire()
+    try:
+        planned = h3gen("render", prompts, "-o", out, "--dry-run", "--json", check_code=0)
+    finally:
+        live.release()
+    actions = [(r["action"], r["error"]) for r in map(json.loads, planned.stdout.splitlines())]
+    assert actions == [("render", None), ("busy", "another h3gen run is rendering it")]
+    assert all(path.read_bytes() == b"left by a killed run" for path in left)  # the run clears them, not a dry run
+    h3gen("render", prompts, "-o", out, check_code=0)
+    assert not any(path.exists() for path in left)
+
+
 def test_unreadable_prompts_file(tmp_path, monkeypatch):
     """As root every file is readable, so the refusal of the operating system is simulated in process."""
     from pathlib import Path
