@@ -73,9 +73,8 @@ def find_preset(name_or_file: str, registry, folder: Path | None = None) -> tupl
     if not registry.presets:
         raise UsageError(f"unknown preset '{name_or_file}': no presets are registered",
                          "`h3gen plugins` says why the plugin that ships them failed")
-    left_out = (f"; H3GEN_LOAD_PLUGINS leaves out the installed plugin(s) {', '.join(map(repr, registry.left_out))}, "
-                "which may register it" if registry.left_out else "")
-    raise UsageError(f"unknown preset '{name_or_file}'", f"available: {', '.join(sorted(registry.presets))}{left_out}")
+    raise UsageError(f"unknown preset '{name_or_file}'",
+                     f"available: {', '.join(sorted(registry.presets))}{registry.missing()}")
 
 
 def load_preset(name_or_file: str, registry, folder: Path | None = None,

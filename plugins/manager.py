@@ -39,12 +39,16 @@ class Registry:
         found = self.stages.get((kind, name))
         if found is None:
             allowed = ", ".join(sorted(n for k, n in self.stages if k == kind)) or "none"
-            broken = "".join(f"; plugin '{p}' {why}" for p, why in self.failed)
-            left_out = (f"; H3GEN_LOAD_PLUGINS={os.environ.get('H3GEN_LOAD_PLUGINS', '')} leaves out the installed "
-                        f"plugin(s) {', '.join(map(repr, self.left_out))}, which may register it"
-                        if self.left_out else "")
-            raise UsageError(f"unknown {kind} stage {name!r}", f"registered {kind} stages: {allowed}{broken}{left_out}")
+            raise UsageError(f"unknown {kind} stage {name!r}", f"registered {kind} stages: {allowed}{self.missing()}")
         return found.stage
+
+    def missing(self) -> str:
+        """Where a stage or preset not found may have gone: plugins that failed, and plugins H3GEN_LOAD_PLUGINS
+        leaves out ('' when neither)."""
+        broken = "".join(f"; plugin '{p}' {why}" for p, why in self.failed)
+        left_out = (f"; H3GEN_LOAD_PLUGINS={os.environ.get('H3GEN_LOAD_PLUGINS', '')} leaves out the installed "
+                    f"plugin(s) {', '.join(map(repr, self.left_out))}, which may register it" if self.left_out else "")
+        return broken + left_out
 
 
 def wanted_plugins() -> set[str] | None:

@@ -77,6 +77,15 @@ def test_render_goes_on_without_the_broken_plugins(site, prompts_file, tmp_path)
     assert "1 of 1 clips written" in result.stderr
 
 
+def test_a_preset_not_found_names_the_plugins_that_failed(site, prompts_file, tmp_path):
+    """The preset may be the broken plugin's: the one line says so, as an unknown stage's does."""
+    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--preset", "invert", env=site,
+                   check_code=2)
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("h3gen: error: unknown preset 'invert' (available: ")
+    assert "; plugin 'importfails' failed to load: no module named cuda_magic" in line
+
+
 @pytest.mark.parametrize("strict", [["--strict-plugins"], []])
 def test_strict_plugins_stops_the_run(site, prompts_file, tmp_path, strict):
     env = {**site, "H3GEN_LOAD_PLUGINS": "importfails"} if strict else {**site, "H3GEN_STRICT_PLUGINS": "1",
