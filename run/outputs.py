@@ -100,9 +100,11 @@ def record(out_dir: Path, result, preset: str, status: str) -> str:
                        **clip_record(result, preset), "status": status}) + "\n"
     path = out_dir / MANIFEST
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+            if unterminated(fd):  # a line cut short (a crash, a full disk) ends where this one starts
+                os.write(fd, b"\n")
             written = os.write(fd, line.encode())
             if written < len(line.encode()):  # the disk filled mid-line: cut the half line off again
                 os.ftruncate(fd, os.fstat(fd).st_size - written)
@@ -112,6 +114,12 @@ def record(out_dir: Path, result, preset: str, status: str) -> str:
     except OSError as e:
         return write_error(path, e)
     return ""
+
+
+def unterminated(fd: int) -> bool:
+    """Whether the file open at `fd` ends inside a line."""
+    size = os.fstat(fd).st_size
+    return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
 
 
 def recorded(out_dir: Path, result, preset: str):
@@ -144,6 +152,8 @@ def write_error(path: Path, error: OSError) -> str:
         text += " (a file size limit stops it: raise `ulimit -f`; a rerun redoes only the clips that are missing)"
     elif error.errno in (errno.ENOSPC, errno.EDQUOT):
         text += f" (free space in {path.parent}; a rerun redoes only the clips that are missing)"
+    elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        text += " (make it writable; a rerun redoes only the clips that are missing)"
     return text
 
 

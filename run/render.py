@@ -134,6 +134,7 @@ class Renderer:
         self.claim_on_device = None
         self.cache_problem_said = False  # the embedding cache's write problem, said once a run
         self.results = []  # every clip this renderer finished, in the order their manifest lines were written
+        self.unrecorded = ""  # why the manifest could not take a clip's line: the clips after it are not rendered
         self.bytes_per_pixel = 0.0  # the least an MP4 of this run took per pixel of its frames (check_disk)
 
     def render(self, requests: list[Request], out_dir: Path, save_latents: bool = False,
@@ -176,6 +177,8 @@ class Renderer:
     def admit(self, clip: Clip, redo: str) -> tuple[str, object, str]:
         """(status, claim, error): the claim when this run renders the clip; status "busy" when another run holds
         it, "skipped" when an overlapping run finished it after this one started."""
+        if self.unrecorded:  # every clip would be written and then counted failed: spend no device time on them
+            return "", None, f"not rendered: {self.unrecorded}"
         claim = outputs.ClipClaim(clip.path)
         try:
             if not claim.acquire():
@@ -310,7 +313,10 @@ class Renderer:
                             attention=clip.attention, status=status or ("ok" if ok else "failed"),
                             fingerprint=fingerprint.digest(clip.fingerprint) if clip.fingerprint else "",
                             memory_plan=self.memory_plan)
-        result = outputs.recorded(self.out_dir, result, self.preset.name)
+        recorded = outputs.recorded(self.out_dir, result, self.preset.name)
+        if result.ok and not recorded.ok:
+            self.unrecorded = recorded.error
+        result = recorded
         if status == "" and ok:
             self.learn_size(clip)
         self.reporter.clip_done(result)

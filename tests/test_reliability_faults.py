@@ -572,6 +572,45 @@ def test_a_manifest_line_that_cannot_be_written_fails_its_clip(tmp_path, monkeyp
                        f"{tmp_path}; a rerun redoes only the clips that are missing)")
 
 
+def test_a_manifest_cut_short_mid_line_takes_the_next_record_on_a_line_of_its_own(prompts_file, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "manifest.jsonl").write_text('{"partial": tru')  # what a crash or a full disk can leave
+    h3gen("render", prompts_file("a fox\n"), "-o", out, check_code=0)
+    cut, record = (out / "manifest.jsonl").read_text().splitlines()
+    assert cut == '{"partial": tru' and json.loads(record)["status"] == "ok"
+
+
+def test_once_the_manifest_cannot_be_written_the_run_renders_no_more_clips(prompts_file, tmp_path, monkeypatch):
+    """Every later clip would be written and then counted failed: they are failed unrendered, each saying why."""
+    import errno
+
+    from typer.testing import CliRunner
+
+    from h3gen.cli.main import app
+    from h3gen.run import outputs
+
+    real, calls = outputs.record, []
+
+    def full_after_one(out_dir, result, preset, status):
+        calls.append(status)
+        if len(calls) == 1:
+            return real(out_dir, result, preset, status)
+        return outputs.write_error(out_dir / outputs.MANIFEST, OSError(errno.EPERM, "Operation not permitted"))
+
+    monkeypatch.setattr(outputs, "record", full_after_one)
+    out = tmp_path / "out"
+    # The mux in line: a clip's line is written before the next clip is taken (a background mux can let one more in).
+    result = CliRunner().invoke(app, ["render", str(prompts_file("a fox\nwaves\na lighthouse\n")), "-o", str(out),
+                                      "--set", "mux.workers=0"])
+    assert result.exit_code == 1, result.output[-2000:]
+    why = (f"cannot write {out / 'manifest.jsonl'}: Operation not permitted (make it writable; a rerun redoes only "
+           "the clips that are missing)")
+    failed = [line for line in result.output.splitlines() if "FAILED" in line]
+    assert len(failed) == 2 and failed[0].endswith(why) and failed[1].endswith(f"not rendered: {why}"), failed
+    assert len(list(out.glob("*.mp4"))) == 2  # the second was written before its line failed; the third never was
+
+
 @pytest.mark.parametrize("dry", [False, True])
 def test_a_manifest_that_cannot_be_written_refuses_the_run_before_any_clip(prompts_file, tmp_path, dry):
     """A directory where the manifest goes: said before a clip renders (a dry run too), not after it."""
