@@ -35,7 +35,7 @@ def run_fields(preset, registry, repo) -> dict:
     """The fields every clip of a run shares: h3gen's render version, the model, the preset and its stages."""
     from h3gen.config.preset import describe
 
-    fields = {"h3gen": RENDER_VERSION, "model": model_identity(str(repo.root)), "preset": preset.name}
+    fields = {"h3gen": RENDER_VERSION, "model": model_identity(str(repo.root))}  # the preset by its values, not name
     for key, value, _ in describe(preset):
         if not key.startswith(NOT_IN_OUTPUT):
             fields[key] = plain(value)
@@ -83,9 +83,13 @@ def differences(old: dict | None, new: dict) -> list[str]:
     """`FIELD: OLD -> NEW` for each field that differs (a clip from before fingerprints: one line saying so)."""
     if old is None:
         return ["fingerprint: none -> " + digest(new)]
-    keys = sorted(set(old) | set(new))
+    keys = sorted((set(old) | set(new)) - RETIRED)
     return [f"{key}: {shown(old.get(key))} -> {shown(new.get(key))}{in_seconds(key, old.get(key), new.get(key))}"
             for key in keys if old.get(key) != new.get(key)]
+
+
+# Fields earlier clips carry that decide nothing of a clip's bytes: the preset's name (its values are fields).
+RETIRED = {"preset"}
 
 
 def in_seconds(key: str, old, new) -> str:

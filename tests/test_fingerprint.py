@@ -70,6 +70,19 @@ def test_a_rerun_skips_only_on_a_matching_fingerprint(prompts_file, tmp_path, ti
     assert (out / "c.mp4").read_bytes() == clip
 
 
+def test_the_same_preset_under_another_name_renders_the_same_clip(prompts_file, tmp_path):
+    """The preset counts by its values: a copy of it under another name skips what the original wrote, and a clip
+    stamped with the preset's name (as earlier versions stamped) is no conflict for that either."""
+    prompts = prompts_file('{"id": "c", "prompt": "a lighthouse at night", "seed": 3}\n')
+    out, renamed = tmp_path / "out", tmp_path / "mytiny.toml"
+    renamed.write_text('version = 1\nextends = "tiny"\n')
+    h3gen("render", prompts, "-o", out, check_code=0)
+    again = h3gen("render", prompts, "-o", out, "--json", "--preset", renamed, check_code=0)
+    assert json.loads(again.stdout)["status"] == "skipped"
+    fields = fingerprint.read_stamp(out / "c.mp4")
+    assert "preset" not in fields and fingerprint.differences(dict(fields, preset="tiny"), fields) == []
+
+
 def test_a_whole_mp4_h3gen_did_not_write_is_left_alone(prompts_file, tmp_path):
     import av
     import numpy as np
