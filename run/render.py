@@ -474,6 +474,8 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
         return None if redo == "conflicts" else conflict(request, path, wanted, settings,
                                                          "rendered with different settings", REDO_HINT)
     problems = validate_clip(path, expected_frames=request.frames)
+    if not problems and save_latents and stored is not None:
+        problems = latents_problems(latents_path(path))
     if problems and stored is None and not box_problem(path):
         return conflict(request, path, wanted, problems, "a whole MP4 h3gen did not stamp")
     if problems:  # the atomic write replaces it only once the new file is whole
@@ -482,6 +484,18 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
     if stored is None:  # whole, but without h3gen's stamp: another tool's file, or an older h3gen's
         return conflict(request, path, wanted, ["no h3gen stamp in its metadata"], "a whole MP4 h3gen did not stamp")
     return ClipResult(request, path, True, {}, 0.0, skipped=True, fingerprint=fingerprint.digest(wanted))
+
+
+def latents_problems(path: Path) -> list[str]:
+    """What is wrong with a clip's latents file beside it (written whole, so damaged only from outside)."""
+    from h3gen.errors import ModelError
+    from h3gen.models.repo import check_safetensors
+
+    try:
+        check_safetensors(path)
+    except ModelError:
+        return [f"its latents {path.name} are cut short or not safetensors"]
+    return []
 
 
 REDO_HINT = "--redo-conflicts to render these again, --force every clip, or -o elsewhere"

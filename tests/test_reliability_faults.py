@@ -572,6 +572,19 @@ def test_a_manifest_line_that_cannot_be_written_fails_its_clip(tmp_path, monkeyp
                        f"{tmp_path}; a rerun redoes only the clips that are missing)")
 
 
+def test_a_rerun_with_save_latents_renders_again_a_clip_whose_latents_were_cut_short(prompts_file, tmp_path):
+    out, prompts = tmp_path / "out", prompts_file('{"id": "a", "prompt": "a fox"}\n')
+    h3gen("render", prompts, "-o", out, "--save-latents", check_code=0)
+    latents = out / "a.latents.safetensors"
+    whole = latents.read_bytes()
+    latents.write_bytes(whole[:100])
+    planned = h3gen("render", prompts, "-o", out, "--save-latents", "--dry-run", check_code=0)
+    assert planned.stdout.strip().endswith("a.mp4: there but damaged: its latents a.latents.safetensors are cut "
+                                           "short or not safetensors; rendered again"), planned.stdout
+    h3gen("render", prompts, "-o", out, "--save-latents", check_code=0)
+    assert latents.read_bytes() == whole
+
+
 def test_a_manifest_cut_short_mid_line_takes_the_next_record_on_a_line_of_its_own(prompts_file, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
