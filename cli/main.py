@@ -431,7 +431,10 @@ def presets_show(
     from h3gen.plugins.manager import registry
 
     try:
-        resolved = resolve(name, registry(), overrides or [])
+        found = registry()
+        resolved = resolve(name, found, overrides or [])
+        for kind, (stage, config) in resolved.stages.items():  # what render would refuse is not shown (nor saved)
+            found.stage(kind, stage).check_config(config)
     except H3genError as e:
         fail(e)
     described_by = resolved.sources.get("description", f"preset {resolved.name}")

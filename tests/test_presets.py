@@ -121,6 +121,9 @@ def test_a_bad_request_default_from_set_is_blamed_on_the_set_not_a_prompts_line(
 def test_presets_show_bad_value_exits_2():
     result = h3gen("presets", "show", "tiny", "--set", "sampler.nope=1")
     assert result.returncode == 2 and "unknown key 'nope'" in result.stderr
+    for shown in (["--set", "sampler.steps=0"], ["--set", "mux.crf=99", "--toml"]):  # what render refuses, so does show
+        result = h3gen("presets", "show", "tiny", *shown, check_code=2)
+        assert result.stdout == "" and result.stderr.startswith("h3gen: error: ") and result.stderr.count("\n") == 1
 
 
 def test_a_preset_runs_only_on_the_model_it_is_made_for(prompts_file, tiny_model, tmp_path):
