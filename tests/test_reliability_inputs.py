@@ -165,8 +165,10 @@ def test_a_preset_in_the_prompts_files_place_is_named_as_one(tmp_path):
     (lambda t: t.replace("steps = 4", "steps = 4.5"), "preset bad [sampler].steps must be int, got 4.5"),
     (lambda t: t.replace("version = 1", "version = 2"), "preset bad has version 2, which this h3gen does not know"),
     (lambda t: t.replace("version = 1\n", ""), "preset bad has no version (add version = 1 at its top)"),
-    (lambda t: t.replace('dtype = "float32"', 'dtype = "float64"'), "dtype 'float64' is not supported"),
-    (lambda t: t.replace('device = "auto"', 'device = "tpu"'), "device 'tpu' is not one h3gen runs on"),
+    (lambda t: t.replace('dtype = "float32"', 'dtype = "float64"'),
+     "preset bad [runtime] dtype 'float64' is not a supported dtype"),
+    (lambda t: t.replace('device = "auto"', 'device = "tpu"'), "preset bad [runtime] device 'tpu' is not a device "
+                                                              "h3gen runs on (use auto, cpu, cuda or cuda:N)"),
     (lambda t: "request = 3\n" + t.replace("[request]\nwidth = 32\nheight = 32\nduration = 5.0\n", ""),
      "request must be a table, got 3"),
 ])
@@ -174,6 +176,17 @@ def test_bad_preset_file_is_refused(prompts_file, tmp_path, change, message):
     preset = tmp_path / "bad.toml"
     preset.write_text(change(TINY_PRESET))
     refused(h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--preset", preset), message)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("runtime.device=tpu", "--set runtime.device=tpu is not a device h3gen runs on (use auto, cpu, cuda or cuda:N)"),
+    ("runtime.dtype=float64", "--set runtime.dtype=float64 is not a supported dtype"),
+    ("model.needs=foo", "--set model.needs=foo is not a model kind"),
+    ("parallel.gpus=-1", "--set parallel.gpus=-1: give a whole number >= 0"),
+])
+def test_a_bad_set_value_is_said_as_the_set(prompts_file, tmp_path, setting, message):
+    """The --set gave it, not the preset: the error says so."""
+    refused(h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--set", setting), message)
 
 
 @pytest.mark.parametrize("line, message", [
