@@ -77,16 +77,31 @@ def encodable(value) -> bool:
     return True
 
 
+class _Twice(ValueError):
+    """A JSON object that names one key twice (json would keep the last silently)."""
+
+
+def _once_each(pairs: list) -> dict:
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _Twice(key)
+        seen[key] = value
+    return seen
+
+
 def _parse_line(line: str, where: str) -> dict:
     # A line that starts like JSON is JSON or an error: a typo in an object must never render as its text.
     if not line.startswith(("{", "[")):
         return {"prompt": line}
     try:
-        fields = json.loads(line)
+        fields = json.loads(line, object_pairs_hook=_once_each)
     except json.JSONDecodeError as e:
         raise UsageError(f"{where}: malformed JSON ({e.msg} at column {e.colno})",
                          'write one object per line, e.g. {"prompt": "..."}; a prompt starting with "[" or "{" '
                          'goes in one too') from None
+    except _Twice as e:
+        raise UsageError(f"{where}: field {e.args[0]!r} is given twice", "keep the one you mean") from None
     if not isinstance(fields, dict):
         raise UsageError(f"{where}: a JSON line must be an object", 'e.g. {"prompt": "..."}')
     for key, value in fields.items():
