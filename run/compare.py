@@ -84,7 +84,13 @@ def read_clip(path: Path):
                 rate = container.streams.audio[0].rate
                 audio = [f.to_ndarray().reshape(-1, f.samples) for f in container.decode(audio=0)]
     except (av.FFmpegError, OSError, ValueError) as e:
-        raise UsageError(f"cannot read {path} as an MP4: {e}", "compare the MP4s h3gen writes") from None
+        from h3gen.run.validate import box_problem
+
+        try:  # a file cut short is said as such; else what the decoder said, without its error number
+            why = box_problem(path) or getattr(e, "strerror", None) or str(e)
+        except OSError:
+            why = getattr(e, "strerror", None) or str(e)
+        raise UsageError(f"cannot read {path} as an MP4: {why}", "compare the MP4s h3gen writes") from None
     sound = np.concatenate(audio, axis=1).astype(np.float32) if audio else np.zeros((0, 0), np.float32)
     return frames, sound, rate
 
@@ -94,6 +100,10 @@ def compare(a: Path, b: Path) -> dict:
     from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
     (frames_a, audio_a, rate_a), (frames_b, audio_b, rate_b) = read_clip(a), read_clip(b)
+    if bool(rate_a) != bool(rate_b):
+        silent, other = (a, b) if not rate_a else (b, a)
+        raise UsageError(f"{silent} has no audio stream, and {other} has one",
+                         "compare clips rendered from the same request (size, duration)")
     for what, x, y in (("frame counts", len(frames_a), len(frames_b)), ("sizes", frames_a.shape[1:3],
                        frames_b.shape[1:3]), ("sample rates", rate_a, rate_b), ("audio channels", audio_a.shape[0],
                        audio_b.shape[0])):

@@ -99,6 +99,27 @@ def test_a_file_that_is_not_an_mp4_is_refused(tmp_path):
     assert result.stderr.count("\n") == 1 and "cannot read" in result.stderr and "as an MP4" in result.stderr
 
 
+def test_a_clip_without_sound_and_a_cut_short_one_are_said_as_such(tmp_path):
+    import av
+
+    silent = tmp_path / "silent.mp4"
+    with av.open(str(silent), "w") as container:  # video alone, as another tool may write it
+        stream = container.add_stream("libx264", rate=24)
+        stream.width, stream.height, stream.pix_fmt = 48, 32, "yuv420p"
+        for i in range(22):
+            frame = av.VideoFrame.from_ndarray(np.full((32, 48, 3), i * 10, np.uint8), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    sound = clip(tmp_path / "a.mp4", 1)
+    result = h3gen("compare", silent, sound, check_code=2)
+    assert f"{silent} has no audio stream, and {sound} has one" in result.stderr
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(sound.read_bytes()[:2000])
+    result = h3gen("compare", cut, sound, check_code=2)
+    assert result.stderr.startswith(f"h3gen: error: cannot read {cut} as an MP4: truncated") and "Errno" not in \
+        result.stderr, result.stderr
+
+
 def test_when_no_pair_of_two_folders_can_be_compared_the_last_line_says_so(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     for name in ("one.mp4", "two.mp4"):
