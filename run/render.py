@@ -376,8 +376,7 @@ def load(stage, repo) -> None:
     except H3genError:
         raise
     except Exception as e:
-        raise stage.failed(f"failed to load: {type(e).__name__}: {e}",
-                           "rerun with --traceback for where; fix the stage, or pick another in the preset") from e
+        raise stage.failed(f"failed to load: {type(e).__name__}: {e}", stage.broke_fix()) from e
 
 
 def check_media(clip: Clip, vae) -> None:

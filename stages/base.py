@@ -93,7 +93,7 @@ class Stage:
         except H3genError:
             raise
         except Exception as e:  # a faulty stage costs its clip; the message says which stage it was
-            raise self.failed(f"raised {type(e).__name__}: {e}") from e
+            raise self.failed(f"raised {type(e).__name__}: {e}", self.broke_fix()) from e
         if not isinstance(result, Clip):
             raise self.failed(f"returned {type(result).__name__} from run(), not the clip",
                               "run(clip) must return the clip it was given (or a copy), with its fields set")
@@ -105,6 +105,13 @@ class Stage:
     def failed(self, what: str, fix: str = "") -> StageFailed:
         """An error naming this stage, its kind and its plugin."""
         return StageFailed(f"{self.kind} stage '{self.name}' ({self.source()}) {what}", fix)
+
+    @classmethod
+    def broke_fix(cls) -> str:
+        """What to do about this stage raising: a plugin's is its author's to fix, h3gen's own a bug to report."""
+        if cls.origin == BUILTIN:
+            return "rerun with --traceback for where, and report it as an h3gen bug with that"
+        return "rerun with --traceback for where; fix the stage, or pick another in the preset"
 
     @classmethod
     def source(cls) -> str:

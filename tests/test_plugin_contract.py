@@ -79,7 +79,8 @@ def render(env, prompts_file, tmp_path, fault, *args):
 @pytest.mark.parametrize("fault, message", [
     ("None", "vae stage 'faulty' (from plugin 'faulty') returned NoneType from run(), not the clip (run(clip) must "
              "return the clip it was given"),
-    ("raise", "vae stage 'faulty' (from plugin 'faulty') raised ValueError: boom in run"),
+    ("raise", "vae stage 'faulty' (from plugin 'faulty') raised ValueError: boom in run (rerun with --traceback "
+              "for where; fix the stage, or pick another in the preset)"),
 ])
 def test_a_stage_that_breaks_its_run_costs_its_clip_named(faulty, prompts_file, tmp_path, fault, message):
     result = render(faulty, prompts_file, tmp_path, fault)
