@@ -426,15 +426,14 @@ def presets_show(
     Example:
       h3gen presets show h3-base --set sampler.steps=25
     """
-    from h3gen.config.preset import describe, resolve, toml_value
+    from h3gen.config.preset import check_stage_configs, describe, resolve, toml_value
     from h3gen.config.preset import as_toml as preset_toml
     from h3gen.plugins.manager import registry
 
     try:
         found = registry()
         resolved = resolve(name, found, overrides or [])
-        for kind, (stage, config) in resolved.stages.items():  # what render would refuse is not shown (nor saved)
-            found.stage(kind, stage).check_config(config)
+        check_stage_configs(resolved, found)  # what render would refuse is not shown (nor saved)
     except H3genError as e:
         fail(e)
     described_by = resolved.sources.get("description", f"preset {resolved.name}")

@@ -366,3 +366,21 @@ def as_toml(preset: Preset) -> str:
             table = table.setdefault(parent, {})
         table[last] = value
     return tomli_w.dumps(tables)
+
+
+def check_stage_configs(preset, registry) -> None:
+    """Each stage's own check of its section (`Stage.check_config`); a refusal that names a key of it says where the
+    value came from, a --set or a preset (not a stage's default)."""
+    import re
+
+    for kind, (name, config) in preset.stages.items():
+        try:
+            registry.stage(kind, name).check_config(config)
+        except UsageError as e:
+            keys = [k for k in re.findall(rf"\b{kind}\.[a-z_.]*[a-z_]", f"{e.problem} {e.fix}") if k in preset.sources]
+            source = preset.sources[keys[0]] if keys else ""
+            if source != "--set" and not source.startswith("preset "):
+                raise
+            given = f"--set {keys[0]}" if source == "--set" else f"{source} [{kind}]"
+            raise UsageError(f"{given}: {e.problem}", e.fix) from e
+

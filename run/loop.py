@@ -94,6 +94,7 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
     `make_reporter(total clips in the file, json_out, preset name)`. `check_layout(preset, repo, found)` checks how
     the run is spread over processes (h3gen.parallel.launch's for workers), with the rest."""
     from h3gen.config.contract import check_adapters, check_cache
+    from h3gen.config.preset import check_stage_configs
     from h3gen.inputs.prompts import read_prompts, shard_requests
 
     every = read_prompts(settings.prompts, settings.seed, preset.request)
@@ -118,10 +119,9 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
         check_adapters(preset, requests, repo.root, settings.prompts)
         check_ref2va_partition(requests, repo, settings.prompts)
         check_cache(preset, found)
+        check_stage_configs(preset, found)
         for kind, (name, config) in preset.stages.items():
-            stage = found.stage(kind, name)
-            stage.check_config(config)
-            stage.check_model(config, repo)
+            found.stage(kind, name).check_model(config, repo)
         if check_layout is not None:
             check_layout(preset, repo, found)
         memory_plan = plan_memory_budget(preset, requests, repo, reporter)

@@ -156,7 +156,7 @@ def test_a_stage_that_fails_to_start_or_load_ends_the_run_in_one_line(faulty, pr
 def test_a_refused_config_is_one_line_and_its_origin_only_with_traceback(faulty, prompts_file, tmp_path):
     result = render(faulty, prompts_file, tmp_path, "check")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.splitlines()[-1].startswith("h3gen: error: vae.fault = check is refused")
+    assert result.stderr.splitlines()[-1].startswith("h3gen: error: --set vae.fault: vae.fault = check is refused")
     traced = render(faulty, prompts_file, tmp_path, "check", "--traceback")
     assert traced.returncode == 2 and traced.stderr.splitlines()[-1] == result.stderr.splitlines()[-1]
     assert "Traceback (most recent call last)" in traced.stderr and "faulty.py" in traced.stderr

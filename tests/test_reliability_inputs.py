@@ -183,6 +183,8 @@ def test_bad_preset_file_is_refused(prompts_file, tmp_path, change, message):
     ("runtime.dtype=float64", "--set runtime.dtype=float64 is not a supported dtype"),
     ("model.needs=foo", "--set model.needs=foo is not a model kind"),
     ("parallel.gpus=-1", "--set parallel.gpus=-1: give a whole number >= 0"),
+    ("mux.crf=99", "--set mux.crf: mux.crf = 99 is outside x264's 0-51"),  # a stage's own check of its section
+    ("sampler.steps=1", "--set sampler.steps: the sigma grid needs at least 2 points"),
 ])
 def test_a_bad_set_value_is_said_as_the_set(prompts_file, tmp_path, setting, message):
     """The --set gave it, not the preset: the error says so."""
@@ -190,8 +192,9 @@ def test_a_bad_set_value_is_said_as_the_set(prompts_file, tmp_path, setting, mes
 
 
 @pytest.mark.parametrize("line, message", [
-    ("ffn_chunk_rows = -1", "sampler.ffn_chunk_rows is -1 (set it to 0 (all rows at once) or a positive row count)"),
-    ('dit = "fancy"', "unknown sampler.dit 'fancy' (choose diffusers or h3gen)"),
+    ("ffn_chunk_rows = -1", "preset bad [sampler]: sampler.ffn_chunk_rows is -1 (set it to 0 (all rows at once) or a "
+                            "positive row count)"),
+    ('dit = "fancy"', "preset bad [sampler]: unknown sampler.dit 'fancy' (choose diffusers or h3gen)"),
 ])
 def test_bad_sampler_value_is_refused_before_any_weight_loads(prompts_file, tmp_path, line, message):
     """Values of a stage's own section are checked as the stage is built, before it loads or claims a clip."""
