@@ -19,13 +19,26 @@ MIN_ASPECT, MAX_ASPECT = 1 / 4, 4
 SEEDS = range(2**63)  # what a seed may be: 0 to 2**63 - 1
 
 
+STREAMED: dict[str, bytes] = {}  # a prompts file that is a pipe (/dev/stdin, <(...)) reads once: kept for the next read
+
+
+def prompts_bytes(path: Path) -> bytes:
+    """The prompts file's bytes; a pipe's as it held them when first read in this process."""
+    if str(path) in STREAMED:
+        return STREAMED[str(path)]
+    data = path.read_bytes()
+    if not path.is_file():
+        STREAMED[str(path)] = data
+    return data
+
+
 def read_prompts(path: Path, base_seed: int, defaults: dict) -> list[Request]:
     """Parse and check every line before anything loads, so a bad line costs seconds, not a run."""
     path = Path(path)
     if base_seed not in SEEDS:
         raise UsageError(f"base seed {base_seed} is out of range", "give --seed between 0 and 2**63 - 1")
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = prompts_bytes(path).decode("utf-8")
     except FileNotFoundError:
         raise UsageError(f"prompts file {path} does not exist", "pass the path of a text or JSON Lines file") from None
     except IsADirectoryError:
@@ -33,7 +46,7 @@ def read_prompts(path: Path, base_seed: int, defaults: dict) -> list[Request]:
     except PermissionError:
         raise UsageError(f"prompts file {path} is not readable", "check its permissions") from None
     except UnicodeDecodeError as e:
-        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        line = prompts_bytes(path)[: e.start].count(b"\n") + 1
         raise UsageError(f"{path}:{line}: not UTF-8 text", "save the prompts file as UTF-8") from None
     if path.suffix.lower() == ".toml":  # a preset in the prompts file's place would render its lines as prompts
         raise UsageError(f"prompts file {path} is a TOML file, which is how presets are written",

@@ -8,6 +8,7 @@ line only when the run stopped: a signal it was sent, or a worker's failure, nam
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
@@ -122,6 +123,12 @@ def launch_workers(batch, settings: RunSettings, entry: str) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_node)))
     with tempfile.TemporaryDirectory(prefix="h3gen-run-") as scratch:
         status_file = Path(scratch) / "status"
+        if not settings.prompts.is_file():  # a pipe, read by the checks: the workers read what it held
+            from h3gen.inputs.prompts import prompts_bytes
+
+            held = Path(scratch) / "prompts"
+            held.write_bytes(prompts_bytes(settings.prompts))
+            settings = dataclasses.replace(settings, prompts=held)
         job = {"settings": settings.to_json(), "device": "gpu" if parallel.gpus else "cpu",
                "status_file": str(status_file), "heads": heads, "split_refusal": refusal}
         stopped = run(launch_config(parallel, per_node), job, entry, say)

@@ -213,6 +213,15 @@ def test_impossible_layouts_fail_before_any_worker_starts(args, message, prompts
     assert "layout" not in result.stderr and not (tmp_path / "out").exists() and not result.stdout
 
 
+def test_workers_render_prompts_piped_in(tmp_path):
+    """/dev/stdin read by the launcher's checks: the workers render what the pipe held, as one process does."""
+    out = tmp_path / "out"
+    result = h3gen("render", "/dev/stdin", "-o", out, "--json", "--cpu-workers", "2", *PRESET, env=ENV,
+                   input="a red fox in the snow\nwaves on rocks\n", check_code=0)
+    assert [json.loads(line)["ok"] for line in result.stdout.splitlines()] == [True, True]
+    assert len(list(out.glob("*.mp4"))) == 2
+
+
 def test_a_preset_s_parallel_values_are_named_as_the_preset_gave_them(prompts_file, tmp_path):
     preset = tmp_path / "split.toml"
     preset.write_text('extends = "tiny"\n[parallel]\ncpu_workers = 4\nulysses = 3\n')
