@@ -104,7 +104,8 @@ def run_batch(plan: BenchPlan, registry, source, random_weights: str | None, cli
             # The baseline on this preset's own schedule: its measured seconds per forward and per clip beyond them.
             same = clips_per_hour(record["full_forwards"], base["per_forward_s"], base["extra_per_clip_s"],
                                   base["encode_s"] / base["clips"])
-            record["vs_baseline_same_forwards"] = round(record["clips_per_hour_full"] / same, 3)
+            record["vs_baseline_same_forwards"] = (1.0 if record is base else  # itself, not its projection
+                                                   round(record["clips_per_hour_full"] / same, 3))
     return records
 
 

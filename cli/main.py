@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -81,6 +82,15 @@ def from_model_variable(ctx: typer.Context, model: Path | None, error: H3genErro
     named = type(error)(f"H3GEN_MODEL: {error.problem}", error.fix)
     named.__cause__ = error.__cause__ or error  # where it came from, for --traceback
     return named
+
+
+def check_threads() -> None:
+    """OMP_NUM_THREADS as OpenMP takes it: whole numbers from 1 (a comma list for nested levels). OpenMP only warns
+    about anything else and picks its own count, and on the CPU a clip's bytes depend on the count."""
+    text = os.environ.get("OMP_NUM_THREADS")
+    if text is not None and not re.fullmatch(r" *[1-9][0-9]* *(, *[1-9][0-9]* *)*", text):
+        raise UsageError(f"OMP_NUM_THREADS is {text!r}, not a number of threads",
+                         "set it to a whole number from 1 up, or unset it")
 
 
 def show_tracebacks(wanted: bool) -> None:
@@ -216,6 +226,7 @@ def render(
     from h3gen.run.settings import Parallel, RunSettings
 
     try:
+        check_threads()
         if preset is not None and not preset.strip():
             raise UsageError("--preset is empty", "give a preset name or file, or leave --preset out")
         if force and redo_conflicts:
@@ -278,6 +289,7 @@ def bench(
                                                       help="Override a preset value in every measured preset, not "
                                                            "the baseline (model.needs=any reaches it too).")] = None,
     tracebacks: Annotated[bool, typer.Option("--traceback", help=TRACEBACK_HELP)] = False,
+    strict_plugins: StrictPlugins = False,
 ):
     """Time presets against the diffusers baseline, stage by stage; write JSON, a markdown table and a chart.
     With --batch N: N clips through the renderer per preset (the baseline clip by clip), the time each clip adds
@@ -288,9 +300,12 @@ def bench(
       h3gen bench --preset tiny --baseline none --durations 5 --size 32x32 --random-weights tiny
     """
     from h3gen.cli.bench import run_bench_command
+    from h3gen.plugins.manager import registry
 
     show_tracebacks(tracebacks)
+    report_failed_plugins(registry(), strict_plugins)
     try:
+        check_threads()
         code = run_bench_command(presets or ["h3-base"], baseline, durations, size, repeat, warmup, random_weights,
                                  model, stages, forwards, text_tokens, output, batch, warm_cache, baseline_clips,
                                  [*(sets or ()), *vram_setting(vram)], baseline_forwards)
@@ -419,6 +434,7 @@ def presets_show(
                                                            autocompletion=set_keys, help="Override a value.")] = None,
     as_toml: Annotated[bool, typer.Option("--toml", help="Print the resolved preset as TOML that resolves back to "
                                                         "the same values: a start for a preset of your own.")] = False,
+    strict_plugins: StrictPlugins = False,
 ):
     """Print a preset's resolved configuration and where each value came from.
 
@@ -430,8 +446,9 @@ def presets_show(
     from h3gen.config.preset import as_toml as preset_toml
     from h3gen.plugins.manager import registry
 
+    found = registry()
+    report_failed_plugins(found, strict_plugins)
     try:
-        found = registry()
         resolved = resolve(name, found, overrides or [])
         check_stage_configs(resolved, found)  # what render would refuse is not shown (nor saved)
     except H3genError as e:

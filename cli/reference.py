@@ -93,7 +93,7 @@ ENVIRONMENT = [
     ("OMP_NUM_THREADS", "CPU threads per process. On the CPU a clip's bytes depend on it (MKL and ATen split their "
                         "sums by thread): one process with the same value renders the same clip. Unset, each "
                         "worker of --cpu-workers or --gpus gets the machine's cores divided by the workers per "
-                        "machine."),
+                        "machine. A value OpenMP cannot take (not a whole number from 1) is refused."),
     ("PYTORCH_ALLOC_CONF", "Set to expandable_segments:True when neither it nor PYTORCH_CUDA_ALLOC_CONF is set: "
                            "torch's allocator then grows its segments page by page, so memory a streamed or "
                            "chunked run frees in pieces serves larger tensors later (a budget holds)."),

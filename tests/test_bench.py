@@ -143,6 +143,7 @@ def test_bench_batch_times_clips_through_the_renderer(tmp_path):
     base_same = 3600 / (3 * base["per_forward_s"] + base["extra_per_clip_s"] + base["encode_s"])
     assert abs(tiny["vs_baseline_same_forwards"] - tiny["clips_per_hour_full"] / base_same) < 1e-3
     assert tiny["vs_baseline_same_forwards"] < tiny["vs_baseline"]
+    assert base["vs_baseline"] == base["vs_baseline_same_forwards"] == 1.0
     assert "| tiny | 2 |" in open(paths[1]).read()
     rejected = h3gen("bench", "--baseline-clips", "1", "-o", tmp_path)
     assert rejected.returncode == 2 and "--baseline-clips" in rejected.stderr and "--batch" in rejected.stderr

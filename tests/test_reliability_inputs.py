@@ -87,6 +87,13 @@ def test_a_stage_value_it_cannot_run_with_is_refused_before_the_run_a_dry_run_to
     assert not out.exists()
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "1.5", ""])
+def test_a_thread_count_openmp_cannot_take_is_refused(prompts_file, tmp_path, value):
+    refused(h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", env={"OMP_NUM_THREADS": value}, fresh=True),
+            f"OMP_NUM_THREADS is {value!r}, not a number of threads (set it to a whole number from 1 up, or unset it)")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("value", ["abc", "-5", "nan"])
 def test_a_heartbeat_that_is_not_seconds_is_refused(prompts_file, tmp_path, value):
     out = tmp_path / "out"

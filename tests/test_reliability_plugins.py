@@ -77,6 +77,17 @@ def test_render_goes_on_without_the_broken_plugins(site, prompts_file, tmp_path)
     assert "1 of 1 clips written" in result.stderr
 
 
+@pytest.mark.parametrize("command", [["presets", "show", "tiny"],
+                                     ["bench", "--preset", "tiny", "--baseline", "none", "--random-weights", "tiny",
+                                      "--durations", "5", "--size", "32x32", "--repeat", "1", "--stages", "encode"]])
+def test_presets_show_and_bench_report_failed_plugins_as_the_others_do(site, command, tmp_path):
+    where = ["-o", tmp_path] if command[0] == "bench" else ["--toml"]
+    result = h3gen(*command, *where, env=site, check_code=0)
+    assert "h3gen: plugin 'importfails' failed to load: no module named cuda_magic (skipped)" in result.stderr
+    strict = h3gen(*command, env={**site, "H3GEN_STRICT_PLUGINS": "1"}, check_code=2)
+    assert strict.stdout == "" and strict.stderr.count("\n") == 1 and "failed" in strict.stderr
+
+
 def test_a_preset_not_found_names_the_plugins_that_failed(site, prompts_file, tmp_path):
     """The preset may be the broken plugin's: the one line says so, as an unknown stage's does."""
     result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--preset", "invert", env=site,
