@@ -106,22 +106,20 @@ def with_preset_workers(settings: RunSettings, preset) -> RunSettings:
         taken += [key for key in ("gpus", "cpu_workers") if preset.parallel[key]]
     if not parallel.ulysses and preset.parallel["ulysses"]:
         if not parallel.workers:
-            raise UsageError(f"{preset_key(settings, preset, 'ulysses')}{preset.parallel['ulysses']} splits a clip "
+            raise UsageError(f"{preset_key(preset, 'ulysses')}{preset.parallel['ulysses']} splits a clip "
                              "across workers, and this run has one process",
                              "add --gpus N or --cpu-workers N, or set parallel.ulysses to 0")
         parallel = dataclasses.replace(parallel, ulysses=preset.parallel["ulysses"])
         taken.append("ulysses")
-    parallel = dataclasses.replace(parallel, named={key: preset_key(settings, preset, key) for key in taken})
+    parallel = dataclasses.replace(parallel, named={key: preset_key(preset, key) for key in taken})
     for key in ("gpus", "cpu_workers"):
         if getattr(parallel, key) is not None and getattr(parallel, key) < 1:
             raise UsageError(f"{parallel.said(key)}: at least one worker", "ask for 1 or more")
     return dataclasses.replace(settings, parallel=parallel)
 
 
-def preset_key(settings: RunSettings, preset, key: str) -> str:
+def preset_key(preset, key: str) -> str:
     """Where a [parallel] value came from, as errors name it before the value: a --set of it, or the preset."""
-    from h3gen.config.preset import parse_override
-
-    if any(parse_override(text)[:2] == ("parallel", key) for text in settings.overrides):
+    if preset.sources.get(f"parallel.{key}") == "--set":
         return f"--set parallel.{key}="
     return f"preset {preset.name}'s [parallel] {key} = "

@@ -487,7 +487,6 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
 
 def latents_problems(path: Path) -> list[str]:
     """What is wrong with a clip's latents file beside it (written whole, so damaged only from outside)."""
-    from h3gen.errors import ModelError
     from h3gen.models.repo import check_safetensors
 
     try:
