@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 import sys
 import traceback
 from pathlib import Path
@@ -19,6 +18,7 @@ import typer
 from h3gen import __version__
 from h3gen.cli.complete import (SHELL_OPTIONS, baseline_names, bench_stages, complete_for, named_shell,
                                 preset_names, random_weights, set_keys, shells_after_option)
+from h3gen.cli.environment import check_allocator_config, check_threads
 from h3gen.cli.help import PlainCommand, PlainGroup, usage_errors_in_one_line
 from h3gen.errors import H3genError, UsageError
 
@@ -84,15 +84,6 @@ def from_model_variable(ctx: typer.Context, model: Path | None, error: H3genErro
     return named
 
 
-def check_threads() -> None:
-    """OMP_NUM_THREADS as OpenMP takes it: whole numbers from 1 (a comma list for nested levels). OpenMP only warns
-    about anything else and picks its own count, and on the CPU a clip's bytes depend on the count."""
-    text = os.environ.get("OMP_NUM_THREADS")
-    if text is not None and not re.fullmatch(r" *[1-9][0-9]* *(, *[1-9][0-9]* *)*", text):
-        raise UsageError(f"OMP_NUM_THREADS is {text!r}, not a number of threads",
-                         "set it to a whole number from 1 up, or unset it")
-
-
 def show_tracebacks(wanted: bool) -> None:
     """--traceback: failures print where they came from besides their one line, in this process and its workers."""
     if wanted:
@@ -151,6 +142,10 @@ def version_callback(ctx: typer.Context, value: bool):
 def main_options(version: Annotated[bool, typer.Option("--version", callback=version_callback, is_eager=True,
                                                        help="Print the version and exit.")] = False):
     """Render MiniMax-H3 clips (video with a stereo soundtrack) from a prompts file."""
+    try:
+        check_allocator_config()
+    except H3genError as e:
+        fail(e)
 
 
 @app.command(cls=PlainCommand)

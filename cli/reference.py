@@ -98,7 +98,8 @@ ENVIRONMENT = [
                            "torch's allocator then grows its segments page by page, so memory a streamed or "
                            "chunked run frees in pieces serves larger tensors later (a budget holds)."),
     ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF's older name: when either is set, h3gen leaves the allocator's "
-                                "settings as given."),
+                                "settings as given. A text torch cannot split into key:value entries (torch stops "
+                                "as it starts on one) is refused."),
     ("MKL_CBWR", "Set to AUTO when unset (MKL's conditional numerical reproducibility), so one seed renders one "
                  "clip whatever ran before in the process."),
 ]

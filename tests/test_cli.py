@@ -383,3 +383,28 @@ def test_what_the_parser_refuses_is_one_line(args, line):
 def test_h3gen_alone_still_prints_its_help():
     result = h3gen(check_code=2)
     assert "Usage: h3gen [OPTIONS] COMMAND [ARGS]..." in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("text", ["expandable_segments:True", "max_split_size_mb:128,garbage_collection_threshold:0.6",
+                                  "roundup_power2_divisions:[256:1,512:2,>:4]", " backend : cudaMallocAsync "])
+def test_allocator_settings_of_torch_s_form_are_taken_without_trying_torch(monkeypatch, text):
+    from h3gen.cli import environment
+
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", text)
+    monkeypatch.setattr(environment, "torch_imports", lambda: pytest.fail("torch tried on a well-formed setting"))
+    assert environment.allocator_entries(text) is not None
+    environment.check_allocator_config()
+
+
+@pytest.mark.parametrize("imports", [True, False])
+def test_an_allocator_setting_of_another_form_is_refused_only_when_torch_cannot_start_with_it(monkeypatch, imports):
+    from h3gen.cli import environment
+    from h3gen.errors import UsageError
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "[odd]")
+    monkeypatch.setattr(environment, "torch_imports", lambda: imports)
+    if imports:
+        environment.check_allocator_config()
+    else:
+        with pytest.raises(UsageError, match="PYTORCH_CUDA_ALLOC_CONF is '\\[odd\\]', which torch cannot read"):
+            environment.check_allocator_config()

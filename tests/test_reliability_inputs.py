@@ -94,6 +94,16 @@ def test_a_thread_count_openmp_cannot_take_is_refused(prompts_file, tmp_path, va
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("name", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
+@pytest.mark.parametrize("value", ["nonsense", "expandable_segments:True,,", "max_split_size_mb:"])
+def test_an_allocator_setting_torch_cannot_read_is_refused_before_torch_stops(prompts_file, tmp_path, name, value):
+    """torch aborts as it is imported on these (SIGABRT, a C++ traceback): even a dry run."""
+    refused(h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--dry-run", env={name: value}, fresh=True),
+            f"{name} is {value!r}, which torch cannot read (it stops as it starts) (give comma-separated key:value "
+            "entries, as expandable_segments:True, or unset it)")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("value", ["abc", "-5", "nan"])
 def test_a_heartbeat_that_is_not_seconds_is_refused(prompts_file, tmp_path, value):
     out = tmp_path / "out"
