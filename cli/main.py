@@ -9,6 +9,7 @@ import dataclasses
 import math
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Annotated, Optional
@@ -215,6 +216,7 @@ def render(
       h3gen render prompts.txt -o out/ --model ~/models/MiniMax-H3 --set sampler.steps=25 --json
       h3gen render prompts.txt -o out/ --dry-run
     """
+    began = time.time()  # the run's wall time counts from here, in one process or in workers
     show_tracebacks(tracebacks)
     from h3gen.cli.run import run_render
     from h3gen.inputs.prompts import parse_shard
@@ -234,7 +236,7 @@ def render(
                                force, strict_plugins, parse_shard(shard) if shard is not None else None,
                                Parallel(gpus, cpu_workers, ulysses, nnodes, node_rank, rdzv_endpoint, rdzv_id),
                                dry_run, redo_conflicts)
-        code = run_render(settings)
+        code = run_render(settings, began)
     except H3genError as e:
         fail(from_model_variable(ctx, model, e))
     raise typer.Exit(code)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 from h3gen.cli.ui import reporter_for
@@ -13,10 +14,12 @@ from h3gen.run.settings import RunSettings
 WORKER_ENTRY = "h3gen.cli.worker"  # what torchrun starts: a worker that draws with this command's reporters
 
 
-def run_render(settings: RunSettings) -> int:
+def run_render(settings: RunSettings, began: float) -> int:
+    """`began`: the time.time() the command began, which the run's wall time counts from, in one process or in
+    workers."""
     with stop_on_signals():
         try:
-            return _run_render(settings)
+            return _run_render(settings, began)
         except BrokenPipeError:  # stdout's reader gone in a dry run: the command ends as SIGPIPE ends it
             raise
         except OSError as e:  # a write outside any clip: one line, never a traceback
@@ -29,7 +32,7 @@ def run_render(settings: RunSettings) -> int:
             return stop.exit_code
 
 
-def _run_render(settings: RunSettings) -> int:
+def _run_render(settings: RunSettings, began: float) -> int:
     from h3gen.config.preset import resolve
     from h3gen.plugins.manager import registry
     from h3gen.run.loop import prepare, render_batch
@@ -51,10 +54,10 @@ def _run_render(settings: RunSettings) -> int:
 
         batch = prepare(settings, preset, found, check_layout=layout)
         try:
-            return launch_workers(batch, settings, WORKER_ENTRY)
+            return launch_workers(batch, settings, WORKER_ENTRY, began)
         finally:
             remove_if_empty(batch.created)  # workers that wrote nothing (they failed to load, say) leave no directory
-    return render_batch(settings, preset, found, reporter_for)
+    return render_batch(settings, preset, found, functools.partial(reporter_for, since=began))
 
 
 def dry_run(batch, settings: RunSettings) -> int:

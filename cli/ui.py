@@ -75,11 +75,13 @@ def heartbeat_seconds() -> float:
 class PlainReporter:
     """One line per event: what cron and make logs want."""
 
-    def __init__(self, total: int, json_out: bool = False, preset: str = ""):
+    def __init__(self, total: int, json_out: bool = False, preset: str = "", since: float | None = None):
+        """`since`: the time.time() the command began, when before this reporter (the run's wall time counts from
+        it: a worker's reporter starts after the launcher and torchrun have)."""
         self.total, self.json_out, self.preset = total, json_out, preset
         self.console = Console(stderr=True, highlight=False, soft_wrap=True)
         self.stdout_gone = self.reader_gone = False  # a stop not yet raised; the reader gone, for good
-        self.began = time.monotonic()
+        self.began = time.monotonic() - (max(0.0, time.time() - since) if since is not None else 0.0)
         self.heartbeat = heartbeat_seconds()
         self.clip_began, self.last_beat = {}, {}  # request index -> monotonic time
 
@@ -190,8 +192,8 @@ class LiveReporter(PlainReporter):
     """A live display on a terminal: a line per clip in flight (the one on the device with its denoise steps, the
     ones still muxing in the background), finished clips printed above them."""
 
-    def __init__(self, total: int, json_out: bool = False, preset: str = ""):
-        super().__init__(total, json_out, preset)
+    def __init__(self, total: int, json_out: bool = False, preset: str = "", since: float | None = None):
+        super().__init__(total, json_out, preset, since)
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[stages]}"),
                                  console=self.console, redirect_stdout=False, redirect_stderr=False)
@@ -252,9 +254,9 @@ class LiveReporter(PlainReporter):
             self.say(f"    {seconds_text(result.seconds)}")
 
 
-def reporter_for(total: int, json_out: bool, preset: str):
+def reporter_for(total: int, json_out: bool, preset: str, since: float | None = None):
     live = sys.stderr.isatty()
-    return (LiveReporter if live else PlainReporter)(total, json_out, preset)
+    return (LiveReporter if live else PlainReporter)(total, json_out, preset, since)
 
 
 COMPARE_COLUMNS = (("psnr_mean", "PSNR dB", "{:.2f}"), ("psnr_worst", "worst frame", "{:.2f}"),

@@ -111,10 +111,11 @@ def launch_config(parallel: Parallel, per_node: int):
                         logs_specs=DefaultLogsSpecs())
 
 
-def launch_workers(batch, settings: RunSettings, entry: str) -> int:
+def launch_workers(batch, settings: RunSettings, entry: str, began: float) -> int:
     """Start the workers of a run checked by `prepare` with `layout_check`: `python -m ENTRY JOB` each (a module that
     calls h3gen.parallel.worker's `main` with the reporters to draw with, its `reporter_for`; this process's own
-    lines are drawn with them too, so they read as rank 0's do)."""
+    lines are drawn with them too, so they read as rank 0's do). `began`: the time.time() the command began, which
+    rank 0's wall time counts from."""
     say = importlib.import_module(entry).reporter_for(0, False, "").say
     parallel, heads, refusal = settings.parallel, dit_heads(batch.repo), split_refusal(batch.preset, batch.found)
     per_node = parallel.workers
@@ -130,7 +131,7 @@ def launch_workers(batch, settings: RunSettings, entry: str) -> int:
             held.write_bytes(prompts_bytes(settings.prompts))
             settings = dataclasses.replace(settings, prompts=held)
         job = {"settings": settings.to_json(), "device": "gpu" if parallel.gpus else "cpu",
-               "status_file": str(status_file), "heads": heads, "split_refusal": refusal}
+               "status_file": str(status_file), "heads": heads, "split_refusal": refusal, "began": began}
         stopped = run(launch_config(parallel, per_node), job, entry, say)
         if stopped:
             return stopped

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from pathlib import Path
@@ -51,7 +52,9 @@ class Worker:
         job, settings = self.job, self.settings
         try:
             preset, found = self.preset()
-            self.batch = prepare(settings, preset, found, self.make_reporter)
+            # rank 0 reports the run from the command's start, the launcher's and torchrun's time included
+            make_reporter = functools.partial(self.make_reporter, since=job["began"])
+            self.batch = prepare(settings, preset, found, make_reporter)
             self.batch.reporter = events.SharedReporter(self.batch.reporter)
             requests, reporter = self.batch.requests, self.batch.reporter
             finished = skip_finished(self.batch, settings)

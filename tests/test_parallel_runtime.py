@@ -62,6 +62,18 @@ def test_runs_finish(runs):
         assert len(list(out.glob("*.mp4"))) == 4, name
 
 
+def test_the_wall_time_counts_from_the_command_s_start_in_workers_too(runs):
+    """Rank 0 reports the run; its "in all" includes the launcher's checks, torchrun and the workers' start (about
+    half of a small run's time on a CPU), as a one-process run includes its own start. (Not counted, either way:
+    the interpreter's start and the teardown after the summary.)"""
+    for name in ("dp2", "dp4", "ulysses2"):
+        result, out, seconds = runs[name]
+        found = re.search(r"\((?:(\d+)m)?(\d+)s in all\)", result.stderr)
+        assert found, (name, result.stderr[-2000:])
+        in_all = int(found.group(1) or 0) * 60 + int(found.group(2))
+        assert 0.6 * seconds <= in_all <= seconds + 1, (name, in_all, seconds)
+
+
 def test_data_parallel_groups_write_the_files_of_one_process(runs):
     one = outputs(runs["one"][1])
     for name, layout in (("dp2", "2 group(s) x 1 CPU worker"), ("dp4", "4 group(s) x 1 CPU worker")):
