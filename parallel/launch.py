@@ -136,7 +136,7 @@ def launch_workers(batch, settings: RunSettings, entry: str, began: float) -> in
         if stopped:
             return stopped
         if status_file.is_file():
-            return int(status_file.read_text())
+            return int(status_file.read_text().split()[0])
     # Rank 0 ran on another machine of the job and reported there.
     say("h3gen: this machine's workers finished; the run is reported where rank 0 ran")
     return 0
@@ -160,8 +160,18 @@ def run(config, job: dict, entry: str, say) -> int:
         # the signal came from outside: rank 0 is also stopped by the agent when another worker dies.
         from h3gen.run.loop import stopped_line
 
-        say(stopped_line(signal.Signals(int(stop.sigval)).name))
+        say(stopped_line(signal.Signals(int(stop.sigval)).name, discarded_by_workers(job)))
         return 128 + int(stop.sigval)
+
+
+def discarded_by_workers(job: dict) -> int | None:
+    """The clips in flight the stopped workers dropped, as rank 0 wrote them beside the exit status; 0 when rank 0 of
+    this machine stopped before it reported (before any clip started), None when rank 0 ran on another machine."""
+    status = Path(job["status_file"])
+    if status.is_file():
+        return int(status.read_text().split()[1])
+    settings = job["settings"]
+    return 0 if not settings["parallel"].get("node_rank") else None
 
 
 def first_failure(failed):

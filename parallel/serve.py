@@ -114,7 +114,7 @@ class Worker:
 
     def report(self, layout: Layout, pending: list, finished: list, share: list, group) -> int:
         """Rank 0: render its own group's share while a thread replays the other groups' events; then the
-        summary, and the run's exit status for the launcher."""
+        summary, and for the launcher the run's exit status and the clips in flight a stop discarded."""
         from h3gen.run.loop import Interrupted, report_end
 
         reporter = self.batch.reporter
@@ -133,11 +133,15 @@ class Worker:
                 pump.drain()
         finally:
             reporter.end()
+        discarded = stopped.discarded if stopped else 0
         if pump:
-            results += pump.results + self.written_unreported(pump.unreported())
+            unreported = pump.unreported()
+            written = self.written_unreported(unreported)
+            results += pump.results + written
+            discarded += len(unreported) - len(written)
         results = finished + results
         code = report_end(reporter, results, len(self.batch.requests), stopped, say_stopped=False)
-        Path(self.job["status_file"]).write_text(str(code))
+        Path(self.job["status_file"]).write_text(f"{code} {discarded}")
         if stopped:
             raise stopped
         return 0

@@ -30,6 +30,7 @@ class Interrupted(BaseException):
         super().__init__(signal.Signals(signum).name)
         self.signal_name, self.exit_code = signal.Signals(signum).name, 128 + signum
         self.results = []  # clips finished before the signal
+        self.discarded = 0  # clips started and not written: on the device, or muxing
 
 
 _held = {"depth": 0, "signum": None}  # signals_held's state: how deep, and the signal that came meanwhile
@@ -331,7 +332,7 @@ def report_end(reporter, results, total: int, stopped=None, say_stopped: bool = 
     reporter.summary(sorted(results, key=lambda r: r.request.index), total)
     if stopped:
         if say_stopped:
-            reporter.say(stopped_line(stopped.signal_name))
+            reporter.say(stopped_line(stopped.signal_name, stopped.discarded))
         return stopped.exit_code
     signum = reporter.ended_by()
     if signum:
@@ -339,9 +340,13 @@ def report_end(reporter, results, total: int, stopped=None, say_stopped: bool = 
     return 0 if all(r.ok for r in results) else 1
 
 
-def stopped_line(signal_name: str) -> str:
-    return (f"h3gen: stopped by {signal_name}: the clip in flight was discarded; run the same command again to "
-            "render the rest (clips already written are kept and skipped)")
+def stopped_line(signal_name: str, discarded: int | None) -> str:
+    """The line a stopped run ends with; `discarded`: the clips in flight it dropped (None: not known here)."""
+    dropped = ("any clip in flight was discarded" if discarded is None else "no clip was in flight" if not discarded
+               else "the clip in flight was discarded" if discarded == 1
+               else f"the {discarded} clips in flight were discarded")
+    return (f"h3gen: stopped by {signal_name}: {dropped}; run the same command again to render the rest (clips "
+            "already written are kept and skipped)")
 
 
 def render_pending(requests, settings: RunSettings, preset, found, repo, reporter, group=None, leader=0,
@@ -381,6 +386,6 @@ def render_pending(requests, settings: RunSettings, preset, found, repo, reporte
             renderer.close(discard=interrupted)  # the clips it finishes join renderer.results too
             reporter.stop()
     except Interrupted as stop:  # in the render or in close()
-        stop.results = renderer.results
+        stop.results, stop.discarded = renderer.results, renderer.discarded
         raise
     return renderer.results

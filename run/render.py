@@ -132,6 +132,7 @@ class Renderer:
         # (clip, claim, future, the file's state before the mux) in render order; finished results not yet yielded
         self.muxing, self.done = [], []
         self.claim_on_device = None
+        self.discarded = 0  # clips in flight that close(discard=True) dropped
         self.cache_problem_said = False  # the embedding cache's write problem, said once a run
         self.results = []  # every clip this renderer finished, in the order their manifest lines were written
         self.unrecorded = ""  # why the manifest could not take a clip's line: the clips after it are not rendered
@@ -341,6 +342,8 @@ class Renderer:
         memory.let_go(self.runtime.device)
         written = [self.finish(clip, claim=claim) for clip, claim, job, _ in self.muxing
                    if job.done() and not job.cancelled() and job.exception() is None]
+        if discard:
+            self.discarded = len(self.muxing) - len(written) + (self.claim_on_device is not None)
         for claim in [claim for _, claim, _, _ in self.muxing] + [self.claim_on_device]:
             if claim is not None:
                 claim.release()

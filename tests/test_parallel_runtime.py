@@ -199,6 +199,34 @@ def test_sigterm_with_workers_counts_every_clip_written(tmp_path):
     assert not list(out.glob(".*")), list(out.glob(".*"))
 
 
+def test_a_stop_while_the_workers_start_says_no_clip_was_in_flight(tmp_path, tiny_model):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox in the snow\n")
+    command = [sys.executable, "-m", "h3gen.cli.main", "render", str(prompts), "-o", str(tmp_path / "out"),
+               "--cpu-workers", "2"]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, **ENV})
+    deadline = time.monotonic() + 120
+    while not subprocess.run(["pgrep", "-P", str(run.pid), "-f", "h3gen.cli.worker"],
+                                capture_output=True).stdout.strip():
+        assert run.poll() is None and time.monotonic() < deadline, "no worker started"
+        time.sleep(0.02)
+    run.send_signal(signal.SIGINT)  # a worker is importing torch: no clip has started
+    stdout, stderr = run.communicate(timeout=120)
+    assert run.returncode == 130, stderr[-3000:]
+    assert ("h3gen: stopped by SIGINT: no clip was in flight; run the same command again to render the rest "
+            "(clips already written are kept and skipped)") in stderr, stderr[-3000:]
+    assert "discarded" not in stderr
+
+
+def test_the_stop_line_counts_the_clips_in_flight():
+    from h3gen.run.loop import stopped_line
+
+    assert [stopped_line("SIGTERM", n).split(": ", 2)[2].split(";")[0] for n in (0, 1, 3, None)] == [
+        "no clip was in flight", "the clip in flight was discarded", "the 3 clips in flight were discarded",
+        "any clip in flight was discarded"]
+
+
 @pytest.mark.parametrize("args, message", [
     (("--cpu-workers", 4, "--ulysses", 3), "--ulysses 3 does not divide --cpu-workers 4"),
     (("--cpu-workers", 4, "--ulysses", 4), "--ulysses 4 does not divide the DiT's 2 attention heads"),
