@@ -299,7 +299,7 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
                                         vram_gib=preset.runtime["vram_gib"] or None,
                                         notes=f"failed: {type(e).__name__}: {e}"[:500]))
                     continue
-                error, reference = output_error(plan, request, bench.clip, baseline, reference)
+                error, reference, unmeasured = output_error(plan, request, bench.clip, baseline, reference)
                 gpus = int(bench.runtime.device.startswith("cuda"))  # a CPU run has none
                 measured = records_for(preset.name, baseline, request, runs, bench.forwards_run, full_forwards,
                                        bench.peaks, dict(common, gpus=gpus), bench.clip.attention or "-", error,
@@ -309,25 +309,29 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
                     record["notes"] = "; ".join(filter(None, [
                         record["notes"], "--set " + " ".join(plan.overrides) if plan.overrides and not baseline else "",
                         bench.memory_plan.describe() if bench.memory_plan is not None and record["stage"] == "dit"
-                        else ""]))
+                        else "", unmeasured if record["stage"] == "dit" else ""]))
                 records += measured
     add_ratios(records)
     return records
 
 
 def output_error(plan: BenchPlan, request: Request, clip, baseline: bool, reference):
-    """(this preset's dit_rel_err or None, the reference from here on): the baseline's DiT output and its forward
-    count; each preset after it that ran as many forwards on the same weights and inputs is measured against it."""
+    """(this preset's dit_rel_err or None, the reference from here on, why a preset has none when it could): the
+    baseline's DiT output and its forward count; each preset after it that ran as many forwards on the same weights
+    and inputs is measured against it."""
     from h3gen.bench.velocity_error import latent_step_error, starting_noise
 
     if "dit" not in plan.stages or clip.video_latents is None or request.task != "t2va":
-        return None, reference
+        return None, reference, ""
     latents = clip.video_latents.float().cpu()
     if baseline:
-        return None, (latents, clip.forwards)
-    if reference is None or reference[1] != clip.forwards:  # latents after other step counts do not compare
-        return None, reference
-    return latent_step_error(latents, reference[0], starting_noise(request, plan.seed)), reference
+        return None, (latents, clip.forwards), ""
+    if reference is None:
+        return None, reference, "no dit_rel_err: the baseline did not run" if plan.baseline else ""
+    if reference[1] != clip.forwards:  # latents after other step counts do not compare
+        return None, reference, (f"no dit_rel_err: {clip.forwards} forwards against the baseline's {reference[1]} "
+                                 "(--forwards K runs both alike)")
+    return latent_step_error(latents, reference[0], starting_noise(request, plan.seed)), reference, ""
 
 
 def add_ratios(records: list[dict]) -> None:

@@ -199,6 +199,7 @@ def test_bench_times_every_forward_of_a_cached_preset(tmp_path):
     by = {r["stage"]: r for r in data["records"] if not r["baseline"]}
     assert by["dit"]["forwards"] == 49 and "49 forwards timed (24 computed in full, 25 reused)" in by["dit"]["notes"]
     assert by["dit"]["dit_rel_err"] is None  # the baseline's latents after 1 forward are no reference for 49
+    assert "no dit_rel_err: 49 forwards against the baseline's 1 (--forwards K runs both alike)" in by["dit"]["notes"]
     assert "--set sampler.video_shift=11" in by["dit"]["notes"]
     assert by["cache_check"]["forwards"] == 49 and 0 < by["cache_check"]["median_s"] < by["dit"]["median_s"]
 
