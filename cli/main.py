@@ -259,7 +259,7 @@ def bench(
                                                           autocompletion=random_weights,
                                                           help="full (real sizes, random) or tiny.")] = None,
     model: Annotated[Optional[Path], typer.Option("--model", envvar="H3GEN_MODEL", metavar="DIR",
-                                                  help="Model directory.")] = None,
+                                                  help="Model directory (not read with --random-weights).")] = None,
     stages: Annotated[str, typer.Option("--stages", metavar="STAGE,...", autocompletion=bench_stages,
                                         help="Stages to time: encode,dit,vae,mux.")] = "encode,dit,vae,mux",
     forwards: Annotated[Optional[int], typer.Option("--forwards", metavar="K", min=1,
@@ -303,12 +303,25 @@ def bench(
     report_failed_plugins(registry(), strict_plugins)
     try:
         check_threads()
+        model = bench_model(ctx, model, random_weights)
         code = run_bench_command(presets or ["h3-base"], baseline, durations, size, repeat, warmup, random_weights,
                                  model, stages, forwards, text_tokens, output, batch, warm_cache, baseline_clips,
                                  [*(sets or ()), *vram_setting(vram)], baseline_forwards)
     except H3genError as e:
         fail(from_model_variable(ctx, model, e))
     raise typer.Exit(code)
+
+
+def bench_model(ctx: typer.Context, model: Path | None, random_weights: str | None) -> Path | None:
+    """--model, unless random weights stand in for it: H3GEN_MODEL is then not read (said once), and --model given
+    with them is refused, as it would not be read either."""
+    if model is None or random_weights is None:
+        return model
+    if getattr(ctx.get_parameter_source("model"), "name", None) == "ENVIRONMENT":
+        typer.echo(f"h3gen: note: H3GEN_MODEL is not read with --random-weights {random_weights}", err=True)
+        return None
+    raise UsageError(f"--model and --random-weights {random_weights} both given: the random weights stand in for the "
+                     "model, and nothing is read from its directory", "leave out one of them")
 
 
 @app.command(cls=PlainCommand)

@@ -304,6 +304,8 @@ def test_bench_batch_of_a_preset_against_itself_keeps_the_two_batches_apart(tmp_
     (["--forwards", "10"], "--forwards 10 is over preset tiny's 3 DiT forwards a clip (give at most 3)"),
     (["--batch", "1", "--baseline", "tiny", "--baseline-forwards", "4"],
      "--baseline-forwards 4 is over preset tiny's 3 DiT forwards a clip (give at most 3)"),
+    (["--model", "models/H3"], "--model and --random-weights tiny both given: the random weights stand in for the "
+                               "model, and nothing is read from its directory (leave out one of them)"),
 ])
 def test_bench_refuses_options_it_would_not_honour(tmp_path, args, message):
     result = h3gen("bench", "--preset", "tiny", "--random-weights", "tiny", "--durations", "5", "--size", "32x32",
@@ -333,3 +335,10 @@ def test_the_bench_renders_the_frames_render_gives_a_duration(seconds, frames):
     from h3gen.bench.sweep import BenchPlan
 
     assert [r.frames for r in batch_requests(BenchPlan(presets=["tiny"]), seconds, 2)] == [frames] * 2
+
+
+def test_bench_with_random_weights_says_it_does_not_read_h3gen_model(tmp_path):
+    result = h3gen("bench", "--preset", "tiny", "--baseline", "none", "--random-weights", "tiny", "--durations", "5",
+                   "--size", "32x32", "--repeat", "1", "--warmup", "0", "--stages", "dit", "-o", tmp_path,
+                   env={"H3GEN_MODEL": str(tmp_path / "no-such-model")}, check_code=0)
+    assert result.stderr.startswith("h3gen: note: H3GEN_MODEL is not read with --random-weights tiny\n")
