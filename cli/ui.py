@@ -211,8 +211,9 @@ class LiveReporter(PlainReporter):
 
     def print_table(self, rows: list[tuple]) -> None:
         table = Table(title="h3gen render summary", title_justify="left")
-        for column in SUMMARY_COLUMNS:
-            table.add_column(column, justify="left" if column in ("clip", "status") else "right")
+        for column in SUMMARY_COLUMNS:  # a name wider than its column folds onto more lines, never cut short
+            table.add_column(column, justify="left" if column in ("clip", "status") else "right",
+                             overflow="fold" if column == "clip" else "ellipsis")
         for row in rows:
             table.add_row(*row)
         self.console.print(table)

@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 from rich.console import Console
@@ -42,7 +43,7 @@ class StoppedByCtrlC:
     """A renderer whose first clip is drawn on the display, three denoise steps in, when Ctrl-C comes."""
 
     def __init__(self, preset, found, repo, reporter, memory_plan=None):
-        self.reporter, self.results, self.discarded = reporter, [], None
+        self.reporter, self.results, self.discarded = reporter, [], 0
         self.stages, self.runtime = {}, SimpleNamespace(device="cpu")
 
     def render(self, requests, out_dir, save_latents, force):
@@ -56,7 +57,7 @@ class StoppedByCtrlC:
         yield
 
     def close(self, discard):
-        self.discarded = discard
+        self.discarded = int(discard)  # the clip on the display
 
 
 def test_ctrl_c_takes_the_stopped_clip_s_bar_away_and_prints_no_empty_table(monkeypatch, tmp_path):
@@ -87,3 +88,19 @@ def test_ctrl_c_takes_the_stopped_clip_s_bar_away_and_prints_no_empty_table(monk
         "h3gen: loaded on cpu (float32)", "0 of 2 clips written, 2 not rendered (0s in all)",
         "h3gen: stopped by SIGINT: the clip in flight was discarded; run the same command again to render the rest "
         "(clips already written are kept and skipped)"]
+
+
+def test_the_summary_on_a_narrow_terminal_keeps_each_clip_s_whole_name(monkeypatch):
+    """A name wider than its column folds onto more lines; none is cut short."""
+    from h3gen.cli import ui
+    from h3gen.run.render import ClipResult
+
+    terminal = io.StringIO()
+    monkeypatch.setattr(ui, "Console", lambda **_: Console(file=terminal, force_terminal=True, width=80,
+                                                           color_system=None))
+    name = "a-lighthouse-on-a-cliff-at-night-with-waves-breaking-below-take-2.mp4"
+    request = Request(0, "a lighthouse", 1, 32, 32, 124, line=1)
+    result = ClipResult(request, Path("out") / name, True, {"sampler": 1.0}, 1.0)
+    ui.LiveReporter(1).summary([result])
+    cells = "".join(line.split("│")[1].strip() for line in terminal.getvalue().splitlines() if line.startswith("│"))
+    assert name in cells
