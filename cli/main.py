@@ -513,7 +513,8 @@ def report_failed_plugins(found, strict: bool) -> None:
 @app.command(cls=PlainCommand)
 def tiny(directory: Annotated[Optional[Path], typer.Argument(metavar="DIR", help="Where to write it (default: user "
                                                                                  "cache).")] = None):
-    """Write the embedded tiny random-weight model and print where it is.
+    """Write the embedded tiny random-weight model and print where it is. A copy already there is checked file by
+    file and written again when damaged.
 
     \b
     Example:

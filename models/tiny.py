@@ -7,6 +7,7 @@ CPU. It renders noise: it exists so that every code path, loading included, runs
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -56,7 +57,8 @@ def ensure_tiny_model(target: Path | None = None) -> Path:
     if (target / "modular_model_index.json").is_file():
         try:
             ModelRepo(target)
-            return target
+            if not is_tiny_model(target) or files_intact(target):
+                return target
         except ModelError:
             if not is_tiny_model(target):
                 raise
@@ -78,6 +80,24 @@ def is_tiny_model(directory: Path) -> bool:
         return False
 
 
+FILE_LIST = ".h3gen-tiny-files.json"  # each file's SHA-256, written with the model (hidden: no part of its identity)
+
+
+def file_digests(directory: Path) -> dict[str, str]:
+    return {path.relative_to(directory).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(directory.rglob("*")) if path.is_file() and path.name != FILE_LIST}
+
+
+def files_intact(directory: Path) -> bool:
+    """Whether every file the tiny model was written with is there with its bytes (8 MB to read: milliseconds)."""
+    try:
+        listed = json.loads((directory / FILE_LIST).read_text())
+        return all(hashlib.sha256((directory / name).read_bytes()).hexdigest() == digest
+                   for name, digest in listed.items())
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def write_into(target: Path) -> None:
     """Write the tiny model beside `target` and put it in place whole (a damaged copy of it is replaced)."""
     from h3gen.run.quiet import quiet_libraries
@@ -87,6 +107,7 @@ def write_into(target: Path) -> None:
     staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     try:
         write_tiny_model(staging, final_dir=target)
+        (staging / FILE_LIST).write_text(json.dumps(file_digests(staging), indent=1))
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)

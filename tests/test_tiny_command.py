@@ -19,13 +19,24 @@ def test_a_relative_folder_gets_the_model_at_its_absolute_path(tmp_path, tiny_mo
     assert fingerprint.model_identity(str(written)) == fingerprint.model_identity(str(tiny_model))
 
 
-def test_a_damaged_tiny_model_is_written_anew(tmp_path, tiny_model):
+def flip_a_byte(data: bytes) -> bytes:
+    middle = len(data) // 2
+    return data[:middle] + bytes([data[middle] ^ 1]) + data[middle + 1:]
+
+
+@pytest.mark.parametrize("component, damage", [
+    ("vae", lambda data: data[:100]),  # the header cut
+    ("transformer_ref", lambda data: data[:1000]),  # the header whole, the tensors cut
+    ("transformer", flip_a_byte),
+    ("audio_vae", None),  # gone
+])
+def test_a_damaged_tiny_model_is_written_anew(tmp_path, tiny_model, component, damage):
     """The same bytes as before it was damaged (the tiny model is written deterministically)."""
     copy = tmp_path / "tiny"
     shutil.copytree(tiny_model, copy)
-    weights = copy / "vae" / "diffusion_pytorch_model.safetensors"
+    weights = copy / component / "diffusion_pytorch_model.safetensors"
     whole = weights.read_bytes()
-    weights.write_bytes(whole[:100])
+    weights.write_bytes(damage(whole)) if damage else weights.unlink()
     h3gen("tiny", copy, check_code=0)
     assert weights.read_bytes() == whole
 
