@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from h3gen.bench.report import note_lines
 from h3gen.bench.sweep import (BenchPlan, adapter_overrides, cache_overrides, forward_overrides,
                                host_gib, preset_forwards, said_failed)
 from h3gen.run.report import SilentReporter
@@ -178,6 +179,11 @@ BATCH_COLUMNS = ("clips", "encode_s", "per_forward_s", "vae_s_per_clip", "mux_s_
                  "vs_baseline_same_forwards", "vram_gib", "peak_gib", "host_gib")
 
 
+def table_cell(value) -> str:
+    """A value of the table: '-' where none was measured, a float to three decimals at most."""
+    return "-" if value is None else f"{round(value, 3):g}" if isinstance(value, float) else str(value)
+
+
 def batch_markdown(result: dict) -> str:
     device = result["device"]
     lines = [f"Device: {device['name']}; torch {result['versions']['torch']}; commit {str(result['commit'])[:10]}; "
@@ -186,9 +192,8 @@ def batch_markdown(result: dict) -> str:
     for r in result["records"]:
         name = r["preset"] + (" (baseline, clip by clip)" if r.get("baseline") else "")
         name += f", {r['embedding_cache']} embedding cache" if r.get("embedding_cache") else ""
-        lines.append(f"| {name} | " + " | ".join(str(r.get(k, "-")) for k in BATCH_COLUMNS) + " |")
-    notes = sorted({f"{r['preset']}: {r['notes']}" for r in result["records"] if r.get("notes")})
-    return "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n"
+        lines.append(f"| {name} | " + " | ".join(table_cell(r.get(k)) for k in BATCH_COLUMNS) + " |")
+    return "\n".join(lines + [""] + note_lines(result["records"])) + "\n"
 
 
 def write_batch_results(records: list[dict], out_dir: Path) -> dict[str, Path]:

@@ -20,7 +20,6 @@ import argparse
 import gc
 import json
 import os
-import sys
 import time
 from pathlib import Path
 

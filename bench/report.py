@@ -32,7 +32,7 @@ def environment() -> dict:
     name = torch.cuda.get_device_name(0) if cuda else f"CPU {platform.processor() or platform.machine()}"
     driver = _command("nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader") if cuda else None
     return {
-        "device": {"name": name, "driver": driver, "cuda": torch.version.cuda,
+        "device": {"name": name, "driver": driver, "cuda": torch.version.cuda if cuda else None,
                    "count": torch.cuda.device_count() if cuda else 0},
         "versions": {"h3gen": __version__, "torch": torch.__version__, "diffusers": diffusers.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
@@ -62,8 +62,16 @@ def markdown(result: dict) -> str:
         cells.append(f"{r['vs_baseline']:.2f}x" if r.get("vs_baseline") else "-")
         cells.append(f"{r['dit_rel_err']:.3g}" if r.get("dit_rel_err") is not None else "-")
         lines.append("| " + " | ".join(cells) + " |")
-    notes = sorted({f"{r['preset']}: {r['notes']}" for r in result["records"] if r.get("notes")})
-    return "\n".join(lines + [""] + [f"- {n}" for n in notes]) + "\n"
+    return "\n".join(lines + [""] + note_lines(result["records"])) + "\n"
+
+
+def note_lines(records: list[dict]) -> list[str]:
+    """One line per preset (and baseline) with notes: each note once, though several of its rows carry it."""
+    notes: dict[str, list[str]] = {}
+    for r in records:
+        said = notes.setdefault(r["preset"] + (" (baseline)" if r.get("baseline") else ""), [])
+        said += [note for note in (r.get("notes") or "").split("; ") if note and note not in said]
+    return [f"- {name}: {'; '.join(said)}" for name, said in sorted(notes.items()) if said]
 
 
 def _fmt(value) -> str:

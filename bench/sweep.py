@@ -226,8 +226,9 @@ def records_for(name, baseline, request, runs, forwards_run, full_forwards, peak
             forward_s.append(forwards / forwards_run)
             outside_s.append(seconds["sampler"] - forwards)
             seconds["dit"] = outside_s[-1] + forward_s[-1] * full_forwards
-        parts = [seconds.get(k, 0.0) for k in ("encode", "dit", "vae", "mux")]
-        seconds["e2e"] = sum(parts)
+        parts = [seconds[k] for k in ("encode", "dit", "vae", "mux") if k in seconds]
+        if len(parts) > 1:  # one stage timed alone has no end to end beyond its own row
+            seconds["e2e"] = sum(parts)
         for stage in RECORD_STAGES:
             if stage in seconds:
                 per_stage.setdefault(stage, []).append(seconds[stage])

@@ -60,6 +60,18 @@ def check_forwards(preset, registry, forwards: int | None, option: str) -> None:
                          f"give at most {full}")
 
 
+def check_commit_variable() -> None:
+    """H3GEN_COMMIT goes into every record as the commit measured: a commit hash, or the records would not say."""
+    import os
+    import re
+
+    text = os.environ.get("H3GEN_COMMIT")
+    if text and not re.fullmatch(r"[0-9a-f]{7,40}", text.strip()):
+        raise UsageError(f"H3GEN_COMMIT is {text!r}, not a commit hash",
+                         "set it to the hash of the commit the source was checked out at (git rev-parse HEAD), or "
+                         "unset it")
+
+
 def run_bench_command(presets, baseline, durations, size, repeat, warmup, random_weights, model, stages, forwards,
                       text_tokens, output, batch=None, warm_cache=False, baseline_clips=None, sets=(),
                       baseline_forwards=None):
@@ -74,6 +86,7 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     from h3gen.run.quiet import quiet_libraries
     from h3gen.run.render import pick_device
 
+    check_commit_variable()
     if (warm_cache or baseline_clips or baseline_forwards) and not batch:
         option = ("--warm-cache" if warm_cache else "--baseline-clips" if baseline_clips
                   else "--baseline-forwards")

@@ -20,6 +20,7 @@ def test_bench_tiny_writes_json_table_and_chart(tmp_path):
     assert [p.rsplit(".", 1)[1] for p in paths] == ["json", "md", "png"]
     data = json.loads(open(paths[0]).read())
     assert {"device", "versions", "commit", "created", "records"} <= set(data)
+    assert data["device"]["cuda"] is None and "CUDA" not in open(paths[1]).read().splitlines()[0]  # a CPU run
     assert all(set(r) == RECORD_KEYS for r in data["records"])
     by = {(r["preset"], r["stage"]): r for r in data["records"]}
     assert set(s for p, s in by if p == "tiny") == {"encode", "dit", "vae_video", "vae_audio", "transfer", "mux", "e2e"}
@@ -172,7 +173,8 @@ def test_bench_batch_warm_cache_never_loads_the_encoder(tmp_path):
     assert cold["vs_baseline"] is None and warm["vs_baseline_same_forwards"] is None  # no baseline: null, as per stage
     assert cold["encoder_loads"] == 1 and warm["encoder_loads"] == 0
     assert all(s > 0 for s in cold["encode_s_per_clip"]) and len(warm["encode_s_per_clip"]) == 2
-    assert "| tiny, warm embedding cache | 2 |" in open(paths[1]).read()
+    table = open(paths[1]).read()
+    assert "| tiny, warm embedding cache | 2 |" in table and "None" not in table  # '-' where nothing was measured
     rejected = h3gen("bench", "--warm-cache", "-o", tmp_path)
     assert rejected.returncode == 2 and "--warm-cache" in rejected.stderr
 
@@ -198,6 +200,7 @@ def test_bench_times_every_forward_of_a_cached_preset(tmp_path):
     data = json.loads(open(result.stdout.split()[0]).read())
     by = {r["stage"]: r for r in data["records"] if not r["baseline"]}
     assert by["dit"]["forwards"] == 49 and "49 forwards timed (24 computed in full, 25 reused)" in by["dit"]["notes"]
+    assert set(by) == {"dit", "cache_check"}  # no e2e row: one stage timed alone is its own end to end
     assert by["dit"]["dit_rel_err"] is None  # the baseline's latents after 1 forward are no reference for 49
     assert "no dit_rel_err: 49 forwards against the baseline's 1 (--forwards K runs both alike)" in by["dit"]["notes"]
     assert "--set sampler.video_shift=11" in by["dit"]["notes"]
@@ -304,12 +307,15 @@ def test_bench_batch_of_a_preset_against_itself_keeps_the_two_batches_apart(tmp_
     (["--forwards", "10"], "--forwards 10 is over preset tiny's 3 DiT forwards a clip (give at most 3)"),
     (["--batch", "1", "--baseline", "tiny", "--baseline-forwards", "4"],
      "--baseline-forwards 4 is over preset tiny's 3 DiT forwards a clip (give at most 3)"),
+    (["--set", "runtime.device=cpu"], "H3GEN_COMMIT is 'latest', not a commit hash (set it to the hash of the commit "
+                                      "the source was checked out at (git rev-parse HEAD), or unset it)"),
     (["--model", "models/H3"], "--model and --random-weights tiny both given: the random weights stand in for the "
                                "model, and nothing is read from its directory (leave out one of them)"),
 ])
 def test_bench_refuses_options_it_would_not_honour(tmp_path, args, message):
+    env = {"H3GEN_COMMIT": "latest"} if "H3GEN_COMMIT" in message else None
     result = h3gen("bench", "--preset", "tiny", "--random-weights", "tiny", "--durations", "5", "--size", "32x32",
-                   "-o", tmp_path / "results", *args, check_code=2)
+                   "-o", tmp_path / "results", *args, env=env, check_code=2)
     assert result.stderr == f"h3gen: error: {message}\n" and not (tmp_path / "results").exists()
 
 
@@ -342,3 +348,12 @@ def test_bench_with_random_weights_says_it_does_not_read_h3gen_model(tmp_path):
                    "--size", "32x32", "--repeat", "1", "--warmup", "0", "--stages", "dit", "-o", tmp_path,
                    env={"H3GEN_MODEL": str(tmp_path / "no-such-model")}, check_code=0)
     assert result.stderr.startswith("h3gen: note: H3GEN_MODEL is not read with --random-weights tiny\n")
+
+
+def test_the_table_says_each_note_of_a_preset_once():
+    from h3gen.bench.report import note_lines
+
+    records = [dict(preset="tiny", baseline=False, notes="3 forwards timed; --set sampler.steps=4"),
+               dict(preset="tiny", baseline=False, notes="--set sampler.steps=4"),
+               dict(preset="tiny", baseline=True, notes=""), dict(preset="fasth3", baseline=False, notes=None)]
+    assert note_lines(records) == ["- tiny: 3 forwards timed; --set sampler.steps=4"]
