@@ -39,13 +39,21 @@ def seconds_text(seconds: dict) -> str:
 
 
 def print_result(line: str) -> bool:
-    """One line on stdout; False when its reader has gone (`| head -1`)."""
+    """One line on stdout; False when its reader has gone (`| head -1`). Any other failure to write it (a full disk)
+    ends the run with a WriteError that names standard output, not the clips' folder."""
+    from h3gen.errors import WriteError
+
     try:
         print(line, file=sys.stdout, flush=True)
         return True
     except BrokenPipeError:
         silence_stdout()
         return False
+    except OSError as e:
+        silence_stdout()
+        raise WriteError(f"cannot write the --json lines to standard output ({e.strerror or e})",
+                         "give standard output somewhere with room; a rerun resumes, keeping the clips written") \
+            from None
 
 
 def silence_stdout() -> None:
@@ -100,8 +108,12 @@ class PlainReporter:
         return signal.SIGPIPE if self.reader_gone else None
 
     def say(self, text: str) -> None:
-        """A line for a log: timestamped, escaped (a prompt can hold anything)."""
-        self.console.print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {shown(text)}", markup=False)
+        """A line for a log: timestamped, escaped (a prompt can hold anything). A log that cannot be written (its
+        disk full) loses the line; the run goes on, its clips and manifest.jsonl written as ever."""
+        try:
+            self.console.print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {shown(text)}", markup=False)
+        except OSError:
+            pass
 
     def start(self):
         return self

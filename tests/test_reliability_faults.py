@@ -813,3 +813,26 @@ def test_the_embedding_cache_is_keyed_by_the_quant_stages_knobs(prompts_file, tm
     assert "(1 from the embedding cache)" in again.stderr
     other = h3gen("render", prompts, "-o", tmp_path / "c", *args, "--set", 'quant.roles=["dit"]', check_code=0)
     assert "(0 from the embedding cache)" in other.stderr, other.stderr
+
+
+def test_a_log_on_a_full_disk_loses_its_lines_but_not_the_clips(prompts_file, tmp_path, tiny_model):
+    """`2>>log` on a full disk (cron): the clips and the manifest are written all the same, exit 0."""
+    out = tmp_path / "out"
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "h3gen.cli.main", "render", str(prompts_file("a\nb\n")), "-o",
+                                 str(out)], stderr=full, stdout=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0
+    assert len(list(out.glob("*.mp4"))) == 2 and len((out / "manifest.jsonl").read_text().splitlines()) == 2
+
+
+def test_json_lines_on_a_full_disk_are_named_as_standard_output(prompts_file, tmp_path, tiny_model):
+    out = tmp_path / "out"
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "h3gen.cli.main", "render", str(prompts_file("a\n")), "-o",
+                                 str(out), "--json"], stdout=full, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == (
+        "h3gen: error: cannot write the --json lines to standard output (No space left on device) (give standard "
+        "output somewhere with room; a rerun resumes, keeping the clips written)")
+    assert [p.name for p in out.glob("*.mp4")] and not list(out.glob(".*"))  # the clip itself is whole
