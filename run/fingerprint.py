@@ -37,14 +37,20 @@ def run_fields(preset, registry, repo) -> dict:
 
     fields = {"h3gen": RENDER_VERSION, "model": model_identity(str(repo.root))}  # the preset by its values, not name
     for key, value, _ in describe(preset):
-        if not key.startswith(NOT_IN_OUTPUT):
+        if not key.replace(".wraps.", ".").startswith(NOT_IN_OUTPUT):  # a wrapped stage's keys as its own
             fields[key] = plain(value)
-    for kind, (name, _) in preset.stages.items():
-        stage = registry.stage(kind, name)
+    for kind, (name, config) in preset.stages.items():
+        stage, section = registry.stage(kind, name), kind
         fields[f"{kind}.use"] = f"{name} {stage_version(stage)}"
-        # A stage may declare config keys that change how it runs, never what it writes (`output_neutral`).
-        for key in getattr(stage, "output_neutral", ()):
-            fields.pop(f"{kind}.{key}", None)
+        while True:
+            # A stage may declare config keys that change how it runs, never what it writes (`output_neutral`).
+            for key in getattr(stage, "output_neutral", ()):
+                fields.pop(f"{section}.{key}", None)
+            wrapped = getattr(config, "wraps", None)
+            if getattr(wrapped, "stage", None) is None:
+                break
+            stage, config, section = wrapped.stage, wrapped.config, f"{section}.wraps"
+            fields[f"{section}.use"] = f"{stage.name} {stage_version(stage)}"
     for index, path in enumerate(adapter_files(preset, repo.root)):
         fields[f"adapter.file{index}"] = file_digest(path)
     return fields

@@ -287,3 +287,16 @@ def test_a_misspelled_load_plugins_name_under_strict_plugins_asks_for_the_name_f
     assert result.stderr == ("h3gen: error: plugin 'nosuch' is named in H3GEN_LOAD_PLUGINS, and no such plugin is "
                              "installed (installed: faulty) (correct the name in H3GEN_LOAD_PLUGINS or install the "
                              "plugin, or run without --strict-plugins and H3GEN_STRICT_PLUGINS)\n")
+
+
+def test_a_wrapped_stage_s_run_only_keys_leave_the_clip_s_fingerprint_alone(tmp_path, prompts_file):
+    """mux.workers picks where the mux runs, never what it writes: under a wrapper as well (mux.wraps.workers)."""
+    env = install(tmp_path / "site", "sidecar", SIDECAR)
+    prompts, out = prompts_file('{"id": "a", "prompt": "a fox"}\n'), tmp_path / "out"
+    h3gen("render", prompts, "-o", out, "--set", "mux.use=sidecar", env=env, check_code=0)
+    again = h3gen("render", prompts, "-o", out, "--set", "mux.use=sidecar", "--set", "mux.wraps.workers=0",
+                  "--dry-run", env=env, check_code=0)
+    assert "skip" in again.stdout + again.stderr and "conflict" not in again.stdout + again.stderr, again.stderr
+    changed = h3gen("render", prompts, "-o", out, "--set", "mux.use=sidecar", "--set", "mux.wraps.crf=20",
+                    "--dry-run", env=env)
+    assert "mux.wraps.crf: 18 -> 20" in changed.stdout + changed.stderr, changed.stderr
