@@ -35,6 +35,12 @@ def config_problem(config_cls) -> str:
         if hint not in PLAIN_TYPES + (Wrapped,) and item not in PLAIN_TYPES:
             return (f"its Config field '{field.name}' is {hint!r}: use bool, int, float, str or a list of one of "
                     "them")
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        try:
+            if hint is not Wrapped:
+                _coerce(default, hint, "", "")
+        except UsageError:
+            return f"its Config field '{field.name}' is {getattr(hint, '__name__', hint)} with the default {default!r}"
     return ""
 
 

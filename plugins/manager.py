@@ -88,11 +88,17 @@ def _reason(error: BaseException) -> str:
 def _checked(stage, origin: str):
     from h3gen.config.stage_config import config_problem
     from h3gen.stages.base import STAGE_KINDS, Stage
+    from h3gen.stages.clip import PIPELINE
 
     if not (isinstance(stage, type) and issubclass(stage, Stage)):
         raise TypeError(f"register() takes a Stage subclass, not {stage!r}")
-    if getattr(stage, "kind", None) not in STAGE_KINDS or not isinstance(getattr(stage, "name", None), str):
-        raise TypeError(f"{stage.__qualname__} needs a kind (one of {', '.join(STAGE_KINDS)}) and a name")
+    name = getattr(stage, "name", None)
+    if getattr(stage, "kind", None) not in STAGE_KINDS or not isinstance(name, str) or not name.strip() \
+            or name != name.strip():
+        raise TypeError(f"{stage.__qualname__} needs a kind (one of {', '.join(STAGE_KINDS)}) and a name (a word, "
+                        "as `use = \"name\"` names it)")
+    if stage.kind in PIPELINE and stage.run is Stage.run:  # the kinds a clip passes through
+        raise TypeError(f"{stage.kind} stage '{stage.name}' has no run(clip)")
     problem = config_problem(stage.Config)
     if problem:
         raise TypeError(f"{stage.kind} stage '{stage.name}': {problem}")

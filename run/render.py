@@ -266,7 +266,7 @@ class Renderer:
         except BaseException as e:  # a faulty stage costs its clip, not the batch
             if job is not None:
                 abandon(clip, job, e)
-            if not isinstance(e, Exception):
+            if not isinstance(e, Exception) or isinstance(e, ModelError):  # a model no clip can use ends the run
                 raise
             self.check_fatal(clip, e)
             error = clip_error(clip, e, self.memory_plan,

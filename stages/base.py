@@ -8,6 +8,7 @@ fails the clip with the stage, its kind and its plugin named.
 from __future__ import annotations
 
 import dataclasses
+import signal
 from typing import Any, ClassVar
 
 from h3gen.errors import H3genError
@@ -92,8 +93,10 @@ class Stage:
                 result = self.run(clip)
         except H3genError:
             raise
-        except Exception as e:  # a faulty stage costs its clip; the message says which stage it was
-            raise self.failed(f"raised {type(e).__name__}: {e}", self.broke_fix()) from e
+        except (Exception, SystemExit, KeyboardInterrupt) as e:  # a faulty stage costs its clip, named
+            if isinstance(e, KeyboardInterrupt) and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                raise  # Ctrl-C itself, where no h3gen handler turns it into a stop (h3gen.run.loop)
+            raise self.failed(f"raised {type(e).__name__}" + (f": {e}" if str(e) else ""), self.broke_fix()) from e
         if not isinstance(result, Clip):
             raise self.failed(f"returned {type(result).__name__} from run(), not the clip",
                               "run(clip) must return the clip it was given (or a copy), with its fields set")

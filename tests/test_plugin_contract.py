@@ -9,7 +9,8 @@ from test_reliability_faults import install
 
 FAULTY = '''
 import dataclasses, os
-from h3gen.errors import UsageError
+import sys
+from h3gen.errors import ModelError, UsageError
 from h3gen.plugins.hookspecs import hookimpl
 from h3gen.stages.base import Wrapped
 from h3gen.stages.vae import FrameFilter
@@ -50,6 +51,12 @@ class Faulty(FrameFilter):
             raise ValueError("boom in run")
         if clip.request.id == "bad" and self.config.fault == "skip":
             return clip  # no decode: no frames, nothing handed over
+        if clip.request.id == "bad" and self.config.fault == "model":
+            raise ModelError("the model has no weights for faulty", "use a model with them")
+        if clip.request.id == "bad" and self.config.fault == "exit":
+            sys.exit(3)
+        if clip.request.id == "bad" and self.config.fault == "interrupt":
+            raise KeyboardInterrupt
         return super().run(clip)
 
     def unload(self):
@@ -87,6 +94,24 @@ def test_a_stage_that_breaks_its_run_costs_its_clip_named(faulty, prompts_file, 
     assert result.returncode == 1, result.stderr[-3000:]
     assert f"failed bad.mp4 (line 1): {message}" in result.stderr
     assert "Traceback" not in result.stderr and "1 of 2 clips written" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.mp4")) == ["good.mp4"]
+
+
+def test_a_model_error_from_run_ends_the_run(faulty, prompts_file, tmp_path):
+    """docs/plugins.md: a model directory that cannot serve any clip ends the run, exit 2, rather than failing each."""
+    result = render(faulty, prompts_file, tmp_path, "model")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1] == ("h3gen: error: the model has no weights for faulty (use a model with "
+                                              "them)")
+    assert "good" not in result.stderr and not list(tmp_path.glob("out/*.mp4"))
+
+
+@pytest.mark.parametrize("fault, raised", [("exit", "SystemExit: 3"), ("interrupt", "KeyboardInterrupt (rerun")])
+def test_a_stage_that_exits_or_interrupts_from_run_costs_its_clip(faulty, prompts_file, tmp_path, fault, raised):
+    result = render(faulty, prompts_file, tmp_path, fault)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert f"failed bad.mp4 (line 1): vae stage 'faulty' (from plugin 'faulty') raised {raised}" in result.stderr
+    assert "1 of 2 clips written" in result.stderr
     assert sorted(p.name for p in (tmp_path / "out").glob("*.mp4")) == ["good.mp4"]
 
 
@@ -190,6 +215,11 @@ class OddType:
     crf: dict = dataclasses.field(default_factory=dict)
 
 
+@dataclasses.dataclass
+class WrongDefault:
+    crf: int = "abc"
+
+
 def mux(name, config):
     return type(name, (PyAVMux,), {{"name": name, "Config": config}})
 
@@ -213,12 +243,39 @@ def h3gen_register_presets(register):
     ("NotADataclass", "its Config <class 'h3gen_bad.NotADataclass'> is not a dataclass"),
     ("NoDefault", "its Config field 'crf' has no default"),
     ("OddType", "its Config field 'crf' is <class 'dict'>: use bool, int, float, str or a list of one of them"),
+    ("WrongDefault", "its Config field 'crf' is int with the default 'abc'"),
 ])
 def test_a_config_that_breaks_the_rules_is_refused_at_registration(tmp_path, config, why):
     env = install(tmp_path / "site", "bad", BAD_CONFIGS.format(stage="bad-mux", config=config))
     result = h3gen("plugins", env=env, check_code=0)
     assert f"h3gen: plugin 'bad' failed during registration: mux stage 'bad-mux': {why} (skipped)" in result.stderr
     assert "bad-mux" not in result.stdout
+
+
+NAMELESS_OR_IDLE = '''
+from h3gen.plugins.hookspecs import hookimpl
+from h3gen.stages.base import Stage
+
+
+class Idle(Stage):
+    kind, name = "vae", {name!r}
+
+
+@hookimpl
+def h3gen_register_stages(register):
+    register(Idle)
+'''
+
+
+@pytest.mark.parametrize("name, why", [
+    ("", "Idle needs a kind (one of encode, sampler, vae, quant, mux, cache) and a name (a word, as `use = \"name\"` "
+         "names it)"),
+    ("idle", "vae stage 'idle' has no run(clip)"),
+])
+def test_a_stage_without_a_name_or_a_run_is_refused_at_registration(tmp_path, name, why):
+    env = install(tmp_path / "site", "idle", NAMELESS_OR_IDLE.format(name=name))
+    result = h3gen("plugins", env=env, check_code=0)
+    assert f"h3gen: plugin 'idle' failed during registration: {why} (skipped)" in result.stderr
 
 
 def test_a_preset_named_like_a_builtin_is_refused_as_a_stage_clash_is(tmp_path):
