@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from h3gen.config.contract import AdapterConfig
-from h3gen.errors import UsageError
+from h3gen.errors import H3genError, UsageError
 from h3gen.config.stage_config import build_config
 from h3gen.stages.base import STAGE_KINDS
 
@@ -368,19 +368,40 @@ def as_toml(preset: Preset) -> str:
     return tomli_w.dumps(tables)
 
 
-def check_stage_configs(preset, registry) -> None:
-    """Each stage's own check of its section (`Stage.check_config`); a refusal that names a key of it says where the
-    value came from, a --set or a preset (not a stage's default)."""
+def check_stage_configs(preset, registry, repo=None) -> None:
+    """Each stage's own check of its section (`Stage.check_config`), and with `repo` of the model (`check_model`); a
+    refusal that names a key of the section says where the value came from, a --set or a preset (not a stage's
+    default); a check that raises anything else is the stage's failure, named."""
+    for kind, (name, config) in preset.stages.items():
+        stage = registry.stage(kind, name)
+        try:
+            stage.check_config(config)
+            if repo is not None:
+                stage.check_model(config, repo)
+        except UsageError as e:
+            blamed = _blamed(preset, kind, e)
+            if blamed is e:
+                raise
+            raise blamed from e
+        except H3genError:
+            raise
+        except Exception as e:
+            from h3gen.stages.base import StageFailed
+
+            reason = f"{type(e).__name__}" + (f": {e}" if str(e) else "")
+            raise StageFailed(f"{kind} stage '{name}' ({stage.source()}) raised {reason} while checking its "
+                              "settings", stage.broke_fix()) from e
+
+
+def _blamed(preset, kind: str, error: UsageError) -> UsageError:
+    """`error` prefixed with where the first key of the section it names came from, when a --set or a preset gave it."""
     import re
 
-    for kind, (name, config) in preset.stages.items():
-        try:
-            registry.stage(kind, name).check_config(config)
-        except UsageError as e:
-            keys = [k for k in re.findall(rf"\b{kind}\.[a-z_.]*[a-z_]", f"{e.problem} {e.fix}") if k in preset.sources]
-            source = preset.sources[keys[0]] if keys else ""
-            if source != "--set" and not source.startswith("preset "):
-                raise
-            given = f"--set {keys[0]}" if source == "--set" else f"{source} [{kind}]"
-            raise UsageError(f"{given}: {e.problem}", e.fix) from e
+    keys = [k for k in re.findall(rf"\b{kind}\.[a-z0-9_.]*[a-z0-9_]", f"{error.problem} {error.fix}")
+            if k in preset.sources]
+    source = preset.sources[keys[0]] if keys else ""
+    if source != "--set" and not source.startswith("preset "):
+        return error
+    given = f"--set {keys[0]}" if source == "--set" else f"{source} [{kind}]"
+    return UsageError(f"{given}: {error.problem}", error.fix)
 

@@ -120,9 +120,7 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
         check_adapters(preset, requests, repo.root, settings.prompts)
         check_ref2va_partition(requests, repo, settings.prompts)
         check_cache(preset, found)
-        check_stage_configs(preset, found)
-        for kind, (name, config) in preset.stages.items():
-            found.stage(kind, name).check_model(config, repo)
+        check_stage_configs(preset, found, repo)
         if check_layout is not None:
             check_layout(preset, repo, found)
         memory_plan = plan_memory_budget(preset, requests, repo, reporter)

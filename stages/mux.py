@@ -203,7 +203,7 @@ class PyAVMux(Stage):
                              "give 0 (lossless) to 51 (smallest); the default 18 looks lossless")
         if config.x264_threads < 1:
             raise UsageError(f"mux.x264_threads = {config.x264_threads}: the encoder takes a fixed count of threads",
-                             "give 1 or more (x264's own 0 picks by the machine, so clips would differ between them)")
+                             "give 1 or more: x264's own 0 picks by the machine, so clips would differ between them")
         if config.workers < 0:
             raise UsageError(f"mux.workers = {config.workers} is below 0",
                              "0 muxes in line, 1 or more in the background")

@@ -30,6 +30,13 @@ class Faulty(FrameFilter):
     def check_config(cls, config):
         if config.fault == "check":
             raise UsageError("vae.fault = check is refused", "pick another fault")
+        if config.fault == "check-other":
+            raise ValueError("no such fault")
+
+    @classmethod
+    def check_model(cls, config, repo):
+        if config.fault == "check-model":
+            raise UsageError("vae.fault = check-model does not fit this model", "pick another fault")
 
     def __init__(self, config, runtime):
         if config.fault == "init":
@@ -185,6 +192,21 @@ def test_a_refused_config_is_one_line_and_its_origin_only_with_traceback(faulty,
     traced = render(faulty, prompts_file, tmp_path, "check", "--traceback")
     assert traced.returncode == 2 and traced.stderr.splitlines()[-1] == result.stderr.splitlines()[-1]
     assert "Traceback (most recent call last)" in traced.stderr and "faulty.py" in traced.stderr
+
+
+def test_a_model_check_s_refusal_says_where_the_value_came_from(faulty, prompts_file, tmp_path):
+    result = render(faulty, prompts_file, tmp_path, "check-model", "--dry-run")
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == ("h3gen: error: --set vae.fault: vae.fault = check-model does not fit "
+                                              "this model (pick another fault)")
+
+
+def test_a_config_check_that_raises_something_else_is_the_stage_s_failure_named(faulty, prompts_file, tmp_path):
+    result = render(faulty, prompts_file, tmp_path, "check-other", "--dry-run")
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == (
+        "h3gen: error: vae stage 'faulty' (from plugin 'faulty') raised ValueError: no such fault while checking its "
+        "settings (rerun with --traceback for where; fix the stage, or pick another in the preset)")
 
 
 def test_a_stage_that_fails_to_unload_is_reported_and_the_clips_stay(faulty, prompts_file, tmp_path):

@@ -201,6 +201,8 @@ def test_bad_preset_file_is_refused(prompts_file, tmp_path, change, message):
     ("model.needs=foo", "--set model.needs=foo is not a model kind"),
     ("parallel.gpus=-1", "--set parallel.gpus=-1: give a whole number >= 0"),
     ("mux.crf=99", "--set mux.crf: mux.crf = 99 is outside x264's 0-51"),  # a stage's own check of its section
+    ("mux.x264_threads=0", "--set mux.x264_threads: mux.x264_threads = 0: the encoder takes a fixed count of threads "
+                           "(give 1 or more: x264's own 0 picks by the machine"),  # a key with a digit in it
     ("sampler.steps=1", "--set sampler.steps: the sigma grid needs at least 2 points"),
 ])
 def test_a_bad_set_value_is_said_as_the_set(prompts_file, tmp_path, setting, message):
