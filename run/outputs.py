@@ -130,6 +130,9 @@ def recorded(out_dir: Path, result, preset: str):
     unrecorded = record(out_dir, result, preset, result.status)
     if unrecorded and result.ok:
         return dataclasses.replace(result, ok=False, error=unrecorded, status="failed")
+    if unrecorded and unrecorded not in result.error:  # failed all the same: the summary and --json say so
+        return dataclasses.replace(result, error=f"{result.error}; its manifest line was not written either: "
+                                                 f"{unrecorded}")
     return result
 
 

@@ -572,6 +572,26 @@ def test_a_manifest_line_that_cannot_be_written_fails_its_clip(tmp_path, monkeyp
                        f"{tmp_path}; a rerun redoes only the clips that are missing)")
 
 
+def test_a_failed_clip_whose_manifest_line_is_lost_says_so(tmp_path, monkeypatch):
+    """The summary, --json and the manifest agree, or the failure says where they do not."""
+    import errno
+
+    from h3gen.inputs.request import Request
+    from h3gen.run import outputs
+    from h3gen.run.render import ClipResult
+
+    def no_space(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(outputs.os, "write", no_space)
+    failed = ClipResult(Request(index=0, prompt="x", seed=0, width=32, height=32, frames=124), tmp_path / "a.mp4",
+                        False, {}, 0.0, error="only 0 KiB free", status="failed")
+    result = outputs.recorded(tmp_path, failed, "tiny")
+    assert result.error == (f"only 0 KiB free; its manifest line was not written either: cannot write "
+                            f"{tmp_path / 'manifest.jsonl'}: No space left on device (free space in {tmp_path}; a "
+                            "rerun redoes only the clips that are missing)")
+
+
 def test_a_rerun_with_save_latents_renders_again_a_clip_whose_latents_were_cut_short(prompts_file, tmp_path):
     out, prompts = tmp_path / "out", prompts_file('{"id": "a", "prompt": "a fox"}\n')
     h3gen("render", prompts, "-o", out, "--save-latents", check_code=0)
