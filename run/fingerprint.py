@@ -86,10 +86,11 @@ def read_stamp(path: Path) -> dict | None:
 
 
 def differences(old: dict | None, new: dict) -> list[str]:
-    """`FIELD: OLD -> NEW` for each field that differs (a clip from before fingerprints: one line saying so)."""
+    """`FIELD: OLD -> NEW` for each field that differs (a clip from before fingerprints: one line saying so): a
+    stage swapped (`vae.use`) first, whose own keys then differ too, then the rest by name."""
     if old is None:
         return ["fingerprint: none -> " + digest(new)]
-    keys = sorted((set(old) | set(new)) - RETIRED)
+    keys = sorted((set(old) | set(new)) - RETIRED, key=lambda key: (not key.endswith(".use"), key))
     return [f"{key}: {shown(old.get(key))} -> {shown(new.get(key))}{in_seconds(key, old.get(key), new.get(key))}"
             for key in keys if old.get(key) != new.get(key)]
 

@@ -240,3 +240,10 @@ def test_a_directory_where_the_clip_goes_is_a_conflict_before_anything_renders(p
     assert [(r["id"], r["status"]) for r in map(json.loads, result.stdout.splitlines())] == [("dog", "conflict"),
                                                                                             ("cat", "ok")]
     assert "sampler" not in json.loads(result.stdout.splitlines()[0]).get("seconds", {})
+
+
+def test_a_stage_swapped_is_the_first_difference_said():
+    """Its own keys change with it; the conflict line shows three differences, so the swap comes first."""
+    old = {"vae.use": "reference 1", "vae.attention": None, "vae.compile": None, "vae.exact": None, "mux.crf": 18}
+    new = {"vae.use": "fast 1", "vae.attention": "sdpa", "vae.compile": False, "vae.exact": False, "mux.crf": 18}
+    assert fingerprint.differences(old, new)[:2] == ["vae.use: reference 1 -> fast 1", "vae.attention: (none) -> sdpa"]
