@@ -468,7 +468,7 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
     if path.exists() and not path.is_file():  # no clip can be written there, --force or not
         return conflict(request, path, wanted, ["a directory" if path.is_dir() else "a special file"], "not a file",
                         "move it away, or -o elsewhere")
-    if redo == "all" or not path.is_file() or save_latents and not latents_path(path).is_file():
+    if redo == "all" or not path.is_file():
         return None
     stored = fingerprint.read_stamp(path)
     settings = fingerprint.differences(stored, wanted)
@@ -489,9 +489,11 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
 
 
 def latents_problems(path: Path) -> list[str]:
-    """What is wrong with a clip's latents file beside it (written whole, so damaged only from outside)."""
+    """What is wrong with a clip's latents file beside it (written whole, so damaged or gone only from outside)."""
     from h3gen.models.repo import check_safetensors
 
+    if not path.is_file():
+        return [f"its latents {path.name} are missing (--save-latents writes them beside the clip)"]
     try:
         check_safetensors(path)
     except ModelError:

@@ -605,6 +605,16 @@ def test_a_rerun_with_save_latents_renders_again_a_clip_whose_latents_were_cut_s
     assert latents.read_bytes() == whole
 
 
+def test_a_rerun_with_save_latents_says_why_it_renders_a_clip_whose_latents_are_gone(prompts_file, tmp_path):
+    out, prompts = tmp_path / "out", prompts_file('{"id": "a", "prompt": "a fox"}\n')
+    h3gen("render", prompts, "-o", out, "--save-latents", check_code=0)
+    (out / "a.latents.safetensors").unlink()
+    planned = h3gen("render", prompts, "-o", out, "--save-latents", "--dry-run", check_code=0)
+    assert planned.stdout.strip().endswith("a.mp4: there but damaged: its latents a.latents.safetensors are missing "
+                                           "(--save-latents writes them beside the clip); rendered again"), planned.stdout
+    assert "skip" in h3gen("render", prompts, "-o", out, "--dry-run", check_code=0).stdout  # without: nothing lacks
+
+
 def test_a_manifest_cut_short_mid_line_takes_the_next_record_on_a_line_of_its_own(prompts_file, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
