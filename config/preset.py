@@ -279,7 +279,11 @@ def _stage(kind: str, data: dict, registry, where: str, sources: dict, key: str 
     if not isinstance(name, str):
         raise UsageError(f"{where}: [{key}] needs use = \"<registered name>\"",
                          f"registered {kind} stages: {', '.join(sorted(n for k, n in registry.stages if k == kind))}")
-    stage = registry.stage(kind, name)
+    try:
+        stage = registry.stage(kind, name)
+    except UsageError as e:  # said where the name came from, as the section's other values are
+        given = f"--set {key}.use={name}" if sources.get(f"{key}.use") == "--set" else f"{where} [{key}]"
+        raise UsageError(f"{given}: {e.problem}", e.fix) from None
     wrapping = is_wrapper(registry, kind, name)
     wraps = section.pop("wraps", None) if wrapping else None
     if isinstance(wraps, dict):

@@ -126,7 +126,7 @@ def _parse_line(line: str, where: str) -> dict:
                              "write the character itself, or both halves of its surrogate pair")
         if not isinstance(value, FIELDS[key]) or isinstance(value, bool):
             raise UsageError(f"{where}: field '{key}' has the wrong type ({_short(value)})",
-                             f"give {KINDS[FIELDS[key]]} (the README's prompts file table)")
+                             f"give {KINDS[FIELDS[key]]}; the README's prompts file table lists each field's type")
     if not str(fields.get("prompt", "")).strip():
         raise UsageError(f"{where}: missing or empty 'prompt'", 'every JSON line needs {"prompt": "..."}')
     return fields
@@ -233,7 +233,8 @@ def parse_shard(text: str) -> tuple[int, int]:
     index, count = int(index), int(count)
     if count < 1 or index >= count:
         raise UsageError(f"--shard {text}: shard {index} of {count} does not exist",
-                         f"I counts from 0: pass 0/{count} to {count - 1}/{count}" if count else "N is at least 1")
+                         (f"I counts from 0: pass 0/{count}" if count == 1 else
+                          f"I counts from 0: pass 0/{count} to {count - 1}/{count}") if count else "N is at least 1")
     return index, count
 
 

@@ -190,7 +190,7 @@ def check_budget(budget_gib: float, device: str) -> None:
     if not budget_gib:
         return
     if not device.startswith("cuda"):
-        raise UsageError(f"{budget_named(budget_gib)} on a run on the CPU",
+        raise UsageError(f"{budget_named(budget_gib)} is for a GPU, and this run is on the CPU",
                          "drop --vram (runtime.vram_gib), or run on a GPU")
     total = device_bytes(device)
     if budget_gib * GIB > total * (1 + CARD_SIZE_SLACK):

@@ -173,7 +173,8 @@ def check_writable(directory: Path) -> None:
     from h3gen.run import outputs
 
     if directory.exists() and not directory.is_dir():
-        raise UsageError(f"output directory {directory} is a file", "pass -o with a directory, or a path not yet taken")
+        raise UsageError(f"output directory {directory} is not a directory", "pass -o with a directory, or a path not "
+                         "yet taken")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".h3gen-probe-"):

@@ -89,7 +89,8 @@ def box_problem(path: Path) -> str:
             if len(header) < 8:
                 if offset == 0:
                     return f"cannot read {path}: not an MP4 ({size} bytes, too short for a box)"
-                return f"truncated: {size - offset} stray byte(s) after the last box at offset {offset}"
+                return (f"truncated, or bytes added after its end: {size - offset} stray byte(s) after the last "
+                        f"box at offset {offset}")
             length, kind = int.from_bytes(header[:4], "big"), header[4:8]
             if offset == 0 and kind != b"ftyp":
                 return f"cannot read {path}: not an MP4 (it does not start with an ftyp box)"
@@ -193,7 +194,8 @@ def _audio_problems(info: ClipInfo, sample_rate: int) -> list[str]:
     if info.audio_codec != "aac":
         problems.append(f"audio codec is {info.audio_codec}, expected aac")
     if info.audio_channels != 2:
-        problems.append(f"audio has {info.audio_channels} channels, expected 2")
+        problems.append(f"audio has {info.audio_channels} channel{'s' if info.audio_channels != 1 else ''}, "
+                        "expected 2")
     if info.sample_rate != sample_rate:
         problems.append(f"audio sample rate is {info.sample_rate} Hz, expected {sample_rate}")
     if info.audio_rms <= SILENCE_RMS:

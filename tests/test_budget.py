@@ -59,7 +59,7 @@ def test_a_budget_on_a_cpu_run_is_refused_before_any_weight_loads(prompts_file, 
     for budget in (["--vram", "8"], ["--set", "runtime.vram_gib=8"]):
         result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", *budget, check_code=2)
         assert result.stderr.splitlines()[-1].startswith(
-            "h3gen: error: a device memory budget of 8 GiB (--vram, runtime.vram_gib) on a run on the CPU")
+            "h3gen: error: a device memory budget of 8 GiB (--vram, runtime.vram_gib) is for a GPU, and this run is on the CPU")
     assert not (tmp_path / "out").exists()  # nor the output directory the refused run would have made
     (tmp_path / "kept").mkdir()
     h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "kept", "--vram", "8", check_code=2)
@@ -87,7 +87,7 @@ def test_bench_refuses_a_budget_on_the_cpu_before_measuring(tmp_path):
     result = h3gen("bench", "--preset", "tiny", "--baseline", "none", "--vram", "8", "--random-weights", "tiny",
                    "-o", tmp_path, check_code=2)
     assert result.stderr.splitlines()[-1].startswith(
-        "h3gen: error: a device memory budget of 8 GiB (--vram, runtime.vram_gib) on a run on the CPU")
+        "h3gen: error: a device memory budget of 8 GiB (--vram, runtime.vram_gib) is for a GPU, and this run is on the CPU")
     assert not list(tmp_path.iterdir())
 
 

@@ -129,7 +129,7 @@ def test_an_output_that_is_a_file_is_named_so(prompts_file, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     result = h3gen("render", prompts_file("x\n"), "-o", blocker)
-    refused_with(result, f"output directory {blocker} is a file")
+    refused_with(result, f"output directory {blocker} is not a directory")
     assert "File exists" not in result.stderr
 
 

@@ -214,11 +214,13 @@ def test_a_bad_set_value_is_said_as_the_set(prompts_file, tmp_path, setting, mes
     ("ffn_chunk_rows = -1", "preset bad [sampler]: sampler.ffn_chunk_rows is -1 (set it to 0 (all rows at once) or a "
                             "positive row count)"),
     ('dit = "fancy"', "preset bad [sampler]: unknown sampler.dit 'fancy' (choose diffusers or h3gen)"),
+    ('use = "nope"', "preset bad [sampler]: unknown sampler stage 'nope' (registered sampler stages: diffusers, euler)"),
 ])
 def test_bad_sampler_value_is_refused_before_any_weight_loads(prompts_file, tmp_path, line, message):
     """Values of a stage's own section are checked as the stage is built, before it loads or claims a clip."""
     preset = tmp_path / "bad.toml"
     sampler = TINY_PRESET.replace('dit = "diffusers"\n', "") if line.startswith("dit") else TINY_PRESET
+    sampler = sampler.replace('use = "euler"\n', "") if line.startswith("use") else sampler
     preset.write_text(sampler.replace("[sampler]\n", f"[sampler]\n{line}\n"))
     result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--preset", preset, check_code=2)
     assert result.stderr.strip().splitlines()[-1] == f"h3gen: error: {message}"

@@ -56,3 +56,12 @@ def test_an_empty_shard_says_so_and_leaves_no_directory(prompts_file, tmp_path, 
     assert (f"h3gen: shard 4/5 holds none of the 3 prompt(s) of {prompts} (prompt k of the file, from 0, goes to "
             "shard k mod 5): nothing to do") in result.stderr
     assert not out.exists()
+
+
+def test_the_one_shard_of_one_is_named_alone():
+    from h3gen.errors import UsageError
+    from h3gen.inputs.prompts import parse_shard
+
+    with pytest.raises(UsageError) as refused:
+        parse_shard("1/1")
+    assert refused.value.fix == "I counts from 0: pass 0/1"
