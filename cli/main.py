@@ -169,8 +169,9 @@ def render(
                                                            help="Override a preset value.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per finished clip on stdout.")] = False,
     vram: Annotated[Optional[str], typer.Option("--vram", metavar="GIB", help=VRAM_HELP)] = None,
-    save_latents: Annotated[bool, typer.Option("--save-latents", help="Also write each clip's final latents; a rerun with it renders again a clip "
-                                                   "whose latents are missing or damaged.")] = False,
+    save_latents: Annotated[bool, typer.Option("--save-latents", help="Also write each clip's final latents; a rerun "
+                                                                      "with it renders again a clip whose latents are "
+                                                                      "missing or damaged.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each prompt's output file and whether it would "
                                                             "render, skip or conflict (or finds it busy); render and "
                                                             "change nothing. Exits 1 when a clip would conflict, as "
