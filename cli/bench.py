@@ -74,7 +74,7 @@ def check_commit_variable() -> None:
 
 def run_bench_command(presets, baseline, durations, size, repeat, warmup, random_weights, model, stages, forwards,
                       text_tokens, output, batch=None, warm_cache=False, baseline_clips=None, sets=(),
-                      baseline_forwards=None):
+                      baseline_forwards=None, found=None):
     import sys
 
     from h3gen.bench.sweep import run_bench
@@ -97,7 +97,7 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     plan = parse_plan(presets, baseline, durations, size, repeat, warmup, stages, forwards, text_tokens)
     plan.warm_cache, plan.baseline_clips, plan.overrides = warm_cache, baseline_clips, list(sets)
     plan.baseline_forwards = baseline_forwards
-    found = registry()
+    found = registry() if found is None else found  # the command's own, which reported the plugins that failed
     # A typo fails now, not after the first preset's minutes.
     resolved = [resolve(name, found, plan.overrides) for name in plan.presets]
     for preset in resolved:

@@ -302,13 +302,14 @@ def bench(
     from h3gen.plugins.manager import registry
 
     show_tracebacks(tracebacks)
-    report_failed_plugins(registry(), strict_plugins)
+    found = registry()
+    report_failed_plugins(found, strict_plugins)
     try:
         check_threads()
         model = bench_model(ctx, model, random_weights)
         code = run_bench_command(presets or ["h3-base"], baseline, durations, size, repeat, warmup, random_weights,
                                  model, stages, forwards, text_tokens, output, batch, warm_cache, baseline_clips,
-                                 [*(sets or ()), *vram_setting(vram)], baseline_forwards)
+                                 [*(sets or ()), *vram_setting(vram)], baseline_forwards, found)
     except H3genError as e:
         fail(from_model_variable(ctx, model, e))
     raise typer.Exit(code)
