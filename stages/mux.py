@@ -9,9 +9,7 @@ import threading
 from fractions import Fraction
 from pathlib import Path
 
-import av
 import numpy as np
-from av.video.reformatter import VideoReformatter
 
 from h3gen.run.fingerprint import stamp
 from h3gen.stages.base import Stage
@@ -76,6 +74,8 @@ def write_mp4(
     files. `cancelled()` is polled per frame: when it turns true the write stops with `MuxCancelled` and leaves
     nothing behind. `comment` goes into the MP4's comment tag (h3gen stores the clip's render fingerprint there).
     """
+    import av  # PyAV when a clip is muxed, not when the stage registers
+
     _check_frames(frames)
     path = Path(path)
     partial = path.with_name(f".{path.name}.partial.mp4")
@@ -117,6 +117,8 @@ def _add_video_stream(container, frames, fps, crf, preset, threads):
 
 
 def _add_audio_stream(container, sample_rate):
+    import av
+
     stream = container.add_stream("aac", rate=sample_rate, layout="stereo")
     # Plain C float DSP instead of CPU-specific SIMD, so the AAC bits do not
     # depend on the machine.
@@ -129,6 +131,8 @@ class MuxCancelled(Exception):
 
 
 def _encode_video(container, stream, frames, cancelled):
+    from av.video.reformatter import VideoReformatter
+
     reformatter = VideoReformatter()  # one swscale context and thread pool for the clip
     threads = stream.codec_context.thread_count
     for index, pixels in enumerate(frames):
@@ -144,11 +148,15 @@ def _encode_video(container, stream, frames, cancelled):
 def _yuv420p(reformatter, pixels, threads):
     """One RGB frame as the encoder's yuv420p: wrapped without a copy and converted by swscale on `threads` slices.
     Handed RGB, the encoder would copy it and convert it on one thread, to the same bytes."""
+    import av
+
     frame = av.VideoFrame.from_numpy_buffer(np.ascontiguousarray(pixels), format="rgb24")
     return reformatter.reformat(frame, format="yuv420p", threads=threads)
 
 
 def _encode_audio(container, stream, audio, sample_rate):
+    import av
+
     _check_audio(audio)
     samples = np.clip(audio, -1.0, 1.0).astype(np.float32)
     for start in range(0, samples.shape[1], AAC_FRAME_SAMPLES):

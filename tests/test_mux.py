@@ -1,7 +1,9 @@
 import errno
 import sys
 
+import av
 import numpy as np
+from av.video.reformatter import VideoReformatter
 import pytest
 
 from h3gen.stages import mux
@@ -151,11 +153,11 @@ def test_frames_converted_ahead_of_the_encoder_give_its_own_bytes(tmp_path, monk
     """The mux converts each RGB frame to yuv420p itself, on several threads; handed the RGB frame, the encoder
     converts it on one. Both give the same frame and the same file."""
     wide = np.random.default_rng(3).integers(0, 256, (770, 1344, 3), dtype=np.uint8)  # 8 slices of uneven height
-    one = mux.av.VideoFrame.from_ndarray(wide, "rgb24").reformat(format="yuv420p")
-    assert np.array_equal(mux._yuv420p(mux.VideoReformatter(), wide, 8).to_ndarray(), one.to_ndarray())
+    one = av.VideoFrame.from_ndarray(wide, "rgb24").reformat(format="yuv420p")
+    assert np.array_equal(mux._yuv420p(VideoReformatter(), wide, 8).to_ndarray(), one.to_ndarray())
     frames = np.concatenate([moving_frames(12)] * 3, axis=2)  # 32 x 96
     write_mp4(tmp_path / "ahead.mp4", frames, soundtrack(0.5), x264_threads=4)
-    rgb = lambda reformatter, pixels, threads: mux.av.VideoFrame.from_ndarray(pixels, "rgb24")  # noqa: E731
+    rgb = lambda reformatter, pixels, threads: av.VideoFrame.from_ndarray(pixels, "rgb24")  # noqa: E731
     monkeypatch.setattr(mux, "_yuv420p", rgb)
     write_mp4(tmp_path / "encoder.mp4", frames, soundtrack(0.5), x264_threads=4)
     assert (tmp_path / "ahead.mp4").read_bytes() == (tmp_path / "encoder.mp4").read_bytes()

@@ -92,3 +92,17 @@ def test_broken_plugin_is_reported_and_skipped(tmp_path):
     result = h3gen("plugins", env=env, check_code=0)
     assert "plugin 'sidecar' failed to load: no such dependency" in result.stderr
     assert "euler" in result.stdout
+
+
+def test_the_built_in_stages_and_presets_register_without_pyav():
+    """PyAV is needed where a clip is muxed: without it `bench --stages dit` and `presets show` still have h3gen's
+    stages and presets."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['av'] = None\n"
+            "from h3gen.plugins.manager import registry\n"
+            "found = registry(); assert not found.failed, found.failed; assert 'h3-base' in found.presets\n"
+            "assert ('mux', 'pyav') in found.stages")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
