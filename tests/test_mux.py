@@ -177,3 +177,25 @@ def test_the_background_mux_lowers_the_switch_interval_while_its_threads_live():
     assert sys.getswitchinterval() == before
     assert mux.PyAVMux(mux.PyAVMuxConfig(workers=0), runtime=None).submit("clip") is None
     assert sys.getswitchinterval() == before
+
+
+def test_a_mono_soundtrack_is_named_as_one_channel(tmp_path):
+    path = tmp_path / "mono.mp4"
+    with av.open(str(path), "w", format="mp4") as container:
+        video = container.add_stream("libx264", rate=24)
+        video.width = video.height = 32
+        video.pix_fmt = "yuv420p"
+        audio = container.add_stream("aac", rate=32000, layout="mono")
+        for index, pixels in enumerate(moving_frames(FRAMES)):
+            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
+            frame.pts = index
+            container.mux(video.encode(frame))
+        container.mux(video.encode(None))
+        samples = soundtrack(FRAMES / 24)[:1]
+        for start in range(0, samples.shape[1], 1024):
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples[:, start:start + 1024]), format="fltp",
+                                               layout="mono")
+            frame.sample_rate, frame.pts = 32000, start
+            container.mux(audio.encode(frame))
+        container.mux(audio.encode(None))
+    assert validate_clip(path, expected_frames=FRAMES) == ["audio has 1 channel, expected 2"]
