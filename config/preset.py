@@ -390,11 +390,9 @@ def check_stage_configs(preset, registry, repo=None) -> None:
         except H3genError:
             raise
         except Exception as e:
-            from h3gen.stages.base import StageFailed
+            from h3gen.stages.base import raised
 
-            reason = f"{type(e).__name__}" + (f": {e}" if str(e) else "")
-            raise StageFailed(f"{kind} stage '{name}' ({stage.source()}) raised {reason} while checking its "
-                              "settings", stage.broke_fix()) from e
+            raise stage.failed(f"raised {raised(e)} while checking its settings", stage.broke_fix()) from e
 
 
 def _blamed(preset, kind: str, error: UsageError) -> UsageError:

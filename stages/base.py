@@ -32,6 +32,11 @@ class Wrapped:
     config: Any = None
 
 
+def raised(error: BaseException) -> str:
+    """An exception as a failure line names it: its type, then its message when it has one."""
+    return type(error).__name__ + (f": {error}" if str(error) else "")
+
+
 class StageFailed(H3genError):
     """A stage raised something other than an h3gen error, or broke its contract: named with its kind and plugin."""
 
@@ -96,7 +101,7 @@ class Stage:
         except (Exception, SystemExit, KeyboardInterrupt) as e:  # a faulty stage costs its clip, named
             if isinstance(e, KeyboardInterrupt) and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
                 raise  # Ctrl-C itself, where no h3gen handler turns it into a stop (h3gen.run.loop)
-            raise self.failed(f"raised {type(e).__name__}" + (f": {e}" if str(e) else ""), self.broke_fix()) from e
+            raise self.failed(f"raised {raised(e)}", self.broke_fix()) from e
         if not isinstance(result, Clip):
             raise self.failed(f"returned {type(result).__name__} from run(), not the clip",
                               "run(clip) must return the clip it was given (or a copy), with its fields set")
@@ -105,9 +110,10 @@ class Stage:
                               "a mux's run(clip) writes the MP4 at clip.path (h3gen.stages.mux.write_mp4 does it whole)")
         return result
 
-    def failed(self, what: str, fix: str = "") -> StageFailed:
-        """An error naming this stage, its kind and its plugin."""
-        return StageFailed(f"{self.kind} stage '{self.name}' ({self.source()}) {what}", fix)
+    @classmethod
+    def failed(cls, what: str, fix: str = "") -> StageFailed:
+        """An error naming this stage, its kind and its plugin (from the class too, before any instance exists)."""
+        return StageFailed(f"{cls.kind} stage '{cls.name}' ({cls.source()}) {what}", fix)
 
     @classmethod
     def broke_fix(cls) -> str:
