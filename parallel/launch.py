@@ -123,7 +123,6 @@ def launch_workers(batch, settings: RunSettings, entry: str, began: float) -> in
     # worker its share of the cores, and say so in the README, rather than torchrun's silent one thread each.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_node)))
     with tempfile.TemporaryDirectory(prefix="h3gen-run-") as scratch:
-        status_file = Path(scratch) / "status"
         if not settings.prompts.is_file():  # a pipe, read by the checks: the workers read what it held
             from h3gen.inputs.prompts import prompts_bytes
 
@@ -131,12 +130,13 @@ def launch_workers(batch, settings: RunSettings, entry: str, began: float) -> in
             held.write_bytes(prompts_bytes(settings.prompts))
             settings = dataclasses.replace(settings, prompts=held)
         job = {"settings": settings.to_json(), "device": "gpu" if parallel.gpus else "cpu",
-               "status_file": str(status_file), "heads": heads, "split_refusal": refusal, "began": began}
+               "status_file": str(Path(scratch) / "status"), "heads": heads, "split_refusal": refusal, "began": began}
         stopped = run(launch_config(parallel, per_node), job, entry, say)
         if stopped:
             return stopped
-        if status_file.is_file():
-            return int(status_file.read_text().split()[0])
+        status = worker_status(job)
+        if status is not None:
+            return status[0]
     # Rank 0 ran on another machine of the job and reported there.
     say("h3gen: this machine's workers finished; the run is reported where rank 0 ran")
     return 0
@@ -164,14 +164,23 @@ def run(config, job: dict, entry: str, say) -> int:
         return 128 + int(stop.sigval)
 
 
+def worker_status(job: dict) -> tuple[int, int] | None:
+    """(the run's exit status, the clips in flight a stop discarded) as rank 0 wrote them (h3gen.parallel.serve);
+    None when rank 0 did not report on this machine."""
+    path = Path(job["status_file"])
+    if not path.is_file():
+        return None
+    code, discarded = map(int, path.read_text().split())
+    return code, discarded
+
+
 def discarded_by_workers(job: dict) -> int | None:
-    """The clips in flight the stopped workers dropped, as rank 0 wrote them beside the exit status; 0 when rank 0 of
-    this machine stopped before it reported (before any clip started), None when rank 0 ran on another machine."""
-    status = Path(job["status_file"])
-    if status.is_file():
-        return int(status.read_text().split()[1])
-    settings = job["settings"]
-    return 0 if not settings["parallel"].get("node_rank") else None
+    """The clips in flight the stopped workers dropped; 0 when rank 0 of this machine stopped before it reported
+    (before any clip started), None when rank 0 ran on another machine."""
+    status = worker_status(job)
+    if status is not None:
+        return status[1]
+    return 0 if not job["settings"]["parallel"].get("node_rank") else None
 
 
 def first_failure(failed):
