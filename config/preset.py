@@ -186,12 +186,12 @@ def resolve(name_or_file: str, registry, overrides: list[str] = ()) -> Preset:
     request = _section(data, "request", REQUEST_DEFAULTS, where, sources)
     _check_request(request, sources)
     runtime = _section(data, "runtime", RUNTIME_DEFAULTS, where, sources)
-    _check_runtime(runtime, where, sources)
+    _check_runtime(runtime, sources)
     parallel = _section(data, "parallel", PARALLEL_DEFAULTS, where, sources)
     _check_parallel(parallel, where, sources)
     model = _section(data, "model", MODEL_DEFAULTS, where, sources)
     if model["needs"] not in MODEL_KINDS:
-        raise UsageError(f"{_given('model', 'needs', model['needs'], sources, where)} is not a model kind",
+        raise UsageError(f"{_given('model', 'needs', model['needs'], sources)} is not a model kind",
                          f"use one of {', '.join(MODEL_KINDS)}")
     stages = {kind: _stage(kind, data, registry, where, sources) for kind in STAGE_KINDS}
     adapter = _adapter(data, stages["quant"], registry, where, sources)
@@ -210,36 +210,37 @@ def _check_request(request: dict, sources: dict) -> None:
     from h3gen.inputs.prompts import check_clip
 
     def origin(*keys: str) -> str:
-        return ", ".join(f"--set request.{key}={request[key]:g}" if sources[f"request.{key}"] == "--set"
-                         else f"{sources[f'request.{key}']} [request] {key}" for key in keys)
+        return ", ".join(_given("request", key, request[key], sources, with_value=False) for key in keys)
 
     check_clip(request["duration"], request["width"], request["height"], origin("duration"), origin("width", "height"))
 
 
-def _given(section: str, key: str, value, sources: dict, where: str) -> str:
-    """A section's value as an error says it: the --set that gave it, or the preset's key."""
-    if sources.get(f"{section}.{key}") == "--set":
-        return f"--set {section}.{key}={value}"
-    return f"{where} [{section}] {key} {value!r}"
+def _given(section: str, key: str, value, sources: dict, with_value: bool = True) -> str:
+    """A section's value as an error names it: the --set that gave it, or the key in the preset that set it (an
+    extended one's name where the value came from there), with the value unless the error says it itself."""
+    source = sources[f"{section}.{key}"]
+    if source == "--set":
+        return f"--set {section}.{key}={value:g}" if isinstance(value, float) else f"--set {section}.{key}={value}"
+    return f"{source} [{section}] {key}" + (f" {value!r}" if with_value else "")
 
 
-def _check_runtime(runtime: dict, where: str, sources: dict) -> None:
+def _check_runtime(runtime: dict, sources: dict) -> None:
     device, dtype = runtime["device"], runtime["dtype"]
     if not 0 <= runtime["vram_gib"] < float("inf"):  # NaN fails this too
-        raise UsageError(f"{_given('runtime', 'vram_gib', runtime['vram_gib'], sources, where)} is no budget",
+        raise UsageError(f"{_given('runtime', 'vram_gib', runtime['vram_gib'], sources)} is no budget",
                          "give GiB above 0, or 0 for what is free")
     if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
-        raise UsageError(f"{_given('runtime', 'device', device, sources, where)} is not a device h3gen runs on",
+        raise UsageError(f"{_given('runtime', 'device', device, sources)} is not a device h3gen runs on",
                          "use auto, cpu, cuda or cuda:N")
     if dtype not in DTYPES:
-        raise UsageError(f"{_given('runtime', 'dtype', dtype, sources, where)} is not a supported dtype",
+        raise UsageError(f"{_given('runtime', 'dtype', dtype, sources)} is not a supported dtype",
                          f"use one of {', '.join(DTYPES)}")
 
 
 def _check_parallel(parallel: dict, where: str, sources: dict) -> None:
     for key, value in parallel.items():
         if isinstance(value, bool) or value < 0:
-            raise UsageError(f"{_given('parallel', key, value, sources, where)}: give a whole number >= 0",
+            raise UsageError(f"{_given('parallel', key, value, sources)}: give a whole number >= 0",
                              "0 leaves it to the command line")
     if parallel["gpus"] and parallel["cpu_workers"]:
         raise UsageError(f"{where} [parallel] sets both gpus and cpu_workers", "keep one of them")

@@ -56,6 +56,21 @@ def test_unknown_bases_and_cycles_are_refused_in_one_line(tmp_path, prompts_file
     assert result.stderr.count("\n") == 1 and message in result.stderr
 
 
+def test_a_bad_value_is_blamed_on_the_preset_that_set_it(tmp_path):
+    from h3gen.config.preset import resolve
+    from h3gen.errors import UsageError
+    from h3gen.plugins.manager import registry
+
+    write(tmp_path, "parent.toml", 'extends = "tiny"\n[runtime]\ndevice = "tpu"\n[parallel]\nulysses = -1\n')
+    child = write(tmp_path, "child.toml", 'extends = "parent.toml"\n[sampler]\nsteps = 5\n')
+    with pytest.raises(UsageError, match=r"^preset parent \[runtime\] device 'tpu' is not a device"):
+        resolve(str(child), registry())
+    with pytest.raises(UsageError, match=r"^--set runtime.vram_gib=nan is no budget"):
+        resolve(str(child), registry(), ["runtime.device=cpu", "runtime.vram_gib=nan"])
+    with pytest.raises(UsageError, match=r"^preset parent \[parallel\] ulysses -1: give a whole number"):
+        resolve(str(child), registry(), ["runtime.device=cpu"])
+
+
 def test_a_wrapping_stage_wraps_the_stage_the_preset_would_have_used(tmp_path):
     from h3gen.config.preset import resolve
     from h3gen.plugins.manager import Registered, registry
