@@ -86,17 +86,15 @@ def read_stamp(path: Path) -> dict | None:
 
 
 def differences(old: dict | None, new: dict) -> list[str]:
-    """`FIELD: OLD -> NEW` for each field that differs (a clip from before fingerprints: one line saying so): a
-    stage swapped (`vae.use`) first, whose own keys then differ too, then the rest by name."""
+    """`FIELD: OLD -> NEW` for each field of this run's that differs (a clip from before fingerprints: one line
+    saying so): a stage swapped (`vae.use`) first, whose own keys then differ too, then the rest by name. A field
+    only the clip carries is one this h3gen no longer counts (the preset's name, a key a stage since declared
+    `output_neutral`): where its stage changed, that stage's `use` differs."""
     if old is None:
         return ["fingerprint: none -> " + digest(new)]
-    keys = sorted((set(old) | set(new)) - RETIRED, key=lambda key: (not key.endswith(".use"), key))
-    return [f"{key}: {shown(old.get(key))} -> {shown(new.get(key))}{in_seconds(key, old.get(key), new.get(key))}"
-            for key in keys if old.get(key) != new.get(key)]
-
-
-# Fields earlier clips carry that decide nothing of a clip's bytes: the preset's name (its values are fields).
-RETIRED = {"preset"}
+    keys = sorted(new, key=lambda key: (not key.endswith(".use"), key))
+    return [f"{key}: {shown(old.get(key))} -> {shown(new[key])}{in_seconds(key, old.get(key), new[key])}"
+            for key in keys if old.get(key) != new[key]]
 
 
 def in_seconds(key: str, old, new) -> str:

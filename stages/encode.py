@@ -27,6 +27,7 @@ class Qwen3VLConfig:
 class Qwen3VLEncoder(Stage):
     kind, name = "encode", "qwen3vl"
     Config = Qwen3VLConfig
+    output_neutral = ("max_tokens",)  # which prompts fail, never what a clip that renders holds
     text_encoder = media = None  # until `load`
     description = ("Qwen3-VL text encoder (transformers), truncated after the layer H3 reads; fl2va keyframes and "
                    "ref2va references through diffusers' blocks and the VAE encoders")

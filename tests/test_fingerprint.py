@@ -247,3 +247,23 @@ def test_a_stage_swapped_is_the_first_difference_said():
     old = {"vae.use": "reference 1", "vae.attention": None, "vae.compile": None, "vae.exact": None, "mux.crf": 18}
     new = {"vae.use": "fast 1", "vae.attention": "sdpa", "vae.compile": False, "vae.exact": False, "mux.crf": 18}
     assert fingerprint.differences(old, new)[:2] == ["vae.use: reference 1 -> fast 1", "vae.attention: (none) -> sdpa"]
+
+
+def test_the_encoder_s_token_limit_is_not_part_of_the_fingerprint(tiny_model):
+    """Raising encode.max_tokens lets a longer prompt render; the clips already written stay this run's."""
+    from h3gen.config.preset import resolve
+    from h3gen.models.repo import ModelRepo
+    from h3gen.plugins.manager import registry
+
+    fields = [fingerprint.run_fields(resolve("tiny", registry(), overrides), registry(), ModelRepo(tiny_model))
+              for overrides in ([], ["encode.max_tokens=2048"], ["encode.layer=1"])]
+    assert fields[0] == fields[1] and fields[0] != fields[2]
+
+
+def test_a_field_only_the_clip_carries_decides_nothing():
+    """A clip stamped before a key left the fingerprint (the preset's name, encode.max_tokens) is still this run's;
+    a field only this run has is a difference."""
+    new = {"sampler.steps": 4, "encode.use": "qwen3vl 1"}
+    assert fingerprint.differences(new | {"preset": "tiny", "encode.max_tokens": 1024}, new) == []
+    [line] = fingerprint.differences(new, new | {"encode.layer": 49})
+    assert line.startswith("encode.layer: ") and line.endswith(" -> 49")
