@@ -119,7 +119,7 @@ class Renderer:
         self.memory_plan = memory_plan.record() if memory_plan is not None else None
         device = pick_device(preset.runtime["device"])
         dtype = getattr(torch, preset.runtime["dtype"])
-        self.runtime = Runtime(device, dtype, StageTimer(device, reporter.stage_done), on_step=reporter.step)
+        self.runtime = Runtime(device, dtype, StageTimer(device, reporter.stage_done), on_step=self.stepped)
         budget.hold_to(device, preset.runtime["vram_gib"])
         self.stages = {kind: build(registry.stage(kind, name), config, self.runtime)
                        for kind, (name, config) in preset.stages.items()}
@@ -278,8 +278,19 @@ class Renderer:
 
     def collect(self, wait: bool) -> Iterator[ClipResult]:
         """Results of the clips whose mux has finished (all of them with `wait`), in the order they were rendered."""
+        self.finish_muxed(wait)
         yield from self.done
         self.done.clear()
+
+    def stepped(self, clip: Clip, step: int, steps: int) -> None:
+        """A forward of `clip` is through: the live display hears of it, and the clips whose background mux has
+        ended since are finished now (manifest line, record), not once the clip on the device is."""
+        self.reporter.step(clip, step, steps)
+        self.finish_muxed(wait=False)
+
+    def finish_muxed(self, wait: bool) -> None:
+        """Finish the clips whose mux has ended (all of them with `wait`), in the order they were rendered; their
+        results wait in `done` for the caller."""
         while self.muxing and (wait or self.muxing[0][2].done()):
             clip, claim, job, before = self.muxing[0]  # popped once done: a signal while it waits leaves it to close()
             error = ""
@@ -291,7 +302,7 @@ class Renderer:
             self.muxing.pop(0)
             if not error:
                 self.reporter.stage_done(clip, "mux", clip.seconds.get("mux", 0.0))
-            yield self.finish(clip, error, claim=claim)
+            self.done.append(self.finish(clip, error, claim=claim))
 
     def finish(self, clip: Clip, error: str = "", status: str = "", claim=None) -> ClipResult:
         with signals_held():  # recorded, reported and counted, or none of these
@@ -437,6 +448,8 @@ def clip_error(clip: Clip, error: Exception, memory_plan: dict | None = None, ra
         budget = memory_plan["vram_gib"]
         return (f"out of GPU memory under the plan for {budget:.1f} GiB (try --vram {max(1, int(budget * 0.75))} "
                 "so more DiT blocks stream, an FP8 preset, fewer frames or a smaller size)")
+    if isinstance(cause, MemoryError) or "can't allocate memory" in str(cause):  # torch's CPU allocator says so
+        return HOST_OOM_HINT
     if isinstance(cause, OSError):
         return write_error(clip.path, cause)
     if isinstance(error, H3genError):
@@ -450,6 +463,8 @@ def debugging() -> bool:
 
 
 OOM_HINT = "out of GPU memory (try --vram with less than the GPU has so DiT blocks stream, an FP8 preset, fewer frames or a smaller size)"
+HOST_OOM_HINT = ("out of host memory (try fewer frames or a smaller size, or leave it more memory: other programs, "
+                 "fewer --cpu-workers)")
 # Less than any MP4 of a request takes: a black 10 s 1344x768 clip with a silent soundtrack is 21 KB.
 MP4_FLOOR_BYTES = 64 * 2**10
 

@@ -131,3 +131,44 @@ def test_a_long_batch_starts_rendering_after_its_first_chunk_of_prompts(tiny_mod
         "h3gen: encoded 1 prompt(s) (1-1 of 5)", "h3gen: encoded 2 prompt(s) (2-3 of 5)",
         "h3gen: encoded 2 prompt(s) (4-5 of 5)"]
     assert encode.encoder_loads == 1
+
+
+class StepLog(EventLog):
+    """An EventLog that hears of each forward and of each finished clip; at a clip's first forward it waits for the
+    clip before it to be muxed, as a long forward on a GPU would."""
+
+    def __init__(self, renderer_of):
+        super().__init__()
+        self.renderer_of = renderer_of
+
+    def step(self, clip, step, steps):
+        muxing = self.renderer_of().muxing
+        if step == 1 and muxing:
+            muxing[0][2].result(timeout=60)
+        self.events.append(("step", clip.request.index, step))
+
+    def clip_done(self, result):
+        self.events.append(("done", result.request.index))
+
+
+def test_a_clip_is_finished_as_its_background_mux_ends_not_after_the_next_clip(tiny_model, tmp_path):
+    """Its manifest line and --json record come at the next clip's first forward after its mux, not once the
+    next clip is through."""
+    from h3gen.config.preset import resolve
+    from h3gen.inputs.prompts import read_prompts
+    from h3gen.models.repo import ModelRepo
+    from h3gen.plugins.manager import registry
+    from h3gen.run import render
+
+    preset = resolve("tiny", registry(), ["encode.cache=false", "sampler.steps=4"])
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a fox\nwaves\n")
+    holder = []
+    log = StepLog(lambda: holder[0])
+    holder.append(render.Renderer(preset, registry(), ModelRepo(tiny_model), log))
+    results = list(holder[0].render(read_prompts(prompts, 0, preset.request), tmp_path / "out"))
+    holder[0].close()
+    assert [r.ok for r in results] == [True, True]
+    order = [event for event in log.events if event[0] in ("step", "done")]
+    assert order.index(("done", 0)) == order.index(("step", 1, 1)) + 1, order
+    assert order[-1] == ("done", 1)

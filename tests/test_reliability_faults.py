@@ -180,6 +180,23 @@ def test_out_of_memory_under_a_plan_names_a_smaller_budget(tmp_path):
     assert error.startswith("out of GPU memory under the plan for 24.0 GiB (try --vram 18 so more DiT blocks stream")
 
 
+def test_out_of_host_memory_is_named_as_such_not_as_a_bug(tmp_path):
+    """torch's CPU allocator raises a RuntimeError, Python a MemoryError: either costs the clip with a hint."""
+    from h3gen.inputs.request import Request
+    from h3gen.run.render import clip_error
+    from h3gen.stages.base import StageFailed
+    from h3gen.stages.clip import Clip
+
+    clip = Clip(request=Request(index=0, prompt="a", seed=0, width=32, height=32, frames=124), path=tmp_path / "a.mp4",
+                preset="tiny")
+    refused = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 34359738368 bytes. Error code 12 (Cannot allocate memory)")
+    wrapped = StageFailed("sampler stage 'euler' raised RuntimeError")
+    wrapped.__cause__ = refused
+    for error in (refused, wrapped, MemoryError()):
+        assert clip_error(clip, error).startswith("out of host memory (try fewer frames or a smaller size"), error
+
+
 def tiny_renderer_with_sampler(sampler_class, tiny_model, tmp_path):
     """A renderer of the tiny preset whose sampler is `sampler_class` (registered under its `name`), and the
     requests of TWO_CLIPS."""
