@@ -8,7 +8,9 @@ when the clip encodes it).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
+import warnings
 from pathlib import Path
 
 from h3gen.inputs.request import FPS, SAMPLE_RATE, Reference
@@ -37,16 +39,35 @@ def resolve_path(value: str, base: Path, field: str, where: str) -> Path:
     return path
 
 
-def image_size(path: Path) -> tuple[int, int] | None:
-    """(width, height) as displayed (EXIF orientation applied), decoding the whole image; None if not an image."""
+def image_size(path: Path, field: str, where: str) -> tuple[int, int] | None:
+    """(width, height) as displayed (EXIF orientation applied), decoding the whole image; None if it is not an
+    image. An image too large to decode in reason, or one that does not decode (cut short, damaged), is refused."""
     from PIL import Image, ImageOps
 
     try:
-        with Image.open(path) as image:
-            image.load()
-            return ImageOps.exif_transpose(image).size
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):  # UnidentifiedImageError included
+        with warnings.catch_warnings():  # Pillow warns past its pixel limit: refused below, in one line
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(path)
+    except Image.DecompressionBombError:
+        raise UsageError(f"{where}: {field} {path} has more than {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} MP",
+                         IMAGE_TOO_LARGE_FIX) from None
+    except (OSError, ValueError, SyntaxError):  # UnidentifiedImageError included: not an image Pillow knows
         return None
+    with image:
+        width, height = image.size
+        if width * height > Image.MAX_IMAGE_PIXELS:
+            raise UsageError(f"{where}: {field} {path} is {width}x{height} ({width * height / 1e6:.0f} MP), more "
+                             f"than the {Image.MAX_IMAGE_PIXELS / 1e6:.0f} MP h3gen reads", IMAGE_TOO_LARGE_FIX)
+        try:
+            image.load()
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            raise UsageError(f"{where}: {field} {path} is a {image.format} image that does not decode ({e})",
+                             "the file is cut short or damaged: export it again") from None
+        return ImageOps.exif_transpose(image).size
+
+
+# H3 generates at most 1344x768 (about 1 MP): a keyframe or reference is scaled to that anyway.
+IMAGE_TOO_LARGE_FIX = "scale it down, e.g. to 2048 px on its long side"
 
 
 def check_aspect(size: tuple[int, int], field: str, path: Path, where: str) -> None:
@@ -59,7 +80,7 @@ def check_aspect(size: tuple[int, int], field: str, path: Path, where: str) -> N
 def keyframe(value: str, base: Path, field: str, where: str) -> tuple[Path, tuple[int, int]]:
     """A first_frame / last_frame: a readable image H3 can generate from; its path and displayed size."""
     path = resolve_path(value, base, field, where)
-    size = image_size(path)
+    size = image_size(path, field, where)
     if size is None:
         raise UsageError(f"{where}: {field} {path} is not an image h3gen can read",
                          "use a PNG, JPEG or WebP file")
@@ -104,7 +125,7 @@ def references(values: list, base: Path, where: str) -> tuple[Reference, ...]:
 
 
 def reference(path: Path, field: str, where: str) -> Reference:
-    size = image_size(path)
+    size = image_size(path, field, where)
     if size is not None:
         check_aspect(size, field, path, where)
         return Reference("image", path)
@@ -174,6 +195,11 @@ def probe_av(path: Path):
             with av.open(str(path)) as container:
                 if next(container.decode(**{kind: 0}), None) is None:
                     return None if kind == "video" else (video, audio, "audio")
+            if kind == "video" and video[2] is None:  # a raw stream's header has no length: count its frames
+                with av.open(str(path)) as container:
+                    counted = sum(1 for _ in itertools.islice(container.decode(video=0), MIN_VIDEO_FRAMES))
+                if counted < MIN_VIDEO_FRAMES:
+                    video = (video[0], video[1], counted / FPS)
         return video, audio, None
     except (av.FFmpegError, OSError, ValueError, UnicodeDecodeError):
         return None

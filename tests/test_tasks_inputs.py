@@ -30,6 +30,10 @@ def media(tmp_path_factory):
         header.setnchannels(2), header.setsampwidth(2), header.setframerate(32000)
     write_video(folder / "clip.mp4", 20, sound=False)
     write_video(folder / "blink.mp4", 6, sound=False)
+    write_raw_h264(folder / "blink.h264", 6)
+    write_image(folder / "photo.jpg", 64, 64, 4)
+    photo = (folder / "photo.jpg").read_bytes()
+    (folder / "cut.jpg").write_bytes(photo[:len(photo) * 9 // 10])
     write_wav(folder / "voice.wav")
     write_wav(folder / "cd.wav", rate=44100)
     write_wav(folder / "surround.wav", channels=6)
@@ -98,12 +102,42 @@ def test_keyframe_canvas_on_h3_base_is_diffusers_canvas_rule(image):
     ({"references": ["../clip.mp4"] * 4}, "4 video references, H3 takes at most 3"),
     ({"references": ["../frame.png"] * 13}, "13 image references, H3 takes at most 9"),
     ({"references": ["../frame.png", "../blink.mp4"]}, r"blink.mp4 lasts 0.2\d s; .* needs at least 0.54 s"),
+    ({"references": ["../frame.png", "../blink.h264"]}, r"blink.h264 lasts 0.25 s; .* needs at least 0.54 s"),
+    ({"references": ["../cut.jpg"]}, r"cut.jpg is a JPEG image that does not decode \(.*\)"),
+    ({"first_frame": "../cut.jpg"}, r"cut.jpg is a JPEG image that does not decode"),
     ({"references": ["../frame.png", "../surround.wav"]}, "has 6 audio channels; H3 conditions on mono or stereo"),
 ])
 def test_media_h3_cannot_use_is_refused_with_the_line(media, line, message):
     with pytest.raises(UsageError, match=message) as caught:
         parse(media, {}, line)
     assert "prompts.jsonl:2:" in str(caught.value)
+
+
+def write_raw_h264(path, frames):
+    """A bare H.264 stream: no container, so no length in any header."""
+    import av
+    import numpy as np
+
+    rng = np.random.default_rng(frames)
+    with av.open(str(path), "w", format="h264") as container:
+        video = container.add_stream("libx264", rate=24)
+        video.width, video.height, video.pix_fmt = 48, 32, "yuv420p"
+        for _ in range(frames):
+            container.mux(video.encode(av.VideoFrame.from_ndarray(rng.integers(0, 256, (32, 48, 3), np.uint8), "rgb24")))
+        container.mux(video.encode())
+
+
+@pytest.mark.parametrize("limit", [1_000, 3_000])
+def test_an_image_past_the_pixel_limit_is_refused_as_too_large(media, monkeypatch, limit):
+    """Past Pillow's limit (64x64 against 3,000 here) and past twice it, where Pillow refuses to open it: too large,
+    not unreadable, and not taken for a one-frame video."""
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", limit)
+    for line in ({"first_frame": "../photo.jpg"}, {"references": ["../photo.jpg"]}):
+        with pytest.raises(UsageError, match=r"photo.jpg (is 64x64 \(0 MP\), more than|has more than) .* MP") as caught:
+            parse(media, line)
+        assert caught.value.fix == "scale it down, e.g. to 2048 px on its long side"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchaudio") is not None, reason="torchaudio resamples it")
