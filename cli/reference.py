@@ -65,7 +65,8 @@ PROMPTS_FILE = [
                    f"between 1:4 and 4:1 and {MIN_VIDEO_FRAMES} frames at {FPS} fps ({MIN_VIDEO_FRAMES / FPS:.2f} s); "
                    f"audio must be mono or stereo, at {SAMPLE_RATE} Hz unless torchaudio is installed to resample "
                    "it."),
-    "Media paths are absolute, or relative to the prompts file's folder (~ is expanded). The task follows from the "
+    "Media paths are absolute, or relative to the prompts file's folder (~ is expanded; for a link, the folder of "
+    "the file it leads to; for prompts read from a pipe, the current folder). The task follows from the "
     "fields: none of them, t2va; keyframes, fl2va; references, ref2va (which runs the repository's "
     "transformer_ref/ partition). A preset's adapter contract can restrict the tasks. Every line is checked before "
     "any weight loads: a bad line, or a file without prompts, stops the run with exit status 2, naming the file "

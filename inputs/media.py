@@ -28,11 +28,14 @@ def resolve_path(value: str, base: Path, field: str, where: str) -> Path:
     if not value.strip() or "\0" in value:
         raise UsageError(f"{where}: {field} is not a file path ({value!r:.60})", "write the path of a media file")
     try:
-        path = (base / Path(value).expanduser()).resolve()
+        written = Path(value).expanduser()
+        path = (base / written).resolve()
         if not path.is_file():
-            problem = "is a directory" if path.is_dir() else "does not exist"
-            raise UsageError(f"{where}: {field} {path} {problem}",
-                             "paths are relative to the prompts file's folder")
+            problem = ("is a directory" if path.is_dir() else "is not a regular file" if path.exists()
+                       else "does not exist")
+            raise UsageError(f"{where}: {field} {path} {problem}", "give the path of a media file" if
+                             written.is_absolute() else "paths are relative to the prompts file's folder, or "
+                             "to the current one for prompts read from a pipe")
     except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
         raise UsageError(f"{where}: {field} {value} cannot be read ({getattr(e, 'strerror', None) or e})",
                          "check the path") from None

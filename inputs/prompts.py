@@ -32,6 +32,12 @@ def prompts_bytes(path: Path) -> bytes:
     return data
 
 
+def media_base(path: Path) -> Path:
+    """The folder a line's relative media paths start from: the prompts file's (the file a link leads to, so
+    `/dev/stdin` fed from a file is that file), or the current one for a pipe (`<(...)`), which has no folder."""
+    return Path(".") if str(path) in STREAMED else path.resolve().parent
+
+
 def read_prompts(path: Path, base_seed: int, defaults: dict) -> list[Request]:
     """Parse and check every line before anything loads, so a bad line costs seconds, not a run."""
     path = Path(path)
@@ -57,7 +63,7 @@ def read_prompts(path: Path, base_seed: int, defaults: dict) -> list[Request]:
         if not line or line.startswith("#"):
             continue
         fields = _parse_line(line, f"{path}:{number}")
-        request = _request(fields, len(requests), number, base_seed, defaults, f"{path}:{number}", path.parent)
+        request = _request(fields, len(requests), number, base_seed, defaults, f"{path}:{number}", media_base(path))
         if request.id is not None:
             if request.id in seen:
                 raise UsageError(f"{path}:{number}: duplicate id '{request.id}' (first on line {seen[request.id]})",

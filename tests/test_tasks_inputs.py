@@ -212,3 +212,26 @@ def test_the_diffusers_baseline_refuses_conditioned_clips(media):
     (request,) = parse(media, {"first_frame": "../frame.png"})
     with pytest.raises(ClipError, match="render t2va only, and this clip is fl2va"):
         DiffusersEncode(None, None).run(Clip(request=request, path=media / "x.mp4"))
+
+
+def test_media_paths_start_from_the_file_a_link_leads_to_and_from_here_for_a_pipe(media, tmp_path, monkeypatch):
+    import subprocess
+
+    line = json.dumps({"prompt": "a fox", "first_frame": "frame.png"}) + "\n"
+    (media / "keyed.jsonl").write_text(line)
+    (tmp_path / "linked.jsonl").symlink_to(media / "keyed.jsonl")
+    [request] = read_prompts(tmp_path / "linked.jsonl", 0, DEFAULTS)
+    assert request.first_frame == media / "frame.png"
+    monkeypatch.chdir(media)
+    result = subprocess.run(f"cat keyed.jsonl | {h3gen_command()} render /dev/stdin -o {tmp_path / 'out'} --dry-run",
+                            shell=True, capture_output=True, text=True)
+    assert result.returncode == 0 and "render" in result.stdout, result.stderr
+    with pytest.raises(UsageError, match=r"first_frame /dev/zero is not a regular file \(give the path of a media"):
+        parse(media, {"first_frame": "/dev/zero"})
+
+
+def h3gen_command() -> str:
+    import shlex
+    import sys
+
+    return f"{shlex.quote(sys.executable)} -m h3gen.cli.main"
