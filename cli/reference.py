@@ -42,7 +42,7 @@ PROMPTS_FILE = [
     ("id", "string: the clip's file name, ID.mp4 (ID itself when it ends in .mp4): letters, digits, '.', '_' and "
            "'-', starting with a letter or digit, at most 128 characters, each id once in the file. Without one, "
            "the name is h3-HASH.mp4, HASH 12 hex digits of a SHA-256 of the preset's name, the seed, the prompt and "
-           "the media paths: a rerun finds the same file."),
+           "the media files' content: a rerun finds the same file, from another folder too."),
     ("seed", "integer, 0 to 2**63 - 1: the noise seed. Default: --seed plus the prompt's index, its place among "
              "the prompts from 0 (blank lines and comments not counted)."),
     ("duration", f"number, {seconds(MIN_SECONDS)} to {seconds(MAX_SECONDS)}: the clip gets the fewest frames of "

@@ -82,8 +82,10 @@ def clip_name(request: Request, preset: str) -> str:
     if request.id:  # an id that already ends in .mp4 is the file name itself
         return request.id if request.id.endswith(".mp4") else f"{request.id}.mp4"
     media = [request.first_frame, request.last_frame, *(r.path for r in request.references)]
-    # t2va names stay what they always were; conditioned clips also depend on their media.
-    key = f"{preset}\0{request.seed}\0{request.prompt}" + "".join(f"\0{m}" for m in media if m)
+    # t2va names stay what they always were; conditioned clips also depend on their media, by content as the
+    # fingerprint takes them, so a project moved or mounted elsewhere finds its clips.
+    key = f"{preset}\0{request.seed}\0{request.prompt}" + "".join(f"\0{fingerprint.file_digest(m)}"
+                                                                   for m in media if m)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return f"h3-{digest}.mp4"
 
