@@ -147,7 +147,15 @@ def _request(fields: dict, index: int, line: int, base_seed: int, defaults: dict
     if keyframe_size is not None and "width" not in fields and "height" not in fields:
         from h3gen.inputs.media import keyframe_canvas
 
-        width, height = keyframe_canvas(keyframe_size, width, height)
+        canvas = keyframe_canvas(keyframe_size, width, height)
+        try:
+            check_size(*canvas, where)
+        except UsageError:  # diffusers' rule rounds a keyframe near 1:4 or 4:1 past it on some canvases
+            raise UsageError(f"{where}: the keyframe's {keyframe_size[0]}x{keyframe_size[1]} on the {width}x{height} "
+                             f"canvas gives {canvas[0]}x{canvas[1]}, outside H3's 1:4 to 4:1 once rounded to "
+                             "multiples of 32", "give the line a width and height, or crop the keyframe a little "
+                             "less narrow") from None
+        width, height = canvas
     check_size(width, height, where)
     clip_id = fields.get("id")
     if clip_id is not None and not SAFE_ID.match(clip_id):

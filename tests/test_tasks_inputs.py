@@ -235,3 +235,37 @@ def h3gen_command() -> str:
     import sys
 
     return f"{shlex.quote(sys.executable)} -m h3gen.cli.main"
+
+
+def test_a_conditioned_clip_keeps_its_name_when_the_project_moves(media, tmp_path):
+    """Named by its media's content, as the fingerprint takes them, not by where they lie; other media, another
+    name."""
+    import shutil
+
+    from h3gen.run.render import clip_name
+
+    def name(folder, frame="frame.png"):
+        (folder / "p.jsonl").write_text(json.dumps({"prompt": "a door", "first_frame": frame}) + "\n")
+        [request] = read_prompts(folder / "p.jsonl", 0, DEFAULTS)
+        return clip_name(request, "tiny")
+
+    here, there = tmp_path / "here", tmp_path / "there"
+    here.mkdir()
+    shutil.copy(media / "frame.png", here / "frame.png")
+    before = name(here)
+    shutil.move(here, there)
+    assert name(there) == before and before.startswith("h3-")
+    shutil.copy(media / "wide.png", there / "wide.png")
+    assert name(there, "wide.png") != before
+
+
+def test_a_keyframe_rounded_past_4_to_1_blames_the_keyframe_on_that_canvas(tmp_path):
+    from test_tasks import write_image
+
+    write_image(tmp_path / "band.png", 400, 100, 5)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a band", "first_frame": "band.png"}) + "\n")
+    with pytest.raises(UsageError, match=r"the keyframe's 400x100 on the 768x448 canvas gives 1184x288, outside "
+                                         r"H3's 1:4 to 4:1 once rounded to multiples of 32 \(give the line a width"):
+        read_prompts(tmp_path / "p.jsonl", 0, {"width": 768, "height": 448, "duration": 5.0})
+    [request] = read_prompts(tmp_path / "p.jsonl", 0, {"width": 1344, "height": 768, "duration": 5.0})
+    assert request.width / request.height <= 4
