@@ -371,7 +371,8 @@ def compare(
                                                         "preset).")],
     b: Annotated[Path, typer.Argument(metavar="B", help="The reference: an MP4, or a directory whose clips are matched "
                                                         "to A's by file name, else by prompt and seed.")],
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per pair of clips on stdout.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per pair of clips on stdout, and one per "
+                                                          "clip left out.")] = False,
 ):
     """How far clip A is from clip B: video PSNR and SSIM (mean and worst frame), audio SNR and log-mel distance.
     E.g. render one prompts file with h3-base into ref/ and with h3-base-fast into fast/, then compare them.
@@ -389,17 +390,22 @@ def compare(
 
     try:
         matched, unmatched = pairs(a, b)
+        left_out = []  # {"a", "b", "compared": False, "reason"}: what --json says of the clips not compared
         for path in unmatched:
             typer.echo(f"note: {shown(str(path))} has no one match in the other folder (by file name, or by prompt "
                        "and seed); not compared", err=True)
+            side = "a" if path.parent == a else "b"
+            left_out.append({"a": None, "b": None, side: str(path), "compared": False,
+                             "reason": "no one match in the other folder"})
         records, refused = [], []
         for x, y in matched:
             try:
-                records.append(compare_clips(x, y))
+                records.append(compare_clips(x, y) | {"compared": True})
             except H3genError as e:  # two folders: that pair is left out, the others compared
                 if not a.is_dir() or len(matched) == 1:
                     raise
                 refused.append(e)
+                left_out.append({"a": str(x), "b": str(y), "compared": False, "reason": e.problem})
                 typer.echo(f"note: {shown(e.problem)}; not compared", err=True)
         if not records:
             if len(refused) == 1:
@@ -410,7 +416,7 @@ def compare(
         fail(e)
     compare_table(records)
     if json_out:
-        for record in records:
+        for record in records + left_out:
             typer.echo(json.dumps({k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
                                    for k, v in record.items()}))
     if refused:

@@ -56,8 +56,12 @@ def test_folders_of_two_presets_are_matched_by_the_request_in_each_clip(tmp_path
     stamped(b / "h3-7.mp4", "a cat", 7, "ref"), stamped(b / "h3-6.mp4", "a cat", 7, "ref-again")
     clip(b / "lone.mp4", 5)
     result = h3gen("compare", a, b, "--json", check_code=0)
-    compared = sorted((Path(r["a"]).name, Path(r["b"]).name) for r in records(result))
+    compared = sorted((Path(r["a"]).name, Path(r["b"]).name) for r in records(result) if r["compared"])
     assert compared == [("h3-1.mp4", "h3-9.mp4"), ("h3-2.mp4", "h3-8.mp4"), ("named.mp4", "named.mp4")]
+    left_out = [(r["a"], r["b"], r["reason"]) for r in records(result) if not r["compared"]]
+    reason = "no one match in the other folder"
+    assert left_out == [(str(a / "h3-3.mp4"), None, reason)] + [
+        (None, str(b / name), reason) for name in ("h3-6.mp4", "h3-7.mp4", "lone.mp4")]
     notes = sorted(line.split()[1] for line in result.stderr.splitlines() if line.startswith("note:"))
     assert notes == [str(a / "h3-3.mp4"), str(b / "h3-6.mp4"), str(b / "h3-7.mp4"), str(b / "lone.mp4")]
     assert "not compared" in result.stderr and "h3-1.mp4 (h3-9.mp4)" in result.stderr
@@ -69,7 +73,10 @@ def test_a_pair_of_two_folders_that_cannot_be_compared_is_left_out_with_a_note(t
     clip(a / "same.mp4", 1), clip(b / "same.mp4", 2)
     clip(a / "longer.mp4", 1), clip(b / "longer.mp4", 1, frames=39)
     result = h3gen("compare", a, b, "--json", check_code=1)
-    assert [Path(r["a"]).name for r in records(result)] == ["same.mp4"]
+    assert [(Path(r["a"]).name, r["compared"]) for r in records(result)] == [("same.mp4", True), ("longer.mp4", False)]
+    assert records(result)[1] == {"a": str(a / "longer.mp4"), "b": str(b / "longer.mp4"), "compared": False,
+                                  "reason": f"{a / 'longer.mp4'} and {b / 'longer.mp4'} differ in frame counts (22 "
+                                            "and 39)"}
     assert (f"note: {a / 'longer.mp4'} and {b / 'longer.mp4'} differ in frame counts (22 and 39); not compared"
             in result.stderr)
     assert "same.mp4" in result.stderr  # the table
