@@ -330,11 +330,13 @@ def bench_model(ctx: typer.Context, model: Path | None, random_weights: str | No
 @app.command(cls=PlainCommand)
 def validate(
     files: Annotated[list[Path], typer.Argument(metavar="FILE", help="MP4 files to check.")],
-    frames: Annotated[Optional[int], typer.Option("--frames", metavar="N", min=1, help="Expected frame count.")] = None,
+    frames: Annotated[Optional[int], typer.Option("--frames", metavar="N", min=1, help="Expected frame count "
+                                                  "(without it, any count H3 renders: 17n+5).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per file on stdout: path, ok, "
                                                           "problems.")] = False,
 ):
-    """Check that clips are valid: H.264 at 24 fps, AAC stereo 32 kHz, matching durations, not blank or silent.
+    """Check that clips are valid MP4s: one H.264 stream at 24 fps, one AAC stereo stream at 32 kHz, matching
+    durations, not blank or silent.
     Every file is checked; exit 0 when all are valid, 1 when one is not, 2 when one does not exist (or is a
     directory).
 

@@ -9,12 +9,15 @@ import av
 import numpy as np
 
 DURATION_TOLERANCE_S = 0.1
+# The frame counts H3 renders: 17n+5, which the video VAE encodes to 5n+2 latent frames (124 at 5 s, 243 at 10 s).
+FRAMES_PER_LATENT, FIRST_FRAMES = 17, 5
 SILENCE_RMS = 1e-4
 
 
 @dataclass(frozen=True)
 class ClipInfo:
     video_streams: int = 0
+    audio_streams: int = 0
     video_codec: str | None = None
     frames: int = 0
     width: int = 0
@@ -49,6 +52,7 @@ def probe_clip(path: Path) -> ClipInfo:
                 stats.add(frame)
         return ClipInfo(
             video_streams=len(container.streams.video),
+            audio_streams=len(container.streams.audio),
             **_video_fields(video, pixels),
             **_audio_fields(audio, sound),
         )
@@ -65,6 +69,9 @@ def validate_clip(
         truncated = box_problem(Path(path))
         if truncated:
             return [truncated]
+        with open(path, "rb") as f:
+            if f.read(12)[8:] == b"qt  ":  # the ftyp box's major brand
+                return ["a QuickTime movie (brand 'qt  '), not an MP4"]
         info = probe_clip(path)
     except (av.FFmpegError, OSError) as error:
         return [f"cannot read {path}: {error}"]
@@ -182,6 +189,9 @@ def _video_problems(info: ClipInfo, expected_frames: int | None, fps: int) -> li
         problems.append(f"video runs at {info.fps} fps, expected {fps}")
     if expected_frames is not None and info.frames != expected_frames:
         problems.append(f"video has {info.frames} frames, expected {expected_frames}")
+    elif expected_frames is None and (info.frames < FIRST_FRAMES or (info.frames - FIRST_FRAMES) % FRAMES_PER_LATENT):
+        problems.append(f"video has {info.frames} frame{'s' if info.frames != 1 else ''}, not a count H3 renders "
+                        f"({FRAMES_PER_LATENT}n+{FIRST_FRAMES})")
     if info.pixel_variance == 0:
         problems.append("video is constant (zero pixel variance)")
     return problems
@@ -190,7 +200,7 @@ def _video_problems(info: ClipInfo, expected_frames: int | None, fps: int) -> li
 def _audio_problems(info: ClipInfo, sample_rate: int) -> list[str]:
     if info.audio_codec is None:
         return ["no audio stream"]
-    problems = []
+    problems = [] if info.audio_streams == 1 else [f"expected exactly one audio stream, found {info.audio_streams}"]
     if info.audio_codec != "aac":
         problems.append(f"audio codec is {info.audio_codec}, expected aac")
     if info.audio_channels != 2:

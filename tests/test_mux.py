@@ -199,3 +199,37 @@ def test_a_mono_soundtrack_is_named_as_one_channel(tmp_path):
             container.mux(audio.encode(frame))
         container.mux(audio.encode(None))
     assert validate_clip(path, expected_frames=FRAMES) == ["audio has 1 channel, expected 2"]
+
+
+def test_a_second_soundtrack_a_quicktime_movie_and_an_odd_frame_count_are_problems(tmp_path):
+    """What h3gen writes: one H.264 stream, one AAC stereo stream, in an MP4, 17n+5 frames unless --frames says."""
+    assert validate_clip(clip_with_streams(tmp_path / "two.mp4", "mp4", soundtracks=2)) == [
+        "expected exactly one audio stream, found 2"]
+    assert validate_clip(clip_with_streams(tmp_path / "movie.mov", "mov", soundtracks=1)) == [
+        "a QuickTime movie (brand 'qt  '), not an MP4"]
+    one = tmp_path / "one.mp4"
+    write_mp4(one, moving_frames(1), soundtrack(seconds=1 / FPS))
+    assert validate_clip(one) == ["video has 1 frame, not a count H3 renders (17n+5)"]
+    assert validate_clip(one, expected_frames=1) == []
+
+
+def clip_with_streams(path, container_format, soundtracks):
+    import av
+
+    with av.open(str(path), "w", format=container_format) as container:
+        video = container.add_stream("libx264", rate=FPS)
+        video.width = video.height = SIZE
+        video.pix_fmt = "yuv420p"
+        sounds = [container.add_stream("aac", rate=RATE, layout="stereo") for _ in range(soundtracks)]
+        for frame in moving_frames():
+            container.mux(video.encode(av.VideoFrame.from_ndarray(frame, "rgb24")))
+        container.mux(video.encode())
+        samples = soundtrack()
+        for sound in sounds:
+            for start in range(0, samples.shape[1], 1024):
+                chunk = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples[:, start:start + 1024]), "fltp",
+                                                   "stereo")
+                chunk.sample_rate, chunk.pts = RATE, start
+                container.mux(sound.encode(chunk))
+            container.mux(sound.encode())
+    return path
