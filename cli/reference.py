@@ -133,8 +133,8 @@ FILES = [
 
 EXIT_STATUS = [
     ("0", "Every clip was written, or was already there (render); every file is valid (validate)."),
-    ("1", "Some clips failed or are there from other settings, the others written, the summary listing each with "
-          "its reason (render); a write the run cannot do without failed, a worker failed, or h3gen hit a bug; a "
+    ("1", "Some clips failed or are in conflict with a file there (from other settings, or not h3gen's), the "
+          "others written, the summary listing each with its reason (render); a write the run cannot do without failed, a worker failed, or h3gen hit a bug; a "
           "file is not valid (validate); a matched pair of clips in two folders could not be compared, the others "
           "were (compare)."),
     ("2", "A usage error: bad options, prompts file, preset, model directory or output directory; a file to "

@@ -194,7 +194,8 @@ def counts_line(results, total: int) -> str:
     parts = [f"{written} of {total} clips written"]
     parts += [f"{skipped} already there and valid (skipped)"] if skipped else []
     parts += [f"{busy} left to another run rendering them"] if busy else []
-    parts += [f"{conflicts} there from other settings (not redone; --redo-conflicts or --force)"] if conflicts else []
+    parts += [f"{conflicts} in conflict with a file there (other settings, or not h3gen's: left alone, each line "
+              "below says why and what renders it)"] if conflicts else []
     parts += [f"{failed} failed"] if failed else []
     parts += [f"{total - len(results)} not rendered"] if total > len(results) else []
     return ", ".join(parts)

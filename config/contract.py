@@ -232,8 +232,9 @@ def check_adapters(preset, requests, model_root, prompts: Path | str = "prompts 
     if off:  # the prompts file asks for it, not the sampler: name the line
         first, more = off[0], f" (and {len(off) - 1} more line(s))" if len(off) > 1 else ""
         given = TASK_FIELDS[first.task]
+        fields = " or ".join(TASK_FIELDS[task] for task in sorted({r.task for r in off} - {"t2va"}))
         raise UsageError(f"{prompts}:{first.line}: a {first.task} clip ({given}){more}, and preset {preset.name}'s "
                          f"adapter {', '.join(config.paths)} renders {describe(dict(tasks=contract['tasks']))}",
                          "render those lines with a preset without adapters (h3-base)"
-                         + (f", or drop their {given}" if first.task != "t2va" else ""))
+                         + (f", or drop their {fields}" if fields else ""))
     return adapters

@@ -160,11 +160,11 @@ def check_soundtrack(audio: tuple[int, int], field: str, path: Path, where: str)
     sample_rate, channels = audio
     if channels not in (1, 2):
         raise UsageError(f"{where}: {field} {path} has {channels} audio channels; H3 conditions on mono or stereo",
-                         "downmix it to stereo (ffmpeg -ac 2)")
+                         "downmix it to stereo, e.g. with ffmpeg -ac 2")
     if sample_rate != SAMPLE_RATE and importlib.util.find_spec("torchaudio") is None:
         raise UsageError(f"{where}: {field} {path} has audio at {sample_rate} Hz; resampling it to H3's "
-                         f"{SAMPLE_RATE} Hz needs torchaudio", f"pip install torchaudio, or convert it first "
-                         f"(ffmpeg -ar {SAMPLE_RATE})")
+                         f"{SAMPLE_RATE} Hz needs torchaudio", f"pip install torchaudio, or convert it first, "
+                         f"e.g. with ffmpeg -ar {SAMPLE_RATE}")
 
 
 def probe_av(path: Path):

@@ -357,3 +357,14 @@ def test_the_table_says_each_note_of_a_preset_once():
                dict(preset="tiny", baseline=False, notes="--set sampler.steps=4"),
                dict(preset="tiny", baseline=True, notes=""), dict(preset="fasth3", baseline=False, notes=None)]
     assert note_lines(records) == ["- tiny: 3 forwards timed; --set sampler.steps=4"]
+
+
+def test_durations_and_size_are_read_each_on_its_own():
+    from h3gen.cli.bench import parse_plan
+    from h3gen.errors import UsageError
+
+    for durations, size, message in (("5,,10", "32x32", "cannot read --durations '5,,10'"),
+                                     ("10", "32*32", "cannot read --size '32*32' (WIDTHxHEIGHT: e.g.")):
+        with pytest.raises(UsageError) as refused:
+            parse_plan(["tiny"], "none", durations, size, 1, 0, "dit", None, None)
+        assert str(refused.value).startswith(message) and ("size" in message) == ("--size" in str(refused.value))

@@ -50,7 +50,7 @@ def test_a_rerun_skips_only_on_a_matching_fingerprint(prompts_file, tmp_path, ti
         assert record["status"] == "conflict" and not record["ok"], what
         [line] = conflicts(rerun)
         assert "; --redo-conflicts to render these again, --force every clip, or -o elsewhere" in line, what
-        assert "there from other settings" in rerun.stderr, what
+        assert "1 in conflict with a file there (other settings, or not h3gen's" in rerun.stderr, what
     assert record_error(out, 2).count(" -> ") == 1 and "sampler.steps: 4 -> 3" in record_error(out, 2)
     assert record_error(out, 3).count(" -> ") == 1 and "request.seed: 3 -> 4" in record_error(out, 3)
     assert "model: " in record_error(out, 4)

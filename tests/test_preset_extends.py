@@ -69,6 +69,8 @@ def test_a_bad_value_is_blamed_on_the_preset_that_set_it(tmp_path):
         resolve(str(child), registry(), ["runtime.device=cpu", "runtime.vram_gib=nan"])
     with pytest.raises(UsageError, match=r"^preset parent \[parallel\] ulysses -1: give a whole number"):
         resolve(str(child), registry(), ["runtime.device=cpu"])
+    with pytest.raises(UsageError, match=r"^--set request.width=10000000, --set request.height=10000000: "):
+        resolve("tiny", registry(), ["request.width=10000000", "request.height=10000000"])
 
 
 def test_a_wrapping_stage_wraps_the_stage_the_preset_would_have_used(tmp_path):

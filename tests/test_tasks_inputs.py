@@ -269,3 +269,20 @@ def test_a_keyframe_rounded_past_4_to_1_blames_the_keyframe_on_that_canvas(tmp_p
         read_prompts(tmp_path / "p.jsonl", 0, {"width": 768, "height": 448, "duration": 5.0})
     [request] = read_prompts(tmp_path / "p.jsonl", 0, {"width": 1344, "height": 768, "duration": 5.0})
     assert request.width / request.height <= 4
+
+
+def test_lines_of_two_tasks_an_adapter_refuses_name_both_fields_to_drop(media, tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from h3gen.config.contract import check_adapters
+    from h3gen.config.preset import resolve
+    from h3gen.plugins.manager import registry
+
+    adapter = tmp_path / "adapters" / "fasth3.safetensors"
+    adapter.parent.mkdir()
+    save_file({"proj_out.diff_b": torch.zeros(96)}, str(adapter))
+    resolved = resolve("fasth3", registry())
+    requests = parse(media, {"first_frame": "../frame.png"}, {"references": ["../frame.png"]}, defaults=resolved.request)
+    with pytest.raises(UsageError, match=r"or drop their first_frame / last_frame or references\)$"):
+        check_adapters(resolved, requests, tmp_path, "prompts.jsonl")
