@@ -67,6 +67,7 @@ def dry_run(batch, settings: RunSettings) -> int:
 
     from h3gen.run.loop import plan
     from h3gen.run.outputs import held_elsewhere
+    from h3gen.run.records import request_fields
     from h3gen.run.render import to_render
 
     conflicts = 0
@@ -77,8 +78,9 @@ def dry_run(batch, settings: RunSettings) -> int:
             action, why = "busy", "another h3gen run is rendering it"
         conflicts += action == "conflict"
         if settings.json_out:
-            print(json.dumps({"path": str(path), "id": request.id, "line": request.line, "seed": request.seed,
-                              "preset": batch.preset.name, "action": action, "error": why}), flush=True)
+            print(json.dumps({**request_fields(path, request, batch.preset.name), "action": action, "error": why,
+                              "task": request.task, "width": request.width, "height": request.height,
+                              "frames": request.frames}), flush=True)
         else:
             print(f"{action:8s} {path}" + (f": {why}" if why else ""), flush=True)
     return 1 if conflicts else 0

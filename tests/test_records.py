@@ -44,7 +44,10 @@ def test_one_process_and_cpu_workers_print_the_same_records_but_for_timings(prom
     assert second.startswith("conflict one/waves.mp4: exists, rendered with different settings")
     assert third.startswith("render   one/h3-") and "loaded on" not in dry.stderr
     planned = h3gen("render", "more.txt", "-o", "one", "--dry-run", "--json", cwd=tmp_path, check_code=0)
-    assert [json.loads(line)["action"] for line in planned.stdout.splitlines()] == ["skip", "skip", "render"]
+    plans = [json.loads(line) for line in planned.stdout.splitlines()]
+    assert [plan["action"] for plan in plans] == ["skip", "skip", "render"]
+    assert [(p["task"], p["width"], p["height"], p["frames"]) for p in plans] == [("t2va", 32, 32, 124)] * 3
+    assert [(r["task"], r["width"], r["height"]) for r in runs["one"]] == [("t2va", 32, 32)] * 2
     assert len(list((tmp_path / "one").glob("*.mp4"))) == 2
 
 
