@@ -366,12 +366,12 @@ def render_pending(requests, settings: RunSettings, preset, found, repo, reporte
         renderer = GroupRenderer(preset, found, repo, reporter, group, leader, memory_plan)
     notes = "".join(f", {note}" for note in (stage.load_note() for stage in renderer.stages.values()) if note)
     reporter.say(f"h3gen: loaded on {renderer.runtime.device} ({preset.runtime['dtype']}){notes}")
-    if renderer.runtime.device.startswith("cuda"):
-        from h3gen.run.memory import cuda_fit_warning
+    from h3gen.run.memory import cuda_fit_warning, host_fit_warning
 
-        warning = cuda_fit_warning(requests, repo.transformer_config(), renderer.runtime.dtype.itemsize)
-        if warning:
-            reporter.say(f"h3gen: {warning}")
+    fits = cuda_fit_warning if renderer.runtime.device.startswith("cuda") else host_fit_warning
+    warning = fits(requests, repo.transformer_config(), renderer.runtime.dtype.itemsize)
+    if warning:
+        reporter.say(f"h3gen: {warning}")
     interrupted = False
     reporter.start()
     try:

@@ -51,17 +51,28 @@ def peak_bytes(request: Request, shape: DiTShape, resident_bytes: int, element_b
 
 
 def fit_warning(requests: list[Request], shape: DiTShape, resident_bytes: int, available_bytes: int,
-                element_bytes: int = 2) -> str | None:
-    """A warning naming the largest clip when its estimated peak exceeds what the GPU can give; None if all fit."""
+                element_bytes: int = 2, memory: str = "the GPU has {:.1f} GiB",
+                fix: str = "try an FP8 preset, fewer frames or a smaller size") -> str | None:
+    """A warning naming the largest clip when its estimated peak exceeds what the device can give (`memory` says it
+    of the GiB); None if all fit."""
     largest = max(requests, key=lambda r: peak_bytes(r, shape, resident_bytes, element_bytes))
     need = peak_bytes(largest, shape, resident_bytes, element_bytes)
     limit = resident_bytes + available_bytes
     if need <= limit:
         return None
     where = f"line {largest.line}" if largest.line else f"clip {largest.index + 1}"
+    loaded = f" ({resident_bytes / GIB:.1f} GiB of weights loaded)" if resident_bytes else ""
     return (f"warning: the largest clip ({where}, {largest.width}x{largest.height}, {largest.frames} frames) needs "
-            f"about {need / GIB:.1f} GiB at peak ({resident_bytes / GIB:.1f} GiB of weights loaded), the GPU has "
-            f"{limit / GIB:.1f} GiB: expect out of memory (try an FP8 preset, fewer frames or a smaller size)")
+            f"about {need / GIB:.1f} GiB at peak{loaded}, {memory.format(limit / GIB)}: expect out of memory "
+            f"({fix})")
+
+
+def host_fit_warning(requests: list[Request], transformer_config: dict, element_bytes: int) -> str | None:
+    """`fit_warning` for a run on the CPU, weights already loaded: against the host memory free now."""
+    from h3gen.run.budget import host_available_bytes
+
+    return fit_warning(requests, DiTShape.from_dict(transformer_config), 0, host_available_bytes(), element_bytes,
+                       "host memory has {:.1f} GiB free", "try fewer frames or a smaller size")
 
 
 def cuda_index(device=None) -> int:

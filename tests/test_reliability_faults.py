@@ -336,6 +336,22 @@ def test_peak_estimate_warns_only_when_the_largest_clip_does_not_fit():
     assert "the GPU has 72.4 GiB" in warning and "try an FP8 preset, fewer frames or a smaller size" in warning
 
 
+def test_a_cpu_run_warns_when_its_largest_clip_needs_more_than_host_memory_has_free(tiny_model, monkeypatch):
+    from h3gen.inputs.request import Request
+    from h3gen.models.repo import ModelRepo
+    from h3gen.run import budget
+    from h3gen.run.memory import GIB, host_fit_warning
+
+    config = ModelRepo(tiny_model).transformer_config()
+    small = Request(index=0, prompt="x", seed=0, width=32, height=32, frames=124, line=1)
+    huge = Request(index=1, prompt="y", seed=0, width=7680, height=4320, frames=362, line=2)
+    monkeypatch.setattr(budget, "host_available_bytes", lambda: 8 * GIB)
+    assert host_fit_warning([small], config, 4) is None
+    warning = host_fit_warning([small, huge], config, 4)
+    assert warning.startswith("warning: the largest clip (line 2, 7680x4320, 362 frames) needs about ")
+    assert warning.endswith(", host memory has 8.0 GiB free: expect out of memory (try fewer frames or a smaller size)")
+
+
 # -- disk full ------------------------------------------------------------------------------------------------------
 
 def limit_file_size(limit):
