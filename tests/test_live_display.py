@@ -44,7 +44,7 @@ class StoppedByCtrlC:
 
     def __init__(self, preset, found, repo, reporter, memory_plan=None):
         self.reporter, self.results, self.discarded = reporter, [], 0
-        self.stages, self.runtime = {}, SimpleNamespace(device="cpu")
+        self.stages, self.runtime = {}, SimpleNamespace(device="cpu", dtype=SimpleNamespace(itemsize=4))
 
     def render(self, requests, out_dir, save_latents, force):
         clip = Clip(requests[0], out_dir / "a.mp4")
@@ -76,7 +76,8 @@ def test_ctrl_c_takes_the_stopped_clip_s_bar_away_and_prints_no_empty_table(monk
 
     with loop.stop_on_signals():
         try:
-            loop.render_pending(requests, settings, preset, None, None, reporter)
+            repo = SimpleNamespace(transformer_config=dict)  # full size's shape: a 32x32 clip fits in memory
+            loop.render_pending(requests, settings, preset, None, repo, reporter)
         except loop.Interrupted as stop:
             code = loop.report_end(reporter, stop.results, len(requests), stop)
 
