@@ -352,6 +352,16 @@ def test_a_cpu_run_warns_when_its_largest_clip_needs_more_than_host_memory_has_f
     assert warning.endswith(", host memory has 8.0 GiB free: expect out of memory (try fewer frames or a smaller size)")
 
 
+def test_a_dry_run_on_the_cpu_warns_of_a_clip_larger_than_host_memory(prompts_file, tmp_path):
+    """About 380 GiB at peak: more than any machine these tests run on has free."""
+    huge = prompts_file('{"prompt": "a city", "width": 7680, "height": 4320, "duration": 15}\n')
+    result = h3gen("render", huge, "-o", tmp_path / "out", "--dry-run", check_code=0)
+    assert "h3gen: warning: the largest clip (line 1, 7680x4320, 345 frames) needs about " in result.stderr
+    assert "expect out of memory (try fewer frames or a smaller size)" in result.stderr
+    small = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--dry-run", check_code=0)
+    assert "warning" not in small.stderr
+
+
 # -- disk full ------------------------------------------------------------------------------------------------------
 
 def limit_file_size(limit):
