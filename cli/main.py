@@ -373,8 +373,8 @@ def compare(
                                                         "preset).")],
     b: Annotated[Path, typer.Argument(metavar="B", help="The reference: an MP4, or a directory whose clips are matched "
                                                         "to A's by file name, else by prompt and seed.")],
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per pair of clips on stdout, and one per "
-                                                          "clip left out.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per pair of clips on stdout, and one "
+                                                          "per clip left out.")] = False,
 ):
     """How far clip A is from clip B: video PSNR and SSIM (mean and worst frame), audio SNR and log-mel distance.
     E.g. render one prompts file with h3-base into ref/ and with h3-base-fast into fast/, then compare them.

@@ -134,9 +134,9 @@ FILES = [
 EXIT_STATUS = [
     ("0", "Every clip was written, or was already there (render); every file is valid (validate)."),
     ("1", "Some clips failed or are in conflict with a file there (from other settings, or not h3gen's), the "
-          "others written, the summary listing each with its reason (render); a write the run cannot do without failed, a worker failed, or h3gen hit a bug; a "
-          "file is not valid (validate); a matched pair of clips in two folders could not be compared, the others "
-          "were (compare)."),
+          "others written, the summary listing each with its reason (render); a write the run cannot do without "
+          "failed, a worker failed, or h3gen hit a bug; a file is not valid (validate); a matched pair of clips in two "
+          "folders could not be compared, the others were (compare)."),
     ("2", "A usage error: bad options, prompts file, preset, model directory or output directory; a file to "
           "validate that does not exist; clips to compare that are not MP4s of the same shape."),
     ("130, 143, 129", "Stopped by SIGINT, SIGTERM or SIGHUP: the clip in flight is discarded, the clips written "

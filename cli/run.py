@@ -81,7 +81,6 @@ def dry_run(batch, settings: RunSettings) -> int:
         conflicts += action == "conflict"
         if settings.json_out:
             print(json.dumps({**request_fields(path, request, batch.preset.name), "action": action, "error": why,
-                              "task": request.task, "width": request.width, "height": request.height,
                               "frames": request.frames}), flush=True)
         else:
             print(f"{action:8s} {path}" + (f": {why}" if why else ""), flush=True)

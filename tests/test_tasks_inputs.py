@@ -123,7 +123,8 @@ def write_raw_h264(path, frames):
         video = container.add_stream("libx264", rate=24)
         video.width, video.height, video.pix_fmt = 48, 32, "yuv420p"
         for _ in range(frames):
-            container.mux(video.encode(av.VideoFrame.from_ndarray(rng.integers(0, 256, (32, 48, 3), np.uint8), "rgb24")))
+            pixels = rng.integers(0, 256, (32, 48, 3), np.uint8)
+            container.mux(video.encode(av.VideoFrame.from_ndarray(pixels, "rgb24")))
         container.mux(video.encode())
 
 
@@ -283,6 +284,7 @@ def test_lines_of_two_tasks_an_adapter_refuses_name_both_fields_to_drop(media, t
     adapter.parent.mkdir()
     save_file({"proj_out.diff_b": torch.zeros(96)}, str(adapter))
     resolved = resolve("fasth3", registry())
-    requests = parse(media, {"first_frame": "../frame.png"}, {"references": ["../frame.png"]}, defaults=resolved.request)
+    requests = parse(media, {"first_frame": "../frame.png"}, {"references": ["../frame.png"]},
+                     defaults=resolved.request)
     with pytest.raises(UsageError, match=r"or drop their first_frame / last_frame or references\)$"):
         check_adapters(resolved, requests, tmp_path, "prompts.jsonl")
