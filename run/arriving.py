@@ -2,10 +2,11 @@
 
 The decode (on the render thread) `open`s the media with the clip's uint8 (T, H, W, 3) host buffer, says which
 frames have `landed` after each chunk (with a call that waits for its copy to host memory, or None when the frames
-are in place already), then `finish`es with the audio, or `fail`s. The mux (on a background thread) reads the
-frames' shape, iterates the frames, each once it has landed, and then takes the audio. It sees the frames and audio
-a finished decode would give it, in the same order, so the MP4 is byte-identical; only the last chunk's frames are
-left to encode when the decode ends. A stage that changes frames (h3gen.stages.vae.FrameFilter) adds a `filter`
+are in place already), then `finish`es, or `fail`s. The soundtrack comes with `finish`, or ahead of the frames with
+`sound`: the mux then encodes it while the frames decode, and keeps its packets for after the video's, where they
+go either way. The mux (on a background thread) reads the frames' shape, iterates the frames, each once it has
+landed, and then takes the audio. It sees the frames and audio a finished decode would give it, in the same order,
+so the MP4 is byte-identical; only the last chunk's frames are left to encode when the decode ends. A stage that changes frames (h3gen.stages.vae.FrameFilter) adds a `filter`
 before the decode starts: each chunk passes through it on the mux's thread, once landed, before the mux reads it.
 """
 
@@ -25,6 +26,7 @@ class ArrivingMedia:
         self._frames = None
         self._landed = collections.deque()  # (frames landed so far, a wait for their copy or None)
         self._audio = None
+        self._done = False
         self._error = None
         self._sample_rate = None
         self._filters = []
@@ -45,16 +47,25 @@ class ArrivingMedia:
             self._landed.append((count, copied))
             self._changed.notify_all()
 
-    def finish(self, audio) -> None:
+    def sound(self, audio) -> None:
+        """The soundtrack, ahead of the frames."""
         with self._changed:
             self._audio = audio
             self._changed.notify_all()
 
+    def finish(self, audio=None) -> None:
+        """Every frame has landed; `audio` unless `sound` handed it over."""
+        with self._changed:
+            if audio is not None:
+                self._audio = audio
+            self._done = True
+            self._changed.notify_all()
+
     @property
     def finished(self) -> bool:
-        """The decode has handed over the audio, or failed."""
+        """The decode has handed over the frames and the audio, or failed."""
         with self._changed:
-            return self._audio is not None or self._error is not None
+            return (self._done and self._audio is not None) or self._error is not None
 
     def fail(self, error: BaseException) -> None:
         with self._changed:
@@ -98,7 +109,7 @@ class ArrivingMedia:
         frames, available = self._opened(), 0
         for index in range(len(frames)):
             while index >= available:
-                self._wait(lambda: self._landed or self._audio is not None)
+                self._wait(lambda: self._landed or self._done)
                 with self._changed:
                     if not self._landed:
                         raise DecodeFailed(f"the decode ended after {available} of {len(frames)} frames")
@@ -111,5 +122,11 @@ class ArrivingMedia:
             yield frames[index]
 
     def audio(self):
-        self._wait(lambda: self._audio is not None)
+        self._wait(lambda: self._audio is not None and self._done)
         return self._audio
+
+    def audio_ahead(self):
+        """The soundtrack if it came before the first frames landed, else None (it comes with `finish`)."""
+        self._wait(lambda: self._audio is not None or self._landed or self._done)
+        with self._changed:
+            return self._audio

@@ -398,7 +398,7 @@ def load(stage, repo) -> None:
 def check_media(clip: Clip, vae) -> None:
     """What the decode hands the mux is there: a vae that returns without it is named, not the mux that trips on it."""
     if clip.arriving is not None:
-        missing = [] if clip.arriving.finished else ["finishing clip.arriving (its audio)"]
+        missing = [] if clip.arriving.finished else ["finishing clip.arriving with its audio"]
     else:
         missing = [f"clip.{name}" for name in ("frames", "audio") if getattr(clip, name) is None]
     if missing:

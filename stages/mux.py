@@ -66,6 +66,7 @@ def write_mp4(
     x264_threads: int = 1,
     cancelled=lambda: False,
     comment: str = "",
+    audio_ahead=lambda: None,
 ) -> None:
     """Write H.264 + AAC to `path` atomically; a partial MP4 never appears at `path`.
 
@@ -73,6 +74,8 @@ def write_mp4(
     (2, N) in [-1, 1], or a callable that gives it once the frames are through. Identical inputs give byte-identical
     files. `cancelled()` is polled per frame: when it turns true the write stops with `MuxCancelled` and leaves
     nothing behind. `comment` goes into the MP4's comment tag (h3gen stores the clip's render fingerprint there).
+    `audio_ahead()` gives the soundtrack before the frames when it is in by then, else None: it is encoded while the
+    frames arrive, and its packets go after the video's all the same, so the file is the same bytes.
     """
     import av  # PyAV when a clip is muxed, not when the stage registers
 
@@ -85,8 +88,10 @@ def write_mp4(
                 container.metadata["comment"] = comment
             video = _add_video_stream(container, frames, fps, crf, preset, x264_threads)
             sound = _add_audio_stream(container, sample_rate)
+            soundtrack = audio if not callable(audio) else audio_ahead()
+            packets = _encode_audio(sound, soundtrack, sample_rate) if soundtrack is not None else None
             _encode_video(container, video, frames, cancelled)
-            _encode_audio(container, sound, audio() if callable(audio) else audio, sample_rate)
+            container.mux(packets if packets is not None else _encode_audio(sound, audio(), sample_rate))
         _fsync(partial)
         os.replace(partial, path)
         _fsync(path.parent)
@@ -154,19 +159,21 @@ def _yuv420p(reformatter, pixels, threads):
     return reformatter.reformat(frame, format="yuv420p", threads=threads)
 
 
-def _encode_audio(container, stream, audio, sample_rate):
+def _encode_audio(stream, audio, sample_rate) -> list:
+    """The soundtrack's AAC packets, to mux after the video's."""
     import av
 
     _check_audio(audio)
     samples = np.clip(audio, -1.0, 1.0).astype(np.float32)
+    packets = []
     for start in range(0, samples.shape[1], AAC_FRAME_SAMPLES):
         chunk = np.ascontiguousarray(samples[:, start : start + AAC_FRAME_SAMPLES])
         frame = av.AudioFrame.from_ndarray(chunk, format="fltp", layout="stereo")
         frame.sample_rate = sample_rate
         frame.pts = start
         frame.time_base = Fraction(1, sample_rate)
-        container.mux(stream.encode(frame))
-    container.mux(stream.encode(None))
+        packets += stream.encode(frame)
+    return packets + stream.encode(None)
 
 
 def _fsync(path: Path) -> None:
@@ -256,5 +263,6 @@ class PyAVMux(Stage):
         write_mp4(clip.path, frames, audio, sample_rate=sample_rate, crf=self.config.crf,
                   preset=self.config.x264_preset, x264_threads=self.config.x264_threads,
                   cancelled=self.stopping.is_set,
-                  comment=stamp(clip.fingerprint) if clip.fingerprint else "")
+                  comment=stamp(clip.fingerprint) if clip.fingerprint else "",
+                  audio_ahead=media.audio_ahead if media is not None else lambda: None)
         return clip

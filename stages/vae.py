@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from h3gen.errors import UsageError
-from h3gen.models.vae.host_frames import PIXEL_MEAN, PIXEL_STD, HostFrames
+from h3gen.models.vae.host_frames import PIXEL_MEAN, PIXEL_STD, HostFrames, paced
 from h3gen.stages.base import Stage, Wrapper
 
 
@@ -193,14 +193,17 @@ class FastVAE(ReferenceVAE):
         lead = self.lead()
         media = clip.arriving if lead else None
         with torch.inference_mode():
+            if media is not None:  # the soundtrack first: the mux encodes it while the frames decode
+                with measure(clip, "vae_audio", report=False):
+                    media.sound(self.decode_audio(clip.audio_latents).cpu().numpy())
             with measure(clip, "vae_video", report=False):
                 frames = self.decode_frames(clip.video_latents, media)
-            with measure(clip, "vae_audio", report=False):
-                audio = self.decode_audio(clip.audio_latents) if lead else None
-            with measure(clip, "transfer", report=False):
-                if media is not None:  # the mux waits for the frames' copies itself
-                    media.finish(audio.cpu().numpy())
-                else:
+            if media is not None:  # the mux waits for the frames' copies itself
+                media.finish()
+            else:
+                with measure(clip, "vae_audio", report=False):
+                    audio = self.decode_audio(clip.audio_latents) if lead else None
+                with measure(clip, "transfer", report=False):
                     clip.frames = frames.wait() if lead else None
                     clip.audio = audio.cpu().numpy() if lead else None
         clip.sample_rate = self.sample_rate
@@ -247,7 +250,7 @@ class FastVAE(ReferenceVAE):
         if self.group is not None:
             vae_split.decode_across(self.group, batches, decode, joiner, self.tile_shape(plan))
             return
-        for items in batches:
+        for items in paced(batches, self.runtime.device):
             for item, tile in zip(items, decode(items)):
                 joiner.add(item, tile)
         assert joiner.done

@@ -55,6 +55,46 @@ def test_arriving_frames_give_the_bytes_of_finished_ones(tmp_path):
     assert (tmp_path / "arriving.mp4").read_bytes() == (tmp_path / "whole.mp4").read_bytes()
 
 
+def test_a_soundtrack_handed_over_ahead_is_encoded_before_the_frames_land(tmp_path, monkeypatch):
+    """The decode hands over the audio first: the mux encodes it before the first frame lands (the decode waits for
+    that), and the file is still the bytes of a finished decode."""
+    from h3gen.stages import mux
+
+    video, audio = clip_media()
+    write_mp4(tmp_path / "whole.mp4", video, audio)
+    encoded, encode = threading.Event(), mux._encode_audio
+    monkeypatch.setattr(mux, "_encode_audio", lambda *args: [encode(*args), encoded.set()][0])
+    media, waited, buffer = ArrivingMedia(), [], np.zeros_like(video)
+
+    def decode():
+        media.sound(audio)
+        media.open(buffer, 32000)
+        waited.append(encoded.wait(10))
+        buffer[:] = video
+        media.landed(len(video))
+        media.finish()
+
+    decoder = threading.Thread(target=decode)
+    decoder.start()
+    write_mp4(tmp_path / "ahead.mp4", media, media.audio, audio_ahead=media.audio_ahead)
+    decoder.join()
+    assert waited == [True] and media.finished
+    assert (tmp_path / "ahead.mp4").read_bytes() == (tmp_path / "whole.mp4").read_bytes()
+
+
+def test_a_soundtrack_ahead_of_frames_that_end_short_still_stops_the_mux(tmp_path):
+    video, audio = clip_media()
+    media = ArrivingMedia()
+    media.sound(audio)
+    media.open(video, 32000)
+    assert not media.finished  # the audio alone is not the end of the decode
+    media.landed(10)
+    media.finish()
+    with pytest.raises(DecodeFailed, match="after 10 of 22 frames"):
+        write_mp4(tmp_path / "clip.mp4", media, media.audio, audio_ahead=media.audio_ahead)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_failed_decode_leaves_no_file(tmp_path):
     video, audio = clip_media()
     media, reading = ArrivingMedia(), threading.Event()
@@ -123,6 +163,53 @@ def test_a_decode_failing_mid_clip_costs_that_clip_and_no_file(tiny_model, tmp_p
     assert not [p for p in out.iterdir() if p.name.startswith(".") and p.suffix == ".mp4"]
 
 
+def test_the_fast_decode_hands_over_the_soundtrack_before_its_frames(tiny_model, tmp_path, monkeypatch):
+    """The fast VAE decodes the audio first and hands it to the mux before the first frames, then finishes with
+    the frames all landed; the clip is the one a render with the mux in line writes."""
+    from h3gen.cli.ui import PlainReporter
+    from h3gen.config.preset import resolve
+    from h3gen.inputs.prompts import read_prompts
+    from h3gen.models.repo import ModelRepo
+    from h3gen.plugins.manager import registry
+    from h3gen.run import render
+    from h3gen.run.render import Renderer
+
+    calls = []
+
+    class Recorded(ArrivingMedia):
+        def sound(self, audio):
+            calls.append("sound")
+            super().sound(audio)
+
+        def landed(self, count, copied=None):
+            calls.append("landed")
+            super().landed(count, copied)
+
+        def finish(self, audio=None):
+            calls.append("finish" if audio is None else "finish with audio")
+            super().finish(audio)
+
+    monkeypatch.setattr(render, "ArrivingMedia", Recorded)
+    found = registry()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text('{"id": "a", "prompt": "a fox"}\n')
+    written = {}
+    for workers in (2, 0):
+        preset_file = tmp_path / f"fast-{workers}.toml"
+        preset_file.write_text((ROOT / "presets" / "tiny.toml").read_text().replace('use = "reference"', 'use = "fast"')
+                               + f"workers = {workers}\n")  # the last table is [mux]
+        preset = resolve(str(preset_file), found)
+        renderer = Renderer(preset, found, ModelRepo(tiny_model), PlainReporter(1))
+        out = tmp_path / f"out-{workers}"
+        try:
+            assert [r.ok for r in renderer.render(read_prompts(prompts, 0, preset.request), out)] == [True]
+        finally:
+            renderer.close()
+        written[workers] = (out / "a.mp4").read_bytes()
+    assert calls[0] == "sound" and calls[-1] == "finish" and set(calls[1:-1]) == {"landed"}
+    assert written[2] == written[0]
+
+
 @pytest.mark.cuda
 def test_frames_copied_from_the_device_arrive_as_the_reference_makes_them():
     """On CUDA each chunk lands after its copy on the side stream: a reader on another thread waits for it."""
@@ -144,3 +231,37 @@ def test_frames_copied_from_the_device_arrive_as_the_reference_makes_them():
     reader.join(30)
     mean, std = torch.tensor(PIXEL_MEAN, device=device), torch.tensor(PIXEL_STD, device=device)
     assert np.array_equal(np.stack(read), frames_reference(video, mean, std).cpu().numpy())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_decode_loop_stays_one_batch_ahead_of_the_device_and_waits_without_the_gil(device):
+    """`paced` hands out every batch in order. On CUDA, when it hands out a batch the device has done all the work
+    queued before the previous one, and it waits for that in a CUDA event with the GIL released: a Python thread
+    (a background mux) runs meanwhile, where a host blocked in a kernel launch on a full queue would stop it."""
+    from h3gen.models.vae.host_frames import paced
+
+    spins, stop, handed, done, ran_while_waiting = [0], threading.Event(), [], [], []
+
+    def spin():
+        while not stop.is_set():
+            spins[0] += 1
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        mark = 0
+        for batch in paced(range(5), device):
+            handed.append(batch)
+            if device == "cuda":
+                assert all(event.query() for event in done[:-1])
+                if batch >= 2:
+                    ran_while_waiting.append(spins[0] - mark)
+                torch.cuda._sleep(50_000_000)  # a batch's kernels: tens of milliseconds on the device
+                done.append(torch.cuda.Event())
+                done[-1].record()
+            mark = spins[0]
+    finally:
+        stop.set()
+        spinner.join()
+    assert handed == list(range(5))
+    assert all(count > 10_000 for count in ran_while_waiting)

@@ -125,7 +125,7 @@ def test_a_stage_that_exits_or_interrupts_from_run_costs_its_clip(faulty, prompt
 @pytest.mark.parametrize("decode, workers, missing", [
     ("reference", 2, "clip.frames or clip.audio"),
     ("fast", 0, "clip.frames or clip.audio"),
-    ("fast", 2, "finishing clip.arriving (its audio)"),  # the mux started with the decode: it is not left waiting
+    ("fast", 2, "finishing clip.arriving with its audio"),  # the mux started with the decode: not left waiting
 ])
 def test_a_vae_that_hands_on_no_frames_is_named_not_the_mux(faulty, prompts_file, tmp_path, decode, workers, missing):
     result = render(faulty, prompts_file, tmp_path, "skip", "--set", f"vae.wraps.use={decode}",
