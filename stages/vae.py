@@ -11,7 +11,10 @@ Where diffusers' decode spends its time, and what this stage does about it:
   models/vae/vit.py; `exact = true` keeps diffusers' own decoder modules;
 - the whole clip decoded to one bf16 tensor, then turned into float, normalized and rounded in several passes, then
   copied to the host at the end: here each chunk's finished frames go through one Triton kernel into uint8 and are
-  copied to pinned host memory on a side stream while the next tiles decode.
+  copied to pinned host memory on a side stream while the next tiles decode;
+- with a mux started with the decode (h3gen.run.arriving), the soundtrack decodes first, so the mux encodes it
+  while the frames decode, and the host stays one tile batch ahead of the device, waiting with the GIL released,
+  so the mux's thread keeps up and little is left to encode when the decode ends.
 Blending is diffusers' own arithmetic (models/vae/tiles.py), so batching or splitting the tiles over ranks does not
 change the frames.
 """
