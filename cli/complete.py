@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 def preset_names(incomplete: str) -> list[str]:
     from h3gen.plugins.manager import registry
@@ -92,3 +94,51 @@ def complete_for(ctx, option: str, shell: str) -> None:
     else:
         typer.echo(get_completion_script(prog_name=prog_name, complete_var=complete_var, shell=shell))
     raise typer.Exit(0)
+
+
+# typer's bash script hands over bash's words, which bash splits at `=` and `:` (COMP_WORDBREAKS): `--set vae.use=fa`
+# reaches the completion as `vae.use`, `=`, `fa`. This one hands over the line as typed, and after a `--set` key,
+# which ends in `=`, adds no space, so the value follows at once.
+BASH_SCRIPT = """
+%(complete_func)s() {
+    local IFS=$'\\n' reply
+    COMPREPLY=( $( env COMP_LINE="$COMP_LINE" COMP_POINT="$COMP_POINT" COMP_WORDBREAKS="$COMP_WORDBREAKS" \\
+                   %(autocomplete_var)s=complete_bash $1 ) )
+    for reply in "${COMPREPLY[@]}"; do
+        [[ $reply == *= ]] && compopt -o nospace 2>/dev/null
+    done
+    return 0
+}
+
+complete -o default -F %(complete_func)s %(prog_name)s
+"""
+
+
+def use_h3gen_bash() -> None:
+    """h3gen's bash script and the completion that reads it, in place of typer's; a script installed before still
+    works (it hands over bash's words)."""
+    from typer import _completion_classes, _completion_shared
+
+    class H3genBash(_completion_classes.BashComplete):
+        source_template = BASH_SCRIPT
+
+        def get_completion_args(self):
+            if "COMP_LINE" not in os.environ:
+                return super().get_completion_args()
+            line = os.environ["COMP_LINE"]
+            line = line[:int(os.environ.get("COMP_POINT") or len(line))]
+            words = _completion_classes.click_split_arg_string(line)
+            if not line or line[-1].isspace():
+                return words[1:], ""
+            return words[1:-1], words[-1]
+
+        def complete(self) -> str:
+            """Each completion from where bash's word starts: past the typed word's last `=` or `:`."""
+            args, incomplete = self.get_completion_args()
+            breaks = os.environ.get("COMP_WORDBREAKS", "=:") if "COMP_LINE" in os.environ else ""
+            cut = max((incomplete.rfind(c) for c in "=:" if c in breaks), default=-1) + 1
+            values = [str(item.value) for item in self.get_completions(args, incomplete)]
+            return "\n".join(v[cut:] if v.startswith(incomplete[:cut]) else v for v in values)
+
+    _completion_shared._completion_scripts["bash"] = BASH_SCRIPT
+    _completion_classes.add_completion_class(H3genBash, "bash")

@@ -18,7 +18,7 @@ import typer
 
 from h3gen import __version__
 from h3gen.cli.complete import (SHELL_OPTIONS, baseline_names, bench_stages, complete_for, named_shell,
-                                preset_names, random_weights, set_keys, shells_after_option)
+                                preset_names, random_weights, set_keys, shells_after_option, use_h3gen_bash)
 from h3gen.cli.environment import check_allocator_config, check_threads
 from h3gen.cli.help import PlainCommand, PlainGroup, usage_errors_in_one_line
 from h3gen.errors import H3genError, UsageError
@@ -35,7 +35,12 @@ class Root(PlainGroup):
         with usage_errors_in_one_line():
             return super().invoke(ctx)
 
+    def _main_shell_completion(self, ctx_args, prog_name, complete_var=None):
+        use_h3gen_bash()  # after typer has registered its own
+        return super()._main_shell_completion(ctx_args, prog_name, complete_var)
+
     def parse_args(self, ctx, args):
+        use_h3gen_bash()  # the script typer's --install-completion and --show-completion write
         asked = named_shell(args)
         if asked and not ctx.resilient_parsing:
             complete_for(ctx, *asked)

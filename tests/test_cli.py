@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -319,6 +320,28 @@ def test_install_completion_installs_the_shell_asked_for(tmp_path, shell, script
         assert "fpath+=~/.zfunc; autoload -Uz compinit; compinit" in (tmp_path / ".zshrc").read_text()
     if shell == "bash":
         assert f"source '{tmp_path / script}'" in (tmp_path / ".bashrc").read_text()
+
+
+def test_bash_completes_a_set_value_past_its_equals_sign(tmp_path):
+    """bash splits `--set vae.use=fa` at the `=`: the script h3gen installs hands over the line as typed, each
+    completion comes back from where bash's word starts, and after a key, which ends in `=`, bash adds no space."""
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("needs bash")
+    (tmp_path / "h3gen.sh").write_text(h3gen("--show-completion", "bash", check_code=0).stdout)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "h3gen").write_text(f'#!/bin/sh\nexec {sys.executable} -m h3gen.cli.main "$@"\n')
+    (tmp_path / "bin" / "h3gen").chmod(0o755)
+    lines = ["h3gen render p.txt --set mux.use=py", "h3gen render p.txt --set sampler.ste",
+             "h3gen render p.txt --preset h3-base-fp", "h3gen render p.txt --set vae.use="]
+    asked = "\n".join(f'ask "{line}"' for line in lines)
+    shown = subprocess.run([bash, "--norc", "-c", f"""
+        source {tmp_path / "h3gen.sh"}
+        compopt() {{ printf 'compopt %s %s;' "$1" "$2"; }}  # bash's own acts only in a completion it is running
+        ask() {{ COMP_LINE="$1"; COMP_POINT=${{#1}}; _h3gen_completion h3gen; printf '%s,' "${{COMPREPLY[@]}}"; echo; }}
+        {asked}"""], capture_output=True, text=True, cwd=tmp_path,
+        env={**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}).stdout.splitlines()
+    assert shown == ["pyav,", "compopt -o nospace;sampler.steps=,", "h3-base-fp8,", "diffusers,fast,reference,"]
 
 
 def test_install_completion_refuses_a_shell_it_does_not_know(tmp_path):
