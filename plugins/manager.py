@@ -47,13 +47,19 @@ class Registry:
         leaves out ('' when neither)."""
         broken = "".join(f"; plugin '{p}' {why}" for p, why in self.failed)
         left_out = (f"; H3GEN_LOAD_PLUGINS={os.environ.get('H3GEN_LOAD_PLUGINS', '')} leaves out the installed "
-                    f"plugin(s) {', '.join(map(repr, self.left_out))}, which may register it" if self.left_out else "")
+                    f"plugin(s) {', '.join(map(repr, sorted(self.left_out)))}, which may register it"
+                    if self.left_out else "")
         return broken + left_out
 
 
+NO_PLUGINS = "none"  # H3GEN_LOAD_PLUGINS=none: h3gen's own stages and presets alone
+
+
 def wanted_plugins() -> set[str] | None:
-    """The names in H3GEN_LOAD_PLUGINS, or None (all) when it is not set or names none (set but empty)."""
-    return {n.strip() for n in os.environ.get("H3GEN_LOAD_PLUGINS", "").split(",") if n.strip()} or None
+    """The names in H3GEN_LOAD_PLUGINS (an empty set for `none`), or None (all) when it is not set or names none
+    (set but empty)."""
+    names = {n.strip() for n in os.environ.get("H3GEN_LOAD_PLUGINS", "").split(",") if n.strip()}
+    return set() if names == {NO_PLUGINS} else names or None
 
 
 NOT_INSTALLED = "is named in H3GEN_LOAD_PLUGINS, and no such plugin is installed"

@@ -41,6 +41,28 @@ def tiny_model() -> Path:
 FORKABLE_ENV = {"OMP_NUM_THREADS", "PYTHONPATH", "XDG_CACHE_HOME", "HOME", "SHELL", "COLUMNS", "NO_COLOR", "TERM", "MANWIDTH",
                 "H3GEN_DEBUG", "H3GEN_MODEL", "H3GEN_HEARTBEAT_S", "H3GEN_STRICT_PLUGINS", "H3GEN_LOAD_PLUGINS"}
 ZYGOTE = None  # the forking process, started at the first command
+# Plugins installed beside h3gen (the example plugin, a user's own) would change what the tests see: lists of
+# presets and stages, warnings. The tests load only the plugins they install themselves (`own_plugins`).
+os.environ["H3GEN_LOAD_PLUGINS"] = "none"
+
+
+def installed_plugins(*own: str) -> list[str]:
+    """The names of the plugins installed beside h3gen, with the test's `own`, as h3gen lists them."""
+    from importlib.metadata import entry_points
+
+    return sorted({ep.name for ep in entry_points(group="h3gen")} | set(own))
+
+
+def own_plugins(env: dict) -> dict:
+    """`env` with H3GEN_LOAD_PLUGINS naming the plugins installed in the folders of its PYTHONPATH, unless it names
+    them itself."""
+    from importlib.metadata import distributions
+
+    if "H3GEN_LOAD_PLUGINS" in env or not env.get("PYTHONPATH"):
+        return env
+    names = sorted({ep.name for dist in distributions(path=env["PYTHONPATH"].split(os.pathsep))
+                    for ep in dist.entry_points if ep.group == "h3gen"})
+    return {**env, "H3GEN_LOAD_PLUGINS": ",".join(names) or "none"}
 
 
 def h3gen(*args, env=None, check_code=None, fresh=False, **kwargs) -> subprocess.CompletedProcess:
@@ -48,15 +70,20 @@ def h3gen(*args, env=None, check_code=None, fresh=False, **kwargs) -> subprocess
     torch, diffusers and transformers (tests/zygote.py), or with `fresh` (or an environment a library reads at
     import, or other subprocess arguments) a new interpreter."""
     args = [str(a) for a in args]
+    env = own_plugins(env or {})  # a value of None takes the variable out of the child's environment
     if (fresh or cuda_machine() or set(env or {}) - FORKABLE_ENV or set(kwargs) - {"cwd"}
             or os.environ.get("H3GEN_TESTS_FRESH")):
         result = subprocess.run([sys.executable, "-m", "h3gen.cli.main", *args], capture_output=True,
-                                text=True, env={**os.environ, **(env or {})}, **kwargs)
+                                text=True, env=child_env(env), **kwargs)
     else:
-        result = forked(args, {**os.environ, **(env or {})}, kwargs.get("cwd"))
+        result = forked(args, child_env(env), kwargs.get("cwd"))
     if check_code is not None:
         assert result.returncode == check_code, result.stderr[-3000:]
     return result
+
+
+def child_env(env: dict) -> dict:
+    return {key: value for key, value in {**os.environ, **env}.items() if value is not None}
 
 
 @functools.cache

@@ -98,6 +98,7 @@ def test_man_page_names_every_exit_status_and_environment_variable_the_code_has(
     set_by_others = {"GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",  # torchrun, for each worker
                      "MASTER_PORT",
                      "TORCHELASTIC_ERROR_FILE",  # torchrun too
+                     "COMP_LINE", "COMP_POINT", "COMP_WORDBREAKS",  # bash, to the completion script
                      "TRITON_INTERPRET",  # Triton's interpreter, which the kernels' tests run
                      "OUT"}  # the folder the GPU check scripts in bench/ write to
     assert {"H3GEN_MODEL", "H3GEN_DEBUG", "OMP_NUM_THREADS"} <= read

@@ -4,7 +4,7 @@ clash is refused at registration."""
 
 import pytest
 
-from conftest import h3gen
+from conftest import h3gen, installed_plugins
 from test_reliability_faults import install
 
 FAULTY = '''
@@ -313,8 +313,10 @@ def test_a_stage_left_out_by_load_plugins_is_named_as_such(faulty, prompts_file,
     result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--set", "vae.use=faulty",
                    env={**faulty, "H3GEN_LOAD_PLUGINS": "nope"}, check_code=2)
     assert "unknown vae stage 'faulty' (registered vae stages: diffusers, fast, reference; " in result.stderr
-    assert ("plugin 'nope' is named in H3GEN_LOAD_PLUGINS, and no such plugin is installed (installed: faulty); "
-            "H3GEN_LOAD_PLUGINS=nope leaves out the installed plugin(s) 'faulty', which may register it)") in result.stderr
+    installed = installed_plugins("faulty")
+    assert (f"plugin 'nope' is named in H3GEN_LOAD_PLUGINS, and no such plugin is installed (installed: "
+            f"{', '.join(installed)}); H3GEN_LOAD_PLUGINS=nope leaves out the installed plugin(s) "
+            f"{', '.join(map(repr, installed))}, which may register it)") in result.stderr
 
 
 SIDECAR = '''
@@ -364,8 +366,9 @@ def test_a_mux_wrapper_runs_on_the_background_mux_and_a_failure_leaves_no_file(t
 def test_a_misspelled_load_plugins_name_under_strict_plugins_asks_for_the_name_fixed(faulty):
     result = h3gen("plugins", "--strict-plugins", env={**faulty, "H3GEN_LOAD_PLUGINS": "nosuch"}, check_code=2)
     assert result.stderr == ("h3gen: error: plugin 'nosuch' is named in H3GEN_LOAD_PLUGINS, and no such plugin is "
-                             "installed (installed: faulty) (correct the name in H3GEN_LOAD_PLUGINS or install the "
-                             "plugin, or run without --strict-plugins and H3GEN_STRICT_PLUGINS)\n")
+                             f"installed (installed: {', '.join(installed_plugins('faulty'))}) (correct the name in "
+                             "H3GEN_LOAD_PLUGINS or install the plugin, or run without --strict-plugins and "
+                             "H3GEN_STRICT_PLUGINS)\n")
 
 
 def test_a_wrapped_stage_s_run_only_keys_leave_the_clip_s_fingerprint_alone(tmp_path, prompts_file):

@@ -116,8 +116,17 @@ def test_load_plugins_variable_keeps_the_others_from_being_imported(site):
     assert "importfails" not in result.stderr and "raises" not in result.stderr  # never imported
 
 
+def test_load_plugins_none_imports_no_plugin_and_says_what_it_left_out(site, prompts_file, tmp_path):
+    listed = h3gen("plugins", env={**site, "H3GEN_LOAD_PLUGINS": "none"}, check_code=0)
+    assert "failed" not in listed.stderr and {line.split()[2] for line in listed.stdout.splitlines()} == {"h3gen"}
+    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--set", "vae.use=raises",
+                   env={**site, "H3GEN_LOAD_PLUGINS": "none"}, check_code=2)
+    assert "H3GEN_LOAD_PLUGINS=none leaves out the installed plugin(s) 'importfails', 'notastage', 'raises', 'shadow'"\
+        in result.stderr
+
+
 def test_an_empty_load_plugins_variable_loads_every_plugin_as_unset_does(site):
-    unset = h3gen("plugins", env=site, check_code=0)
+    unset = h3gen("plugins", env={**site, "H3GEN_LOAD_PLUGINS": None}, check_code=0)
     empty = h3gen("plugins", env={**site, "H3GEN_LOAD_PLUGINS": ""}, check_code=0)
     assert "'importfails' failed to load" in empty.stderr and (empty.stdout, empty.stderr) == (unset.stdout,
                                                                                                 unset.stderr)
