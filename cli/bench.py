@@ -82,6 +82,7 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
 
     from h3gen.bench.sweep import run_bench
     from h3gen.bench.report import write_results
+    from h3gen.cli.ui import results_only_on_stdout
     from h3gen.plugins.manager import registry
     from h3gen.config.preset import parse_override, resolve
     from h3gen.run.budget import check_budget
@@ -126,12 +127,13 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     def say(text):
         print(text, file=sys.stderr, flush=True)
 
-    if batch:
-        from h3gen.bench.batch import run_batch, write_batch_results
+    with results_only_on_stdout():  # a stage's own prints go to stderr; stdout has the files written
+        if batch:
+            from h3gen.bench.batch import run_batch, write_batch_results
 
-        paths = write_batch_results(run_batch(plan, found, source, random_weights, batch, say), output)
-    else:
-        paths = write_results(run_bench(plan, found, source, random_weights, say), output)
+            paths = write_batch_results(run_batch(plan, found, source, random_weights, batch, say), output)
+        else:
+            paths = write_results(run_bench(plan, found, source, random_weights, say), output)
     say(paths["md"].read_text())
     for path in paths.values():
         print(path)

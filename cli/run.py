@@ -6,7 +6,7 @@ import dataclasses
 import functools
 from pathlib import Path
 
-from h3gen.cli.ui import reporter_for
+from h3gen.cli.ui import reporter_for, results_only_on_stdout
 from h3gen.errors import UsageError, WriteError
 from h3gen.run.loop import Interrupted, stop_on_signals
 from h3gen.run.settings import RunSettings
@@ -57,7 +57,8 @@ def _run_render(settings: RunSettings, began: float) -> int:
             return launch_workers(batch, settings, WORKER_ENTRY, began)
         finally:
             remove_if_empty(batch.created)  # workers that wrote nothing (they failed to load, say) leave no directory
-    return render_batch(settings, preset, found, functools.partial(reporter_for, since=began))
+    with results_only_on_stdout():  # a stage's own prints go to stderr
+        return render_batch(settings, preset, found, functools.partial(reporter_for, since=began))
 
 
 def dry_run(batch, settings: RunSettings) -> int:

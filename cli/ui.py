@@ -1,11 +1,14 @@
 """What the user sees on stderr while a run works: a live rich display on a terminal, plain lines otherwise. Both
 implement the run loop's reporter protocol (h3gen.run.report).
 
-stdout is kept for results (`--json`), so every display here writes to stderr and never redirects stdout.
+stdout is kept for results (`--json`), so every display here writes to stderr; while clips render, anything else
+written to stdout goes to stderr too (`results_only_on_stdout`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -38,13 +41,42 @@ def seconds_text(seconds: dict) -> str:
     return "  ".join(f"{k} {seconds[k]:.2f}s" for k in STAGE_ORDER if k in seconds)
 
 
+_results = None  # stdout, while `results_only_on_stdout` keeps it for the results
+
+
+@contextlib.contextmanager
+def results_only_on_stdout():
+    """While it lasts, stdout carries only the lines `print_result` writes: anything else written there (a plugin's
+    print, a library's output, from Python or from C) goes to stderr, so `--json` stays one record a line."""
+    global _results
+    try:
+        stdout = sys.stdout.fileno()
+    except (AttributeError, ValueError, io.UnsupportedOperation):  # no descriptor (a test runner's buffer)
+        stdout = None
+    if _results is not None or stdout is None:
+        yield
+        return
+    sys.stdout.flush()
+    _results = os.fdopen(os.dup(stdout), "w", encoding=sys.stdout.encoding, errors=sys.stdout.errors)
+    os.dup2(sys.stderr.fileno(), stdout)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            sys.stdout.flush()
+        os.dup2(_results.fileno(), stdout)  # where results went: stdout, or /dev/null once its reader had gone
+        with contextlib.suppress(OSError):
+            _results.close()
+        _results = None
+
+
 def print_result(line: str) -> bool:
     """One line on stdout; False when its reader has gone (`| head -1`). Any other failure to write it (a full disk)
     ends the run with a WriteError that names standard output, not the clips' folder."""
     from h3gen.errors import WriteError
 
     try:
-        print(line, file=sys.stdout, flush=True)
+        print(line, file=_results or sys.stdout, flush=True)
         return True
     except BrokenPipeError:
         silence_stdout()
@@ -59,7 +91,7 @@ def print_result(line: str) -> bool:
 def silence_stdout() -> None:
     """Point stdout at /dev/null once its reader has gone, so the interpreter's last flush has somewhere to go."""
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
+    os.dup2(devnull, (_results or sys.stdout).fileno())
     os.close(devnull)
 
 

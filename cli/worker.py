@@ -4,10 +4,12 @@ a one-process run would."""
 
 import sys
 
-from h3gen.cli.ui import reporter_for
+from h3gen.cli.ui import reporter_for, results_only_on_stdout
 from h3gen.parallel.worker import main
 
 if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    sys.exit(record(main)(sys.argv[1:], reporter_for))
+    with results_only_on_stdout():  # a stage's own prints go to stderr
+        code = record(main)(sys.argv[1:], reporter_for)
+    sys.exit(code)

@@ -1,11 +1,15 @@
 """Plugins: an installed package's entry point registers a stage that a preset then uses."""
 
+import json
 import textwrap
+from pathlib import Path
+
+import pytest
 
 from conftest import h3gen
 
 PLUGIN = '''
-import dataclasses, json
+import dataclasses, json, os
 from h3gen.plugins.hookspecs import hookimpl
 from h3gen.stages.mux import PyAVMux, PyAVMuxConfig
 
@@ -23,6 +27,9 @@ class SidecarMux(PyAVMux):
     def run(self, clip):
         clip = super().run(clip)
         clip.path.with_suffix(".json").write_text(json.dumps({"note": self.config.note}))
+        if self.config.note == "loud":  # on stdout, from Python and straight to the descriptor as C code writes
+            print("LOUD", clip.path.name, flush=True)
+            os.write(1, b"RAW\\n")
         return clip
 
 
@@ -75,6 +82,19 @@ def test_entry_point_plugin_stage_is_listed_and_used_from_a_preset(tmp_path, pro
           check_code=0)
     assert (out / "c.mp4").stat().st_size > 0
     assert (out / "c.json").read_text() == '{"note": "from the plugin"}'
+
+
+@pytest.mark.parametrize("workers", [[], ["--cpu-workers", "2"]])
+def test_a_plugin_that_prints_leaves_the_json_records_alone(tmp_path, prompts_file, workers):
+    """stdout carries the records alone: a stage's own writes to it go to stderr, in one process or in workers."""
+    site = tmp_path / "site"
+    site.mkdir()
+    result = h3gen("render", prompts_file('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n'), "-o",
+                   tmp_path / "out", "--set", "mux.use=sidecar", "--set", "mux.note=loud", "--json", *workers,
+                   env=install_plugin(site), check_code=0)
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert sorted(Path(r["path"]).name for r in records) == ["a.mp4", "b.mp4"] and all(r["ok"] for r in records)
+    assert result.stderr.count("RAW") == 2 and "LOUD a.mp4" in result.stderr and "LOUD b.mp4" in result.stderr
 
 
 def test_load_plugins_variable_restricts_plugins(tmp_path):
