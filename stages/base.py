@@ -11,7 +11,7 @@ import dataclasses
 import signal
 from typing import Any, ClassVar
 
-from h3gen.errors import H3genError
+from h3gen.errors import ClipError, H3genError
 
 STAGE_KINDS = ("encode", "sampler", "vae", "quant", "mux", "cache")
 BUILTIN = "h3gen (built-in)"
@@ -96,6 +96,11 @@ class Stage:
         try:
             with self.runtime.timer.measure(clip, self.kind, report=report, host=self.on_host):
                 result = self.run(clip)
+        except ClipError as e:
+            if self.origin == BUILTIN:
+                raise
+            # A plugin's refusal of a clip names the plugin, so a user with several can tell which refused.
+            raise ClipError(f"{self.kind} stage '{self.name}' ({self.source()}): {e.problem}", e.fix) from e
         except H3genError:
             raise
         except (Exception, SystemExit, KeyboardInterrupt) as e:  # a faulty stage costs its clip, named

@@ -10,7 +10,7 @@ from test_reliability_faults import install
 FAULTY = '''
 import dataclasses, os
 import sys
-from h3gen.errors import ModelError, UsageError
+from h3gen.errors import ClipError, ModelError, UsageError
 from h3gen.plugins.hookspecs import hookimpl
 from h3gen.stages.base import Wrapped
 from h3gen.stages.vae import FrameFilter
@@ -58,6 +58,8 @@ class Faulty(FrameFilter):
             raise ValueError("boom in run")
         if clip.request.id == "bad" and self.config.fault == "skip":
             return clip  # no decode: no frames, nothing handed over
+        if clip.request.id == "bad" and self.config.fault == "clip":
+            raise ClipError("this clip's prompt is refused", "write another prompt")
         if clip.request.id == "bad" and self.config.fault == "model":
             raise ModelError("the model has no weights for faulty", "use a model with them")
         if clip.request.id == "bad" and self.config.fault == "exit":
@@ -95,6 +97,7 @@ def render(env, prompts_file, tmp_path, fault, *args):
              "return the clip it was given"),
     ("raise", "vae stage 'faulty' (from plugin 'faulty') raised ValueError: boom in run (rerun with --traceback "
               "for where; fix the stage, or pick another in the preset)"),
+    ("clip", "vae stage 'faulty' (from plugin 'faulty'): this clip's prompt is refused (write another prompt)"),
 ])
 def test_a_stage_that_breaks_its_run_costs_its_clip_named(faulty, prompts_file, tmp_path, fault, message):
     result = render(faulty, prompts_file, tmp_path, fault)
