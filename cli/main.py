@@ -158,7 +158,8 @@ def main_options(version: Annotated[bool, typer.Option("--version", callback=ver
 def render(
     ctx: typer.Context,
     prompts: Annotated[Path, typer.Argument(metavar="PROMPTS",
-                                            help="Prompts file: one prompt per line, or JSON Lines.")],
+                                            help="Prompts file: one prompt per line, or JSON Lines; - reads "
+                                                 "standard input.")],
     output: Annotated[Path, typer.Option("-o", "--output", metavar="DIR", parser=output_directory,
                                          help="Directory the MP4s are written to.")] = Path("out"),
     preset: Annotated[Optional[str], typer.Option("--preset", metavar="NAME|FILE", autocompletion=preset_names,
@@ -229,6 +230,7 @@ def render(
     from h3gen.inputs.prompts import parse_shard
     from h3gen.run.settings import Parallel, RunSettings
 
+    prompts = Path("/dev/stdin") if str(prompts) == "-" else prompts
     try:
         check_threads()
         if preset is not None and not preset.strip():

@@ -40,6 +40,13 @@ def test_same_prompt_and_seed_give_byte_identical_mp4_under_a_stable_name(prompt
     assert first.name not in other and ".mp4" in other
 
 
+def test_a_dash_reads_the_prompts_from_standard_input(prompts_file, tmp_path):
+    piped = h3gen("render", "-", "-o", tmp_path / "out", "--dry-run", input="a lighthouse at night\n",
+                  check_code=0).stdout
+    assert piped == h3gen("render", prompts_file("a lighthouse at night\n"), "-o", tmp_path / "out", "--dry-run",
+                          check_code=0).stdout
+
+
 def test_failed_clip_exits_1_and_the_others_are_written(prompts_file, tmp_path):
     prompts = prompts_file("short\n" + "a very long prompt " * 20 + "\n")
     result = h3gen("render", prompts, "-o", tmp_path / "out", "--json", "--set", "encode.max_tokens=12")
