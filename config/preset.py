@@ -269,6 +269,13 @@ def _section(data: dict, section: str, defaults: dict, where: str, sources: dict
 OPTIONAL_STAGES = {"cache": "none"}
 
 
+def set_key(sources: dict, name: str) -> str:
+    """The --set that gave `name` ("vae.tile_batch"), or one under it ("vae.wraps.use" for "vae.wraps"); '' when none
+    did."""
+    return next((k for k, source in sources.items() if source == "--set" and (k == name or k.startswith(f"{name}."))),
+                "")
+
+
 def _stage(kind: str, data: dict, registry, where: str, sources: dict, key: str = ""):
     """(name, config) of the stage `data[kind]` names; `key` is the section's place ("vae", "vae.wraps")."""
     key = key or kind
@@ -293,7 +300,7 @@ def _stage(kind: str, data: dict, registry, where: str, sources: dict, key: str 
             raise UsageError(f"unknown key '{unknown}' in {where} [{key}]: {kind} stage '{name}' wraps "
                              f"'{wraps.get('use')}', which may take it",
                              f"set the wrapped stage's keys under [{key}.wraps], or --set {key}.wraps.{unknown}=...")
-    set_as = {k: f"{key}.{k}" for k in section if sources.get(f"{key}.{k}") == "--set"}
+    set_as = {k: set_key(sources, f"{key}.{k}") for k in section if set_key(sources, f"{key}.{k}")}
     config = build_config(stage.Config, section, f"{where} [{key}]", set_as)
     if wrapping:
         from h3gen.stages.base import Wrapped

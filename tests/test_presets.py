@@ -73,6 +73,7 @@ def test_set_overrides_and_records_where_values_came_from(tmp_path):
     (BASE, ["sampler.steps=abc"], r"^--set sampler.steps must be int, got 'abc' \(fix the value after the =\)"),
     (BASE, ["sampler.stepz=4"], r"^--set sampler.stepz: unknown key 'stepz' in preset custom \[sampler\]"),
     (BASE, ["runtime.devise=cpu"], r"^--set runtime.devise: unknown key 'devise' in preset custom \[runtime\]"),
+    (BASE, ["vae.wraps.use=fast"], r"^--set vae.wraps.use: unknown key 'wraps' in preset custom \[vae\]"),
     (BASE, ["vae.use=fast", "vae.tile_height=big"], r"^--set vae.tile_height must be int, got 'big'"),
     (BASE.replace("steps = 6", "steps = 6 6"), [], "not valid TOML.*line 6"),
     # The defaults a prompt takes are checked as its own values are, and blamed on where they were set.
