@@ -109,7 +109,8 @@ def in_seconds(key: str, old, new) -> str:
 def shown(value) -> str:
     from h3gen.text import shown as escaped
 
-    text = escaped("(none)" if value is None else value if isinstance(value, str) else json.dumps(value))
+    # A string as it is, but an empty one, which would read as a line cut short.
+    text = escaped("(none)" if value is None else value if isinstance(value, str) and value else json.dumps(value))
     return text if len(text) <= 60 else text[:57] + "..."
 
 

@@ -267,3 +267,8 @@ def test_a_field_only_the_clip_carries_decides_nothing():
     assert fingerprint.differences(new | {"preset": "tiny", "encode.max_tokens": 1024}, new) == []
     [line] = fingerprint.differences(new, new | {"encode.layer": 49})
     assert line.startswith("encode.layer: ") and line.endswith(" -> 49")
+
+
+def test_an_empty_string_in_a_difference_reads_as_one():
+    [line] = fingerprint.differences({"mux.note": "violin"}, {"mux.note": ""})
+    assert line == 'mux.note: violin -> ""'
