@@ -217,7 +217,9 @@ def check_plugins(found, strict: bool, reporter) -> None:
         if strict:
             fix = ("correct the name in H3GEN_LOAD_PLUGINS or install the plugin" if why.startswith(NOT_INSTALLED)
                    else "fix or uninstall it, leave it out with H3GEN_LOAD_PLUGINS")
-            raise UsageError(f"plugin '{name}' {why}",
+            others = [other for other, _ in found.failed if other != name]
+            also = f"; plugin(s) {', '.join(map(repr, others))} failed too (h3gen plugins says why)" if others else ""
+            raise UsageError(f"plugin '{name}' {why}{also}",
                              f"{fix}, or run without --strict-plugins and H3GEN_STRICT_PLUGINS")
         reporter.say(f"h3gen: plugin '{name}' {why} (skipped)")
 

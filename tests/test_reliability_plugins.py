@@ -86,6 +86,8 @@ def test_presets_show_and_bench_report_failed_plugins_as_the_others_do(site, com
     assert "h3gen: plugin 'importfails' failed to load: no module named cuda_magic (skipped)" in result.stderr
     strict = h3gen(*command, env={**site, "H3GEN_STRICT_PLUGINS": "1"}, check_code=2)
     assert strict.stdout == "" and strict.stderr.count("\n") == 1 and "failed" in strict.stderr
+    # The one line names every plugin that failed, the first with its reason.
+    assert "failed too (h3gen plugins says why)" in strict.stderr and "'notastage'" in strict.stderr
 
 
 def test_a_preset_not_found_names_the_plugins_that_failed(site, prompts_file, tmp_path):
