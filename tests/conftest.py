@@ -70,7 +70,7 @@ def h3gen(*args, env=None, check_code=None, fresh=False, **kwargs) -> subprocess
     torch, diffusers and transformers (tests/zygote.py), or with `fresh` (or an environment a library reads at
     import, or other subprocess arguments) a new interpreter."""
     args = [str(a) for a in args]
-    env = own_plugins(env or {})  # a value of None takes the variable out of the child's environment
+    env = env or {}
     if (fresh or cuda_machine() or set(env or {}) - FORKABLE_ENV or set(kwargs) - {"cwd"}
             or os.environ.get("H3GEN_TESTS_FRESH")):
         result = subprocess.run([sys.executable, "-m", "h3gen.cli.main", *args], capture_output=True,
@@ -83,7 +83,9 @@ def h3gen(*args, env=None, check_code=None, fresh=False, **kwargs) -> subprocess
 
 
 def child_env(env: dict) -> dict:
-    return {key: value for key, value in {**os.environ, **env}.items() if value is not None}
+    """This process's environment with `env` over it, for an h3gen command started by hand (`subprocess.Popen`):
+    with the plugins in its PYTHONPATH named (`own_plugins`), a value of None taken out."""
+    return {key: value for key, value in {**os.environ, **own_plugins(env)}.items() if value is not None}
 
 
 @functools.cache

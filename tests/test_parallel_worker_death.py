@@ -12,6 +12,7 @@ import time
 
 from test_parallel_runtime import ENV, workers_of
 from test_reliability_faults import install
+from conftest import child_env
 
 STALLS = '''
 import os
@@ -54,7 +55,7 @@ def test_a_killed_worker_stops_the_run_at_once_and_its_written_clips_count(tmp_p
     out, manifest = tmp_path / "out", tmp_path / "out" / "manifest.jsonl"
     command = [sys.executable, "-m", "h3gen.cli.main", "render", str(prompts), "-o", str(out), "--cpu-workers", "2",
                "--json", "--set", "sampler.use=stalls-on-rank-1"]
-    env = {**os.environ, **ENV, **install(tmp_path / "site", "stalls", STALLS)}
+    env = child_env({**ENV, **install(tmp_path / "site", "stalls", STALLS)})
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     # Group 1 (rank 1) renders clips 1, 3, 5 and 7, and records a clip once the next has rendered (its mux runs
     # meanwhile): it is killed with clip1 written and not yet in the manifest.
@@ -97,7 +98,7 @@ def test_a_clip_a_killed_worker_was_redoing_with_force_is_not_counted(tmp_path):
     out = tmp_path / "out"
     command = [sys.executable, "-m", "h3gen.cli.main", "render", str(prompts), "-o", str(out), "--json",
                "--set", "sampler.use=stalls-on-rank-1"]
-    env = {**os.environ, **ENV, **install(tmp_path / "site", "stalls", STALLS), "STALL_AT": "1"}
+    env = child_env({**ENV, **install(tmp_path / "site", "stalls", STALLS), "STALL_AT": "1"})
     subprocess.run(command, env=env, capture_output=True, check=True)  # one process: nothing stalls
     old = (out / "clip0.mp4").stat().st_mtime_ns
     run = subprocess.Popen([*command, "--force", "--cpu-workers", "2"], stdout=subprocess.PIPE,

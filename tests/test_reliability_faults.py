@@ -17,7 +17,7 @@ import weakref
 
 import pytest
 
-from conftest import ROOT, h3gen
+from conftest import ROOT, child_env, h3gen
 from h3gen.run.validate import validate_clip
 
 FAULTS_PLUGIN = '''
@@ -434,7 +434,7 @@ def test_a_run_learns_the_least_its_clips_take_per_pixel(tmp_path):
 
 def start_render(args, env):
     return subprocess.Popen([sys.executable, "-m", "h3gen.cli.main", "render", *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(env))
 
 
 def wait_for(path, process, seconds=120):
