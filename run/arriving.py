@@ -6,8 +6,9 @@ are in place already), then `finish`es, or `fail`s. The soundtrack comes with `f
 `sound`: the mux then encodes it while the frames decode, and keeps its packets for after the video's, where they
 go either way. The mux (on a background thread) reads the frames' shape, iterates the frames, each once it has
 landed, and then takes the audio. It sees the frames and audio a finished decode would give it, in the same order,
-so the MP4 is byte-identical; only the last chunk's frames are left to encode when the decode ends. A stage that changes frames (h3gen.stages.vae.FrameFilter) adds a `filter`
-before the decode starts: each chunk passes through it on the mux's thread, once landed, before the mux reads it.
+so the MP4 is byte-identical; only the last chunk's frames are left to encode when the decode ends. A stage that
+changes frames (h3gen.stages.vae.FrameFilter) adds a `filter` before the decode starts: each chunk passes through it
+on the mux's thread, once landed, before the mux reads it.
 """
 
 from __future__ import annotations
