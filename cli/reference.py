@@ -80,8 +80,8 @@ ENVIRONMENT = [
     ("H3GEN_MODEL", "The model directory when --model is not given (render, bench); an error naming the directory "
                     "then starts with H3GEN_MODEL:."),
     ("H3GEN_LOAD_PLUGINS", "Comma-separated names of the installed plugins (entry points of the h3gen group) to "
-                           "load; unset or empty: all; none: no plugin. h3gen's own stages and presets are always there; a "
-                           "name no installed plugin has is reported as a failed plugin."),
+                           "load; unset or empty: all; none: no plugin. h3gen's own stages and presets are always "
+                           "there; a name no installed plugin has is reported as a failed plugin."),
     ("H3GEN_STRICT_PLUGINS", "1 (or true, yes, on) stops the command when a plugin fails to load, as "
                              "--strict-plugins; otherwise it is reported and skipped."),
     ("H3GEN_DEBUG", "Anything but empty or 0 prints a failure's traceback besides its one line, as --traceback "
