@@ -360,9 +360,12 @@ def _stage_rows(key: str, name: str, config, sources: dict) -> list[tuple[str, A
 
 
 def toml_value(value) -> str:
-    """`value` as TOML writes it (true, "text", [1, 2]): what `presets show` prints, so a line can be copied."""
+    """`value` as TOML writes it (true, "text", [1, 2]), a list on one line however long: what `presets show`
+    prints, so a line can be copied."""
     import tomli_w
 
+    if isinstance(value, (list, tuple)):
+        return f"[{', '.join(map(toml_value, value))}]"
     return tomli_w.dumps({"v": value})[4:].strip()
 
 

@@ -102,6 +102,10 @@ def test_presets_cli_list_and_show():
     assert "sampler.sigma_positions" in shown and "# preset fasth3" in shown
     assert "mux.crf" in shown and "20" in shown and "# --set" in shown
     assert shown.splitlines()[0].endswith(" (with --set mux.crf=20)")  # the description was the preset's
+    grid = "[0.99, 0.97, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.0]"  # a long list stays on its line
+    shown = h3gen("presets", "show", "tiny", "--set", f"sampler.sigma_positions={grid}", check_code=0).stdout
+    [line] = [line for line in shown.splitlines() if line.startswith("sampler.sigma_positions")]
+    assert line.split(" = ", 1)[1].startswith(f"{grid} ") and line.endswith("# --set")
 
 
 def test_presets_show_credits_what_a_child_inherits_to_its_parent(tmp_path):
