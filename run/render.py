@@ -380,9 +380,8 @@ def build(stage_class, config, runtime):
     except H3genError:
         raise
     except Exception as e:
-        raise StageFailed(f"{stage_class.kind} stage '{stage_class.name}' ({stage_class.source()}) failed to start: "
-                          f"{type(e).__name__}: {e}", "rerun with --traceback for where; fix the stage, or pick "
-                          "another in the preset") from e
+        raise stage_class.failed(f"failed to start: {type(e).__name__}: {e}", "rerun with --traceback for where; "
+                                 "fix the stage, or pick another in the preset") from e
 
 
 def load(stage, repo) -> None:

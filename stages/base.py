@@ -100,7 +100,7 @@ class Stage:
             if self.origin == BUILTIN:
                 raise
             # A plugin's refusal of a clip names the plugin, so a user with several can tell which refused.
-            raise ClipError(f"{self.kind} stage '{self.name}' ({self.source()}): {e.problem}", e.fix) from e
+            raise ClipError(f"{self.label()}: {e.problem}", e.fix) from e
         except H3genError:
             raise
         except (Exception, SystemExit, KeyboardInterrupt) as e:  # a faulty stage costs its clip, named
@@ -116,9 +116,14 @@ class Stage:
         return result
 
     @classmethod
+    def label(cls) -> str:
+        """This stage as errors name it: its kind, its name and its plugin."""
+        return f"{cls.kind} stage '{cls.name}' ({cls.source()})"
+
+    @classmethod
     def failed(cls, what: str, fix: str = "") -> StageFailed:
         """An error naming this stage, its kind and its plugin (from the class too, before any instance exists)."""
-        return StageFailed(f"{cls.kind} stage '{cls.name}' ({cls.source()}) {what}", fix)
+        return StageFailed(f"{cls.label()} {what}", fix)
 
     @classmethod
     def broke_fix(cls) -> str:
