@@ -12,9 +12,9 @@ Where diffusers' decode spends its time, and what this stage does about it:
 - the whole clip decoded to one bf16 tensor, then turned into float, normalized and rounded in several passes, then
   copied to the host at the end: here each chunk's finished frames go through one Triton kernel into uint8 and are
   copied to pinned host memory on a side stream while the next tiles decode;
-- with a mux started with the decode (h3gen.run.arriving), the soundtrack decodes first, so the mux encodes it
-  while the frames decode, and the host stays one tile batch ahead of the device, waiting with the GIL released,
-  so the mux's thread keeps up and little is left to encode when the decode ends.
+- the soundtrack decodes first, so a mux started with the decode (h3gen.run.arriving) encodes it while the frames
+  decode, and the host stays one tile batch ahead of the device, waiting with the GIL released, so the mux's
+  thread keeps up and little is left to encode when the decode ends.
 Blending is diffusers' own arithmetic (models/vae/tiles.py), so batching or splitting the tiles over ranks does not
 change the frames.
 """
@@ -196,16 +196,15 @@ class FastVAE(ReferenceVAE):
         lead = self.lead()
         media = clip.arriving if lead else None
         with torch.inference_mode():
-            if media is not None:  # the soundtrack first: the mux encodes it while the frames decode
-                with measure(clip, "vae_audio", report=False):
-                    media.sound(self.decode_audio(clip.audio_latents).cpu().numpy())
+            with measure(clip, "vae_audio", report=False):  # first: a mux started with the decode encodes it now
+                audio = self.decode_audio(clip.audio_latents) if lead else None
+                if media is not None:
+                    media.sound(audio.cpu().numpy())
             with measure(clip, "vae_video", report=False):
                 frames = self.decode_frames(clip.video_latents, media)
             if media is not None:  # the mux waits for the frames' copies itself
                 media.finish()
             else:
-                with measure(clip, "vae_audio", report=False):
-                    audio = self.decode_audio(clip.audio_latents) if lead else None
                 with measure(clip, "transfer", report=False):
                     clip.frames = frames.wait() if lead else None
                     clip.audio = audio.cpu().numpy() if lead else None
