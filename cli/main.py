@@ -40,7 +40,8 @@ class Root(PlainGroup):
         return super()._main_shell_completion(ctx_args, prog_name, complete_var)
 
     def parse_args(self, ctx, args):
-        use_h3gen_bash()  # the script typer's --install-completion and --show-completion write
+        if any(arg in SHELL_OPTIONS for arg in args):  # the script typer's options write, for a shell named or not
+            use_h3gen_bash()
         asked = named_shell(args)
         if asked and not ctx.resilient_parsing:
             complete_for(ctx, *asked)

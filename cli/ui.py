@@ -8,7 +8,6 @@ written to stdout goes to stderr too (`results_only_on_stdout`).
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import signal
@@ -51,7 +50,7 @@ def results_only_on_stdout():
     global _results
     try:
         stdout = sys.stdout.fileno()
-    except (AttributeError, ValueError, io.UnsupportedOperation):  # no descriptor (a test runner's buffer)
+    except (AttributeError, ValueError):  # no descriptor (a test runner's buffer: io.UnsupportedOperation)
         stdout = None
     if _results is not None or stdout is None:
         yield
