@@ -2,9 +2,7 @@
 
 The mux starts with the decode and encodes each chunk of frames as it lands; what is left when the decode ends is
 what no next clip hides after the last one. This decodes one clip of the preset with its background mux, as the
-run loop does, in four variants: the decode loop paced (the host at most a tile batch ahead of the device, waiting
-with the GIL released: `h3gen.models.vae.host_frames.paced`) or not, and the soundtrack encoded ahead of the
-frames (`ArrivingMedia.audio_ahead`) or after them. Per variant, median of `--repeat`: the decode's wall time, how
+run loop does, with the soundtrack encoded ahead of the frames (`ArrivingMedia.audio_ahead`) or after them. Per variant, median of `--repeat`: the decode's wall time, how
 many frames the mux had read when it ended, the tail (decode end to file written) and its parts (the video
 encode's end, the audio's packets muxed, the file synced), and whether the MP4 is the same bytes in every variant.
 
@@ -34,7 +32,7 @@ def main() -> None:
     from h3gen.run import arriving
     from h3gen.run.render import Renderer
     from h3gen.run.report import SilentReporter
-    from h3gen.stages import mux, vae
+    from h3gen.stages import mux
     from h3gen.stages.clip import Clip
 
     parser = argparse.ArgumentParser()
@@ -86,10 +84,9 @@ def main() -> None:
             yield frame
 
     arriving.ArrivingMedia.__iter__ = counted
-    pace, ahead = vae.paced, arriving.ArrivingMedia.audio_ahead
+    ahead = arriving.ArrivingMedia.audio_ahead
 
-    def once(index: int, paced: bool, audio_ahead: bool) -> dict:
-        vae.paced = pace if paced else (lambda batches, device: iter(batches))
+    def once(index: int, audio_ahead: bool) -> dict:
         arriving.ArrivingMedia.audio_ahead = ahead if audio_ahead else (lambda media: None)
         path = Path(f"/tmp/tail-probe-{index}.mp4")
         path.unlink(missing_ok=True)
@@ -111,16 +108,15 @@ def main() -> None:
                     video_left_s=marks["video"] - decoded, audio_and_index_s=marks["synced_start"] - marks["video"],
                     sync_s=written - marks["synced_start"], bytes=path.read_bytes())
 
-    once(0, True, True)  # warm: compiles and tunes once
+    once(0, True)  # warm: compiles and tunes once
     variants, files = [], set()
-    for paced in (False, True):
-        for audio_ahead in (False, True):
-            runs = [once(1 + i, paced, audio_ahead) for i in range(args.repeat)]
-            files.update(run.pop("bytes") for run in runs)
-            row = {key: round(statistics.median(run[key] for run in runs), 3) for key in runs[0]}
-            row.update(paced=paced, audio_ahead=audio_ahead, tails=[round(run["tail_s"], 3) for run in runs])
-            variants.append(row)
-            print(json.dumps(row), flush=True)
+    for audio_ahead in (False, True):
+        runs = [once(1 + i, audio_ahead) for i in range(args.repeat)]
+        files.update(run.pop("bytes") for run in runs)
+        row = {key: round(statistics.median(run[key] for run in runs), 3) for key in runs[0]}
+        row.update(audio_ahead=audio_ahead, tails=[round(run["tail_s"], 3) for run in runs])
+        variants.append(row)
+        print(json.dumps(row), flush=True)
     renderer.close()
     report = dict(preset=preset.name, seconds=args.seconds, frames=request.frames, repeat=args.repeat,
                   same_bytes_in_every_variant=len(files) == 1, variants=variants,

@@ -10,8 +10,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from h3gen.models.vae.host_frames import paced
-
 
 def is_lead(group) -> bool:
     return dist.get_rank(group) == 0
@@ -32,7 +30,7 @@ def decode_across(group, batches, decode, joiner, tile_shape) -> None:
     lead = dist.get_global_rank(group, 0)
     shape, dtype = tile_shape
     width = len(batches[0])
-    for first in paced(range(0, len(batches), ranks), _collective_device(group)):
+    for first in range(0, len(batches), ranks):
         mine = first + rank
         sent = None
         if mine < len(batches):

@@ -13,8 +13,7 @@ Where diffusers' decode spends its time, and what this stage does about it:
   copied to the host at the end: here each chunk's finished frames go through one Triton kernel into uint8 and are
   copied to pinned host memory on a side stream while the next tiles decode;
 - the soundtrack decodes first, so a mux started with the decode (h3gen.run.arriving) encodes it while the frames
-  decode, and the host stays one tile batch ahead of the device, waiting with the GIL released, so the mux's
-  thread keeps up and little is left to encode when the decode ends.
+  decode and little is left to encode when the decode ends.
 Blending is diffusers' own arithmetic (models/vae/tiles.py), so batching or splitting the tiles over ranks does not
 change the frames.
 """
@@ -24,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from h3gen.errors import UsageError
-from h3gen.models.vae.host_frames import PIXEL_MEAN, PIXEL_STD, HostFrames, paced
+from h3gen.models.vae.host_frames import PIXEL_MEAN, PIXEL_STD, HostFrames
 from h3gen.stages.base import Stage, Wrapper
 
 
@@ -252,7 +251,7 @@ class FastVAE(ReferenceVAE):
         if self.group is not None:
             vae_split.decode_across(self.group, batches, decode, joiner, self.tile_shape(plan))
             return
-        for items in paced(batches, self.runtime.device):
+        for items in batches:
             for item, tile in zip(items, decode(items)):
                 joiner.add(item, tile)
         assert joiner.done

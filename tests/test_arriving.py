@@ -231,37 +231,3 @@ def test_frames_copied_from_the_device_arrive_as_the_reference_makes_them():
     reader.join(30)
     mean, std = torch.tensor(PIXEL_MEAN, device=device), torch.tensor(PIXEL_STD, device=device)
     assert np.array_equal(np.stack(read), frames_reference(video, mean, std).cpu().numpy())
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_the_decode_loop_stays_one_batch_ahead_of_the_device_and_waits_without_the_gil(device):
-    """`paced` hands out every batch in order. On CUDA, when it hands out a batch the device has done all the work
-    queued before the previous one, and it waits for that in a CUDA event with the GIL released: a Python thread
-    (a background mux) runs meanwhile, where a host blocked in a kernel launch on a full queue would stop it."""
-    from h3gen.models.vae.host_frames import paced
-
-    spins, stop, handed, done, ran_while_waiting = [0], threading.Event(), [], [], []
-
-    def spin():
-        while not stop.is_set():
-            spins[0] += 1
-
-    spinner = threading.Thread(target=spin)
-    spinner.start()
-    try:
-        mark = 0
-        for batch in paced(range(5), device):
-            handed.append(batch)
-            if device == "cuda":
-                assert all(event.query() for event in done[:-1])
-                if batch >= 2:
-                    ran_while_waiting.append(spins[0] - mark)
-                torch.cuda._sleep(50_000_000)  # a batch's kernels: tens of milliseconds on the device
-                done.append(torch.cuda.Event())
-                done[-1].record()
-            mark = spins[0]
-    finally:
-        stop.set()
-        spinner.join()
-    assert handed == list(range(5))
-    assert all(count > 10_000 for count in ran_while_waiting)

@@ -6,28 +6,6 @@ from __future__ import annotations
 PIXEL_MEAN, PIXEL_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-def paced(batches, device):
-    """`batches` one at a time, each handed out once the device has done all but the batch before it.
-
-    A host that runs far ahead of the device ends up blocked in a kernel launch on a full queue, holding the GIL,
-    and a mux on another thread then gets the GIL only when a launch returns. Here the host stays at most one batch
-    ahead and waits in a CUDA event, with the GIL released. The device still has the next batch queued while the
-    host launches the one after, so it never waits on the host for more than a launch."""
-    if not str(device).startswith("cuda"):
-        yield from batches
-        return
-    import torch
-
-    before = None
-    for batch in batches:
-        yield batch  # the caller launches its work
-        launched = torch.cuda.Event()
-        launched.record()
-        if before is not None:
-            before.synchronize()
-        before = launched
-
-
 def copy_landed(device):
     """A call that returns once the work queued so far on the current stream (a copy to host memory) is done; it sets
     `device` on the thread that waits, which would otherwise open a context on the first GPU."""
