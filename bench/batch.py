@@ -11,7 +11,8 @@ give it fewer clips than the batch at the same per-clip costs. `warmup` clips go
 not timed, so the kernels' first-call compilation is outside the batch (0 keeps it in); the clock starts when the
 first timed clip does. The batch ends when its last clip's file is written; unloading the weights after it is not
 part of the batch, as loading them is not (`unload_s` gives it). `last_clip_tail_s` is the time from the last clip's
-decode to that end: its mux, which no next clip hides. `between_clips_s` is the mean time from one clip's decode to
+decode to that end: its mux, which no next clip hides; `last_clip_mux_left_s` is the part of it until the mux
+returned (the file written), the rest is the clip's finish (its manifest line and record). `between_clips_s` is the mean time from one clip's decode to
 the next clip's start: what the device waits for between clips beyond the mux. `baseline_forwards` runs the
 baseline at fewer forwards than the measured presets (each preset is compared at its own count all the same, from
 the baseline's per-forward seconds). With `warm_cache`, each preset's batch runs twice over one fresh embedding
@@ -38,6 +39,19 @@ class BatchReporter(SilentReporter):
 
     def __init__(self, say):
         self.say, self.stages, self.started, self.decoded, self.finished = say, {}, {}, {}, {}
+        self.muxed = {}  # when each clip's mux returned, on whichever thread it ran
+
+    def time_mux(self, mux) -> None:
+        """Note when `mux` (the stage) returns each clip."""
+        run = mux.run
+
+        def timed(clip):
+            try:
+                return run(clip)
+            finally:
+                self.muxed[clip.request.index] = time.perf_counter()
+
+        mux.run = timed
 
     def clip_started(self, clip):
         self.started[clip.request.id] = time.perf_counter()
@@ -123,6 +137,7 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
     began = time.perf_counter()
     memory_plan = budget.planned(preset, requests, source, pick_device(preset.runtime["device"]))
     renderer = Renderer(preset, registry, source, reporter, memory_plan)
+    reporter.time_mux(renderer.stages["mux"])
     loaded = time.perf_counter()
     results, host = [], 0.0
     try:
@@ -162,6 +177,8 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
                 extra_per_clip_s=round(extra, 3),
                 # after the last clip's decode: its mux, which no next clip hides
                 last_clip_tail_s=round(ended - reporter.decoded[results[-1].request.index], 3),
+                last_clip_mux_left_s=round(reporter.muxed[results[-1].request.index]
+                                           - reporter.decoded[results[-1].request.index], 3),
                 between_clips_s=round(sum(waits) / len(waits), 3) if waits else None,
                 unload_s=round(unloaded - closing, 3),
                 clips_per_hour=round(3600 * len(results) / (wall + encode), 1),
@@ -175,8 +192,8 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
 
 
 BATCH_COLUMNS = ("clips", "encode_s", "per_forward_s", "vae_s_per_clip", "mux_s_per_clip", "extra_per_clip_s",
-                 "last_clip_tail_s", "between_clips_s", "clips_per_hour", "clips_per_hour_full", "vs_baseline",
-                 "vs_baseline_same_forwards", "vram_gib", "peak_gib", "host_gib")
+                 "last_clip_tail_s", "last_clip_mux_left_s", "between_clips_s", "clips_per_hour", "clips_per_hour_full",
+                 "vs_baseline", "vs_baseline_same_forwards", "vram_gib", "peak_gib", "host_gib")
 
 
 def table_cell(value) -> str:

@@ -132,6 +132,8 @@ def test_bench_batch_times_clips_through_the_renderer(tmp_path):
                     "bench: clip 2 ok"]  # the baseline's, then the preset's: the batch's clips counted apart
     assert tiny["extra_per_clip_s"] > 0 and tiny["vae_s_per_clip"] > 0 and tiny["mux_s_per_clip"] > 0
     assert 0 < tiny["last_clip_tail_s"] < tiny["wall_s"] and 0 < base["last_clip_tail_s"] < base["wall_s"]
+    # The tail's part until the mux returned: all but the clip's finish (in the background mux, or in line).
+    assert all(0 < r["last_clip_mux_left_s"] <= r["last_clip_tail_s"] for r in (tiny, base))
     # The wall ends at the last file written; the unload after it is reported apart.
     assert tiny["unload_s"] > 0 and 0 < tiny["between_clips_s"] < tiny["extra_per_clip_s"]
     assert base["between_clips_s"] is None  # one timed clip: no next clip to wait for
