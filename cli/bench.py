@@ -82,8 +82,7 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
 
     from h3gen.bench.sweep import run_bench
     from h3gen.bench.report import write_results
-    from h3gen.cli.ui import results_only_on_stdout
-    from h3gen.plugins.manager import registry
+    from h3gen.cli.ui import plugin_registry, results_only_on_stdout
     from h3gen.config.preset import parse_override, resolve
     from h3gen.run.budget import check_budget
     from h3gen.run.loop import check_model_kind, check_writable
@@ -101,7 +100,7 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     plan = parse_plan(presets, baseline, durations, size, repeat, warmup, stages, forwards, text_tokens)
     plan.warm_cache, plan.baseline_clips, plan.overrides = warm_cache, baseline_clips, list(sets)
     plan.baseline_forwards = baseline_forwards
-    found = registry() if found is None else found  # the command's own, which reported the plugins that failed
+    found = plugin_registry() if found is None else found  # the command's own, which reported the plugins that failed
     # A typo fails now, not after the first preset's minutes.
     resolved = [resolve(name, found, plan.overrides) for name in plan.presets]
     for preset in resolved:

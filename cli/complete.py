@@ -7,9 +7,9 @@ import os
 
 
 def preset_names(incomplete: str) -> list[str]:
-    from h3gen.plugins.manager import registry
+    from h3gen.cli.ui import plugin_registry
 
-    return [name for name in sorted(registry().presets) if name.startswith(incomplete)]
+    return [name for name in sorted(plugin_registry().presets) if name.startswith(incomplete)]
 
 
 def baseline_names(incomplete: str) -> list[str]:
@@ -33,9 +33,9 @@ def set_keys(ctx, incomplete: str) -> list[str]:
     """`section.key=` for every key of the preset on the command line (bench's first --preset; tiny when none is
     given yet); after `KIND.use=`, the registered stages of that kind."""
     from h3gen.config.preset import describe, resolve
-    from h3gen.plugins.manager import registry
+    from h3gen.cli.ui import plugin_registry
 
-    found = registry()
+    found = plugin_registry()
     key, equals, _ = incomplete.partition("=")
     if equals and key.endswith(".use"):
         kind = key[: -len(".use")]

@@ -307,10 +307,10 @@ def bench(
       h3gen bench --preset tiny --baseline none --durations 5 --size 32x32 --random-weights tiny
     """
     from h3gen.cli.bench import run_bench_command
-    from h3gen.plugins.manager import registry
+    from h3gen.cli.ui import plugin_registry
 
     show_tracebacks(tracebacks)
-    found = registry()
+    found = plugin_registry()
     report_failed_plugins(found, strict_plugins)
     try:
         check_threads()
@@ -441,10 +441,10 @@ def presets_list(strict_plugins: StrictPlugins = False):
     Example:
       h3gen presets list
     """
-    from h3gen.plugins.manager import registry
+    from h3gen.cli.ui import plugin_registry
     from h3gen.config.preset import load_toml
 
-    found = registry()
+    found = plugin_registry()
     report_failed_plugins(found, strict_plugins)
     width = max(map(len, found.presets), default=0)
     for name, path in sorted(found.presets.items()):
@@ -473,9 +473,9 @@ def presets_show(
     """
     from h3gen.config.preset import check_stage_configs, describe, resolve, toml_value
     from h3gen.config.preset import as_toml as preset_toml
-    from h3gen.plugins.manager import registry
+    from h3gen.cli.ui import plugin_registry
 
-    found = registry()
+    found = plugin_registry()
     report_failed_plugins(found, strict_plugins)
     try:
         resolved = resolve(name, found, overrides or [])
@@ -504,9 +504,9 @@ def plugins(strict_plugins: StrictPlugins = False):
     Example:
       h3gen plugins
     """
-    from h3gen.plugins.manager import registry
+    from h3gen.cli.ui import plugin_registry
 
-    found = registry()
+    found = plugin_registry()
     report_failed_plugins(found, strict_plugins)
     rows = [(kind, name, entry.origin, f"{entry.stage.__module__}.{entry.stage.__qualname__}",
              entry.stage.description or "") for (kind, name), entry in sorted(found.stages.items())]

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 from pathlib import Path
 
-from h3gen.cli.ui import reporter_for, results_only_on_stdout
+from h3gen.cli.ui import plugin_registry, reporter_for, results_only_on_stdout
 from h3gen.errors import UsageError, WriteError
 from h3gen.run.loop import Interrupted, stop_on_signals
 from h3gen.run.settings import RunSettings
@@ -34,10 +34,9 @@ def run_render(settings: RunSettings, began: float) -> int:
 
 def _run_render(settings: RunSettings, began: float) -> int:
     from h3gen.config.preset import resolve
-    from h3gen.plugins.manager import registry
     from h3gen.run.loop import prepare, render_batch
 
-    found = registry()
+    found = plugin_registry()
     preset = resolve(settings.preset, found, list(settings.overrides))
     settings = with_preset_workers(settings, preset)
     layout = None

@@ -69,6 +69,15 @@ def results_only_on_stdout():
         _results = None
 
 
+def plugin_registry():
+    """The plugins' registry, loaded with stdout kept for results: what a plugin prints as it is imported or
+    registers goes to stderr, not into a list, a completion or --json."""
+    from h3gen.plugins.manager import registry
+
+    with results_only_on_stdout():
+        return registry()
+
+
 def print_result(line: str) -> bool:
     """One line on stdout; False when its reader has gone (`| head -1`). Any other failure to write it (a full disk)
     ends the run with a WriteError that names standard output, not the clips' folder."""

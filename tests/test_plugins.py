@@ -13,6 +13,7 @@ import dataclasses, json, os
 from h3gen.plugins.hookspecs import hookimpl
 from h3gen.stages.mux import PyAVMux, PyAVMuxConfig
 
+print("sidecar imported")  # on stdout as the module loads, and again as it registers, as some plugins do
 
 @dataclasses.dataclass
 class SidecarConfig(PyAVMuxConfig):
@@ -35,6 +36,7 @@ class SidecarMux(PyAVMux):
 
 @hookimpl
 def h3gen_register_stages(register):
+    os.write(1, b"sidecar registered\\n")
     register(SidecarMux)
 '''
 
@@ -95,6 +97,21 @@ def test_a_plugin_that_prints_leaves_the_json_records_alone(tmp_path, prompts_fi
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert sorted(Path(r["path"]).name for r in records) == ["a.mp4", "b.mp4"] and all(r["ok"] for r in records)
     assert result.stderr.count("RAW") == 2 and "LOUD a.mp4" in result.stderr and "LOUD b.mp4" in result.stderr
+    assert "sidecar imported" in result.stderr and "sidecar registered" in result.stderr
+
+
+def test_what_a_plugin_prints_as_it_loads_stays_off_the_lists_on_stdout(tmp_path):
+    """A plugin's own prints as it is imported and registers go to stderr: `presets list` and a completion stay
+    what a script or the shell reads."""
+    site = tmp_path / "site"
+    site.mkdir()
+    env = install_plugin(site)
+    listed = h3gen("presets", "list", env=env, check_code=0)
+    assert "sidecar" not in listed.stdout and "sidecar imported" in listed.stderr
+    words = "h3gen render p.txt --preset ti"
+    completed = h3gen(env={**env, "_H3GEN_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": "4"},
+                      check_code=0)
+    assert completed.stdout.split() == ["tiny"] and "sidecar imported" in completed.stderr
 
 
 def test_load_plugins_variable_restricts_plugins(tmp_path):
