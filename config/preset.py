@@ -77,6 +77,14 @@ def find_preset(name_or_file: str, registry, folder: Path | None = None) -> tupl
                      f"available: {', '.join(sorted(registry.presets))}{registry.missing()}")
 
 
+def preset_label(name: str, path: Path, registry) -> str:
+    """How errors and `presets show` name a preset: by its name, or by its file when a registered preset has that
+    name (a file named after the built-in it extends)."""
+    registered = registry.presets.get(name)
+    same = registered is None or Path(registered).resolve() == path.resolve()
+    return f"preset {name}" if same else f"preset {path}"
+
+
 def load_preset(name_or_file: str, registry, folder: Path | None = None,
                 chain: tuple = ()) -> tuple[str, dict, dict]:
     """The preset's tables, with the presets it extends merged under them, and where each key came from
@@ -85,12 +93,12 @@ def load_preset(name_or_file: str, registry, folder: Path | None = None,
     if path.resolve() in chain:
         raise UsageError(f"preset {name} extends itself ({' -> '.join(p.stem for p in chain + (path,))})",
                          "remove the cycle of extends")
-    data = load_toml(path)
+    data, label = load_toml(path), preset_label(name, path, registry)
     base = data.pop("extends", None)
     if base is None:
-        return name, data, dict.fromkeys(key_paths(data), f"preset {name}")
+        return name, data, dict.fromkeys(key_paths(data), label)
     if not isinstance(base, str):
-        raise UsageError(f"preset {name}: extends must be a preset name or file, got {base!r:.40}",
+        raise UsageError(f"{label}: extends must be a preset name or file, got {base!r:.40}",
                          'e.g. extends = "h3-base"')
     try:
         find_preset(base, registry, path.parent)
@@ -99,12 +107,12 @@ def load_preset(name_or_file: str, registry, folder: Path | None = None,
     _, merged, origins = load_preset(base, registry, path.parent, chain + (path.resolve(),))
     for key, value in data.items():
         if key in STAGE_KINDS and isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = replace_stage(merged[key], value, key, registry, origins, f"preset {name}")
+            merged[key] = replace_stage(merged[key], value, key, registry, origins, label)
         else:
             if key in SECTIONS and isinstance(value, dict) and isinstance(merged.get(key), dict):
                 value = {**merged[key], **value}
             merged[key] = value
-            origins.update(dict.fromkeys(key_paths({key: data[key]}), f"preset {name}"))
+            origins.update(dict.fromkeys(key_paths({key: data[key]}), label))
     return name, merged, origins
 
 
@@ -154,7 +162,7 @@ def parse_override(text: str) -> tuple[str, str, Any]:
 
 def resolve(name_or_file: str, registry, overrides: list[str] = ()) -> Preset:
     name, data, sources = load_preset(name_or_file, registry)
-    where = f"preset {name}"
+    where = preset_label(name, find_preset(name_or_file, registry)[1], registry)
     for section, field, value in map(parse_override, overrides):
         if section not in STAGE_KINDS + SECTIONS:
             raise UsageError(f"--set {section}.{field}: unknown section {section!r}",

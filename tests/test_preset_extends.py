@@ -73,6 +73,18 @@ def test_a_bad_value_is_blamed_on_the_preset_that_set_it(tmp_path):
         resolve("tiny", registry(), ["request.width=10000000", "request.height=10000000"])
 
 
+def test_a_file_named_after_the_builtin_it_extends_is_named_by_its_file(tmp_path):
+    """`presets show` and errors tell a file tiny.toml that extends tiny from the built-in tiny by its path."""
+    child = write(tmp_path, "tiny.toml", 'extends = "tiny"\n[sampler]\nsteps = 2\n[runtime]\ndevice = "tpu"\n')
+    failed = h3gen("presets", "show", child, check_code=2)
+    assert failed.stderr == f"h3gen: error: preset {child} [runtime] device 'tpu' is not a device h3gen runs on " \
+                            "(use auto, cpu, cuda or cuda:N)\n", failed.stderr
+    shown = h3gen("presets", "show", child, "--set", "runtime.device=cpu", check_code=0).stdout.splitlines()
+    source = {line.split()[0]: line.split("# ", 1)[1] for line in shown if " = " in line}
+    assert source["sampler.steps"] == f"preset {child}" and source["sampler.use"] == "preset tiny"
+    assert source["runtime.device"] == "--set"
+
+
 def test_a_wrapping_stage_wraps_the_stage_the_preset_would_have_used(tmp_path):
     from h3gen.config.preset import resolve
     from h3gen.plugins.manager import Registered, registry
