@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 # Bumped by a change to h3gen that changes the bytes of a clip rendered with the same settings, so reruns redo them.
@@ -186,6 +186,13 @@ def file_summary(path: Path, whole_bytes: int = WHOLE_BYTES) -> bytes:
 
 
 def file_digest(path: Path) -> str:
-    """A file the request or preset names, by its content (a safetensors file by its summary)."""
+    """A file the request or preset names, by its content (a safetensors file by its summary). Read once while the
+    file stays as it is: a clip's name and its fingerprint both take its media."""
     path = Path(path)
-    return hashlib.sha256(file_summary(path) + str(path.stat().st_size).encode()).hexdigest()[:16]
+    state = path.stat()
+    return _digest(path.resolve(), state.st_dev, state.st_ino, state.st_size, state.st_mtime_ns)
+
+
+@lru_cache(maxsize=256)
+def _digest(path: Path, device: int, inode: int, size: int, modified_ns: int) -> str:
+    return hashlib.sha256(file_summary(path) + str(size).encode()).hexdigest()[:16]

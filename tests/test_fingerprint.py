@@ -272,3 +272,23 @@ def test_a_field_only_the_clip_carries_decides_nothing():
 def test_an_empty_string_in_a_difference_reads_as_one():
     [line] = fingerprint.differences({"mux.note": "violin"}, {"mux.note": ""})
     assert line == 'mux.note: violin -> ""'
+
+
+def test_a_clip_s_media_is_read_once_for_its_name_and_fingerprint_and_again_once_it_changes(tmp_path, monkeypatch):
+    import os
+
+    from h3gen.inputs.request import Request
+    from h3gen.run.render import clip_name
+
+    frame = tmp_path / "first.png"
+    frame.write_bytes(b"frame one")
+    reads = []
+    summary = fingerprint.file_summary
+    monkeypatch.setattr(fingerprint, "file_summary", lambda path: reads.append(path) or summary(path))
+    request = Request(index=0, prompt="p", seed=1, width=32, height=32, frames=5, first_frame=frame)
+    name, fields = clip_name(request, "tiny"), fingerprint.clip_fields({}, request)
+    assert len(reads) == 1 and clip_name(request, "tiny") == name
+    frame.write_bytes(b"frame two")  # the same size, written again: its modification time moves
+    os.utime(frame, ns=(os.stat(frame).st_atime_ns, os.stat(frame).st_mtime_ns + 1))
+    assert clip_name(request, "tiny") != name and fingerprint.clip_fields({}, request) != fields
+    assert len(reads) == 2
