@@ -23,6 +23,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, 
 from rich.table import Table
 
 from h3gen.run.records import clip_record
+from h3gen.run.report import SilentReporter
 from h3gen.text import shown
 
 STAGE_ORDER = ("encode", "sampler", "vae", "mux")
@@ -120,7 +121,7 @@ def heartbeat_seconds() -> float:
     return seconds
 
 
-class PlainReporter:
+class PlainReporter(SilentReporter):
     """One line per event: what cron and make logs want."""
 
     def __init__(self, total: int, json_out: bool = False, preset: str = "", since: float | None = None):
@@ -154,12 +155,6 @@ class PlainReporter:
             self.console.print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {shown(text)}", markup=False)
         except OSError:
             pass
-
-    def start(self):
-        return self
-
-    def stop(self):
-        pass
 
     def clip_started(self, clip):
         self.check_stdout()
