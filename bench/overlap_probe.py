@@ -22,14 +22,7 @@ def main() -> None:
     import torch
 
     from h3gen.bench.batch import batch_requests
-    from h3gen.bench.sweep import BenchPlan, adapter_overrides, cache_overrides, forward_overrides
-    from h3gen.bench.random_weights import FullSizeRandom
-    from h3gen.config.preset import resolve
-    from h3gen.models.repo import ModelRepo
-    from h3gen.models.tiny import ensure_tiny_model
-    from h3gen.plugins.manager import registry
-    from h3gen.run.render import Renderer
-    from h3gen.run.report import SilentReporter
+    from h3gen.bench.sweep import BenchPlan, probe_renderer
     from h3gen.stages.clip import Clip
 
     parser = argparse.ArgumentParser()
@@ -40,15 +33,9 @@ def main() -> None:
     parser.add_argument("-o", "--output", type=Path, default=Path("overlap.json"))
     args = parser.parse_args()
 
-    found = registry()
-    preset = resolve(args.preset, found)
-    overrides = (forward_overrides(preset, args.forwards, found) + cache_overrides(preset)
-                 + adapter_overrides("full"))
-    preset = resolve(args.preset, found, overrides)
-    plan = BenchPlan(presets=[args.preset])
-    requests = batch_requests(plan, args.seconds, 3)
-    renderer = Renderer(preset, found, FullSizeRandom(ModelRepo(ensure_tiny_model())), SilentReporter())
-    stages = renderer.stages
+    renderer = probe_renderer(args.preset, args.forwards)
+    preset, stages = renderer.preset, renderer.stages
+    requests = batch_requests(BenchPlan(presets=[args.preset]), args.seconds, 3)
     clips = [Clip(request=r, path=Path(f"/tmp/{r.id}.mp4"), preset=preset.name) for r in requests]
     for clip in clips:
         stages["encode"](clip, report=False)

@@ -76,6 +76,26 @@ def adapter_overrides(random_weights: str | None) -> list[str]:
     return ["adapter.paths=[]"] if random_weights else []
 
 
+def probe_renderer(name: str, forwards: int, sets=(), tiny: bool = False):
+    """A renderer of preset `name` at `forwards` DiT forwards a clip, as a bench run makes it, for the probes under
+    bench/: the full-size architecture with random weights, or with `tiny` the tiny model (a smoke run on the CPU).
+    `sets`: overrides as `--set` gives them."""
+    from h3gen.bench.random_weights import FullSizeRandom
+    from h3gen.config.preset import resolve
+    from h3gen.models.repo import ModelRepo
+    from h3gen.models.tiny import ensure_tiny_model
+    from h3gen.plugins.manager import registry
+    from h3gen.run.render import Renderer
+    from h3gen.run.report import SilentReporter
+
+    found = registry()
+    preset = resolve(name, found)
+    overrides = forward_overrides(preset, forwards, found) + cache_overrides(preset) + list(sets)
+    preset = resolve(name, found, overrides + ([] if tiny else adapter_overrides("full")))
+    model = ModelRepo(ensure_tiny_model())
+    return Renderer(preset, found, model if tiny else FullSizeRandom(model), SilentReporter())
+
+
 def reuses_forwards(preset, registry) -> bool:
     name = preset.stages.get("cache", ("none", None))[0]
     return registry.stage("cache", name).reuses

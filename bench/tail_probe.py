@@ -23,15 +23,8 @@ def main() -> None:
     import torch
 
     from h3gen.bench.batch import batch_requests
-    from h3gen.bench.random_weights import FullSizeRandom
-    from h3gen.bench.sweep import BenchPlan, adapter_overrides, cache_overrides, forward_overrides
-    from h3gen.config.preset import resolve
-    from h3gen.models.repo import ModelRepo
-    from h3gen.models.tiny import ensure_tiny_model
-    from h3gen.plugins.manager import registry
+    from h3gen.bench.sweep import BenchPlan, probe_renderer
     from h3gen.run import arriving
-    from h3gen.run.render import Renderer
-    from h3gen.run.report import SilentReporter
     from h3gen.stages import mux
     from h3gen.stages.clip import Clip
 
@@ -44,16 +37,11 @@ def main() -> None:
     parser.add_argument("-o", "--output", type=Path, default=Path("tail.json"))
     args = parser.parse_args()
 
-    found = registry()
-    preset = resolve(args.preset, found)
-    overrides = forward_overrides(preset, 1, found) + cache_overrides(preset)
-    preset = resolve(args.preset, found, overrides + args.set + ([] if args.tiny else adapter_overrides("full")))
-    plan = BenchPlan(presets=[args.preset])
+    renderer = probe_renderer(args.preset, 1, args.set, args.tiny)
+    preset, plan = renderer.preset, BenchPlan(presets=[args.preset])
     if args.tiny:
         plan.width, plan.height = 64, 64
     [request] = batch_requests(plan, args.seconds, 1)
-    tiny = ModelRepo(ensure_tiny_model())
-    renderer = Renderer(preset, found, tiny if args.tiny else FullSizeRandom(tiny), SilentReporter())
     stages, cuda = renderer.stages, renderer.runtime.device.startswith("cuda")
     if not (stages["vae"].hands_over_frames and stages["mux"].background):
         raise SystemExit(f"{args.preset}'s decode does not hand its frames to a background mux: nothing to probe")
