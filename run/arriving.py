@@ -68,6 +68,11 @@ class ArrivingMedia:
         with self._changed:
             return (self._done and self._audio is not None) or self._error is not None
 
+    def handed(self):
+        """(frames, audio, sample_rate) as the decode has handed them over so far (None where it has not)."""
+        with self._changed:
+            return self._frames, self._audio, self._sample_rate
+
     def fail(self, error: BaseException) -> None:
         with self._changed:
             self._error = error

@@ -19,7 +19,7 @@ from h3gen.run.arriving import ArrivingMedia
 from h3gen.run.loop import signals_held
 from h3gen.run.timing import StageTimer
 from h3gen.stages.base import StageFailed
-from h3gen.stages.clip import PIPELINE, Clip
+from h3gen.stages.clip import PIPELINE, Clip, media_problem
 
 
 @dataclasses.dataclass
@@ -395,15 +395,22 @@ def load(stage, repo) -> None:
 
 
 def check_media(clip: Clip, vae) -> None:
-    """What the decode hands the mux is there: a vae that returns without it is named, not the mux that trips on it."""
+    """What the decode hands the mux is there, and is the clip asked for: a vae that returns without it, or with
+    frames or a soundtrack of another shape or length, is named, not the mux that trips on it (or writes a clip
+    `validate` refuses)."""
     if clip.arriving is not None:
         missing = [] if clip.arriving.finished else ["finishing clip.arriving with its audio"]
+        frames, audio, sample_rate = clip.arriving.handed()
     else:
         missing = [f"clip.{name}" for name in ("frames", "audio") if getattr(clip, name) is None]
+        frames, audio, sample_rate = clip.frames, clip.audio, clip.sample_rate
+    fix = ("a vae's run(clip) sets clip.frames (uint8 (T, H, W, 3)), clip.audio (float32 (2, N)) and "
+           "clip.sample_rate, or hands them over through clip.arriving: docs/plugins.md")
     if missing:
-        raise vae.failed(f"returned the clip without {' or '.join(missing)}",
-                         "a vae's run(clip) sets clip.frames (uint8 (T, H, W, 3)) and clip.audio (float32 (2, N)), "
-                         "or hands them over through clip.arriving: docs/plugins.md")
+        raise vae.failed(f"returned the clip without {' or '.join(missing)}", fix)
+    problem = media_problem(clip.request, frames, audio, sample_rate)
+    if problem:
+        raise vae.failed(f"returned {problem}", fix)
 
 
 def file_state(path: Path):

@@ -110,10 +110,24 @@ class Stage:
         if not isinstance(result, Clip):
             raise self.failed(f"returned {type(result).__name__} from run(), not the clip",
                               "run(clip) must return the clip it was given (or a copy), with its fields set")
-        if self.kind == "mux" and not result.path.is_file():
-            raise self.failed(f"returned without writing {result.path}",
-                              "a mux's run(clip) writes the MP4 at clip.path (h3gen.stages.mux.write_mp4 does it whole)")
+        if self.kind == "mux":
+            self.check_written(result)
         return result
+
+    def check_written(self, clip) -> None:
+        """A mux wrote the MP4 at `clip.path` with the stamp a rerun reads (`clip.fingerprint`), else a rerun would
+        find a clip h3gen did not stamp and leave it as a conflict."""
+        from h3gen.run.fingerprint import differences, read_stamp
+
+        if not clip.path.is_file():
+            fix = "a mux's run(clip) writes the MP4 at clip.path (h3gen.stages.mux.write_mp4 does it whole)"
+            raise self.failed(f"returned without writing {clip.path}", fix)
+        if clip.fingerprint:
+            stored = read_stamp(clip.path)
+            if stored is None or differences(stored, clip.fingerprint):
+                raise self.failed(f"wrote {clip.path.name} without the stamp of clip.fingerprint a rerun reads",
+                                  "pass comment=h3gen.run.fingerprint.stamp(clip.fingerprint) to write_mp4, or wrap "
+                                  "the pyav mux: docs/plugins.md")
 
     @classmethod
     def label(cls) -> str:

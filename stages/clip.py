@@ -29,7 +29,8 @@ FLOW = (
          writes=("video_latents", "audio_latents", "forwards", "forwards_reused", "attention"), on_device=True),
     Step("vae", reads=("video_latents", "audio_latents"), writes=("frames", "audio", "sample_rate", "arriving"),
          on_device=True),
-    Step("mux", reads=("frames", "audio", "sample_rate", "arriving", "path"), writes=(), on_device=False),
+    Step("mux", reads=("frames", "audio", "sample_rate", "arriving", "path", "fingerprint"), writes=(),
+         on_device=False),
 )
 PIPELINE = tuple(step.kind for step in FLOW)  # quant is applied at load time by the stages that load weights
 DEVICE_STAGES = tuple(step.kind for step in FLOW if step.on_device)  # spread over a group (`Stage.parallelize`)
@@ -67,3 +68,31 @@ class Clip:
         self.prompt_embeds = self.text_token_tags = self.video_latents = self.audio_latents = self.noise = None
         if not keep_media:
             self.frames = self.audio = self.arriving = None
+
+
+def media_problem(request: Request, frames, audio, sample_rate) -> str:
+    """What is wrong with a decode's `frames`, `audio` and `sample_rate` for the clip `request` asks for ('' for
+    nothing): the frames uint8 (T, H, W, 3) at the request's frame count and size, the soundtrack float (2, N) as
+    long as the frames within a tenth of a second, as `h3gen validate` takes a clip."""
+    import numpy as np
+
+    from h3gen.inputs.request import AUDIO_CHANNELS, FPS
+
+    wanted = (request.frames, request.height, request.width, 3)
+    if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8 or frames.shape != wanted:
+        return f"clip.frames is {_described(frames)}, not uint8 {wanted}"
+    if not (isinstance(audio, np.ndarray) and np.issubdtype(audio.dtype, np.floating) and audio.ndim == 2
+            and audio.shape[0] == AUDIO_CHANNELS):
+        return f"clip.audio is {_described(audio)}, not float ({AUDIO_CHANNELS}, N)"
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or sample_rate <= 0:
+        return f"clip.sample_rate is {sample_rate!r}, not samples a second"
+    seconds, video = audio.shape[1] / sample_rate, request.frames / FPS
+    if abs(seconds - video) > 0.1:
+        return f"clip.audio lasts {seconds:.3f} s at {sample_rate} Hz, the frames {video:.3f} s"
+    return ""
+
+
+def _described(value) -> str:
+    shape = getattr(value, "shape", None)
+    return f"{value.dtype} {tuple(shape)}" if shape is not None and hasattr(value, "dtype") else type(value).__name__
+

@@ -66,7 +66,16 @@ class Faulty(FrameFilter):
             sys.exit(3)
         if clip.request.id == "bad" and self.config.fault == "interrupt":
             raise KeyboardInterrupt
-        return super().run(clip)
+        clip = super().run(clip)
+        if clip.request.id == "bad" and self.config.fault == "float":
+            clip.frames = clip.frames.astype("float32")
+        if clip.request.id == "bad" and self.config.fault == "few":
+            clip.frames = clip.frames[:10]
+        if clip.request.id == "bad" and self.config.fault == "mono":
+            clip.audio = clip.audio[:1]
+        if clip.request.id == "bad" and self.config.fault == "short":
+            clip.audio = clip.audio[:, : clip.audio.shape[1] // 2]
+        return clip
 
     def unload(self):
         super().unload()
@@ -140,6 +149,23 @@ def test_a_vae_that_hands_on_no_frames_is_named_not_the_mux(faulty, prompts_file
     assert sorted(p.name for p in (tmp_path / "out").glob("*.mp4")) == ["good.mp4"]
 
 
+@pytest.mark.parametrize("fault, problem", [
+    ("float", "returned clip.frames is float32 (124, 32, 32, 3), not uint8 (124, 32, 32, 3)"),
+    ("few", "returned clip.frames is uint8 (10, 32, 32, 3), not uint8 (124, 32, 32, 3)"),
+    ("mono", "returned clip.audio is float32 (1, "),
+    ("short", "returned clip.audio lasts 2.587 s at 32000 Hz, the frames 5.167 s"),
+])
+def test_a_vae_that_hands_on_frames_or_a_soundtrack_of_another_shape_is_named_not_the_mux(
+        faulty, prompts_file, tmp_path, fault, problem):
+    """Frames or a soundtrack the mux cannot take, or would write into a clip `validate` refuses, are the vae's
+    failure: the clip is not written, nor counted, nor rendered again as damaged on every rerun."""
+    result = render(faulty, prompts_file, tmp_path, fault, "--set", "vae.wraps.use=reference")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert f"failed bad.mp4 (line 1): vae stage 'faulty' (from plugin 'faulty') {problem}" in result.stderr
+    assert "mux stage" not in result.stderr and "1 of 2 clips written" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.mp4")) == ["good.mp4"]
+
+
 NO_WRITE = '''
 import dataclasses
 from h3gen.plugins.hookspecs import hookimpl
@@ -148,7 +174,7 @@ from h3gen.stages.base import Stage
 
 @dataclasses.dataclass
 class NoWriteConfig:
-    pass
+    write: str = ""  # "", unstamped or stamped
 
 
 class NoWrite(Stage):
@@ -156,6 +182,12 @@ class NoWrite(Stage):
     Config = NoWriteConfig
 
     def run(self, clip):
+        from h3gen.run.fingerprint import stamp
+        from h3gen.stages.mux import write_mp4
+
+        if self.config.write:
+            write_mp4(clip.path, clip.frames, clip.audio, clip.sample_rate,
+                      comment=stamp(clip.fingerprint) if self.config.write == "stamped" else "")
         return clip
 
 
@@ -173,6 +205,22 @@ def test_a_mux_that_writes_no_file_fails_its_clip(tmp_path, prompts_file):
             f"{out / 'bad.mp4'} (a mux's run(clip) writes the MP4 at clip.path") in result.stderr
     assert "0 of 2 clips written" in result.stderr
     assert '"status": "ok"' not in (out / "manifest.jsonl").read_text()
+
+
+def test_a_mux_that_writes_without_the_stamp_fails_its_clip_and_one_with_it_is_skipped_on_a_rerun(
+        tmp_path, prompts_file):
+    """Unstamped, every rerun would leave the clip as one h3gen did not write: the mux's clip fails now, named."""
+    env = install(tmp_path / "site", "nowrite", NO_WRITE)
+    out, prompts = tmp_path / "out", prompts_file(PROMPTS)
+    result = h3gen("render", prompts, "-o", out, "--set", "mux.use=nowrite", "--set", "mux.write=unstamped",
+                   env=env, check_code=1)
+    assert ("failed bad.mp4 (line 1): mux stage 'nowrite' (from plugin 'nowrite') wrote bad.mp4 without the stamp "
+            "of clip.fingerprint a rerun reads (pass comment=h3gen.run.fingerprint.stamp(clip.fingerprint) to "
+            "write_mp4") in result.stderr
+    assert "0 of 2 clips written" in result.stderr and not list(out.glob("*.mp4"))
+    stamped = ("render", prompts, "-o", out, "--set", "mux.use=nowrite", "--set", "mux.write=stamped")
+    assert "2 of 2 clips written" in h3gen(*stamped, env=env, check_code=0).stderr
+    assert "2 already there and valid (skipped)" in h3gen(*stamped, env=env, check_code=0).stderr
 
 
 @pytest.mark.parametrize("fault, what", [("init", "failed to start: KeyError: 'no such knob'"),
