@@ -108,11 +108,21 @@ def write_into(target: Path) -> None:
     try:
         write_tiny_model(staging, final_dir=target)
         (staging / FILE_LIST).write_text(json.dumps(file_digests(staging), indent=1))
+        follow_umask(staging)
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def follow_umask(root: Path) -> None:
+    """`root` and everything under it with the modes a plain write gives (0666 and 0777 less the umask), readable by
+    whom the user's other files are: tempfile makes the folder 0700 and safetensors' writer its files 0600."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [root, *root.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def write_failure(target: Path, error: Exception, default: bool):

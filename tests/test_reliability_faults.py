@@ -791,6 +791,18 @@ def test_tensors_are_written_with_the_mode_the_umask_gives(tmp_path):
     assert modes == {"x.latents.safetensors": 0o640, "x.mp4": 0o640}
 
 
+def test_the_tiny_model_is_written_with_the_modes_the_umask_gives(tmp_path):
+    """`h3gen tiny DIR` (and the user cache's copy) can be shared as the user's other files are: not 0700 and 0600
+    as tempfile and safetensors' writer make them."""
+    import stat
+
+    h3gen("tiny", tmp_path / "tiny", check_code=0, fresh=True, preexec_fn=lambda: os.umask(0o027))
+    written = [tmp_path / "tiny", *(tmp_path / "tiny").rglob("*")]
+    assert {stat.S_IMODE(p.stat().st_mode) for p in written if p.is_dir()} == {0o750}
+    assert {stat.S_IMODE(p.stat().st_mode) for p in written if p.is_file()} == {0o640}
+    assert any(p.suffix == ".safetensors" for p in written)
+
+
 def test_a_rerun_after_sigkill_removes_the_partial_mp4_and_the_locks_it_owns(faults, prompts_file, tmp_path):
     """SIGKILL mid-write leaves b's 48-byte partial MP4 and b's lock; a lock of a clip already written is left too
     when the kill lands between the MP4's rename and the claim's release (made by hand here). The rerun removes
