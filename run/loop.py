@@ -97,6 +97,7 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
     from h3gen.config.contract import check_adapters, check_cache
     from h3gen.config.preset import check_stage_configs
     from h3gen.inputs.prompts import read_prompts, shard_requests
+    from h3gen.run.render import check_room
 
     every = read_prompts(settings.prompts, settings.seed, preset.request)
     check_unique_outputs(every, preset.name, settings.prompts)  # across shards too: two shards must not write one file
@@ -107,6 +108,8 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
         check_device(preset.runtime["device"])
         if not settings.dry_run:  # a dry run changes nothing in the output directory
             clear_leftovers(requests, settings.output, preset.name)
+            if requests:
+                check_room(settings.output)
         # Clips are numbered by their place in the whole file, so [i/n] means the same in every shard.
         reporter = make_reporter(len(every), settings.json_out, preset.name)
         if settings.shard and not requests:

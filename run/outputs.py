@@ -91,9 +91,9 @@ def clear_leftovers(path: Path) -> None:
         claim.release()
 
 
-def record(out_dir: Path, result, preset: str, status: str) -> str:
+def record(out_dir: Path, result, preset: str, status: str) -> OSError | None:
     """Append one line for a clip (h3gen.run.records): ok, failed, skipped (already there and valid), busy (another
-    run has it) or conflict (there, rendered with other settings). '' when written, else why not (one line)."""
+    run has it) or conflict (there, rendered with other settings). None when written, else the error."""
     from h3gen.run.records import clip_record
 
     line = json.dumps({"time": round(time.time(), 3), "pid": os.getpid(),
@@ -112,8 +112,8 @@ def record(out_dir: Path, result, preset: str, status: str) -> str:
         finally:
             os.close(fd)
     except OSError as e:
-        return write_error(path, e)
-    return ""
+        return OSError(e.errno, e.strerror, str(path))
+    return None
 
 
 def unterminated(fd: int) -> bool:
@@ -127,13 +127,15 @@ def recorded(out_dir: Path, result, preset: str):
     does not mention is not counted as done, even when its file is there."""
     import dataclasses
 
-    unrecorded = record(out_dir, result, preset, result.status)
-    if unrecorded and result.ok:
-        return dataclasses.replace(result, ok=False, error=unrecorded, status="failed")
-    if unrecorded and unrecorded not in result.error:  # failed all the same: the summary and --json say so
-        return dataclasses.replace(result, error=f"{result.error}; its manifest line was not written either: "
-                                                 f"{unrecorded}")
-    return result
+    error = record(out_dir, result, preset, result.status)
+    said = write_error(Path(error.filename), error) if error is not None else ""
+    if not said or said in result.error:  # written, or failed for this already
+        return result
+    if result.ok:
+        return dataclasses.replace(result, ok=False, error=said, status="failed")
+    # Failed all the same: the summary and --json say so, after the clip's own reason and its fix.
+    return dataclasses.replace(result, error=f"{result.error}; its manifest line was not written either "
+                                             f"({error.strerror or error})")
 
 
 def check_manifest(out_dir: Path) -> None:

@@ -12,7 +12,7 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-from h3gen.errors import ClipError, H3genError, ModelError
+from h3gen.errors import ClipError, H3genError, ModelError, WriteError
 from h3gen.inputs.request import Request
 from h3gen.run import budget, fingerprint, memory, outputs
 from h3gen.run.arriving import ArrivingMedia
@@ -552,6 +552,15 @@ def check_disk(out_dir: Path, request: Request, bytes_per_pixel: float = 0.0) ->
         size = f"at least {need_text}" if need == MP4_FLOOR_BYTES else f"about {need_text} as this run's clips do"
         raise ClipError(f"only {free_text} free in {out_dir}, the clip needs {size}",
                         "free disk space; a rerun redoes only the clips that are missing")
+
+
+def check_room(out_dir: Path) -> None:
+    """Refuse a run before any weight loads when its output disk cannot take even the smallest MP4."""
+    free = shutil.disk_usage(out_dir).free
+    if free < MP4_FLOOR_BYTES:
+        free_text, need_text = sizes_that_differ(free, MP4_FLOOR_BYTES)
+        raise WriteError(f"only {free_text} free in {out_dir}, and a clip takes at least {need_text}",
+                         "free disk space there, or pass -o on another disk")
 
 
 def sizes_that_differ(a: int, b: int) -> tuple[str, str]:

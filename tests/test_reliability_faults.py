@@ -8,12 +8,15 @@ command runs exactly as in production, in a child process.
 import gc
 import json
 import os
+import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import weakref
+from pathlib import Path
 
 import pytest
 
@@ -563,17 +566,16 @@ def full_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount)])
 
 
-def test_a_full_output_disk_fails_every_clip_cleanly(full_disk, prompts_file, tiny_model):
-    """No space for an MP4, a manifest line or a claim: each clip fails with one line, the run ends with its
-    summary and exit 1, no traceback, nothing partial."""
+def test_a_full_output_disk_is_refused_before_any_weight_loads(full_disk, prompts_file, tiny_model):
+    """No space for even the smallest MP4: one line and exit 1 before the weights load, nothing written. (A disk
+    that fills once clips render fails each clip that no longer fits: the patched tests below.)"""
     result = h3gen("render", prompts_file("a fox\nwaves\n"), "-o", full_disk, "--json", "--save-latents",
                    "--model", tiny_model, "--preset", "tiny")
     assert result.returncode == 1, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr and "Error" not in result.stderr.replace("error", ""), result.stderr[-3000:]
-    lines = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [r["ok"] for r in lines] == [False, False]
-    assert "0 of 2 clips written, 2 failed" in result.stderr
-    assert sorted(p.name for p in full_disk.iterdir()) in (["filler"], ["filler", "manifest.jsonl"])
+    assert re.fullmatch(rf"h3gen: error: only \d+ KiB free in {re.escape(str(full_disk))}, and a clip takes at least "
+                        r"64 KiB \(free disk space there, or pass -o on another disk\)", result.stderr.splitlines()[-1])
+    assert "loaded" not in result.stderr and result.stdout == ""
+    assert sorted(p.name for p in full_disk.iterdir()) == ["filler"]
 
 
 def test_a_full_cache_disk_costs_only_the_cache(full_disk, prompts_file, tiny_model, tmp_path):
@@ -610,9 +612,29 @@ def test_a_manifest_line_that_cannot_be_written_fails_its_clip(tmp_path, monkeyp
     monkeypatch.setattr(outputs.os, "write", no_space)
     result = ClipResult(Request(index=0, prompt="x", seed=0, width=32, height=32, frames=124), tmp_path / "a.mp4",
                         True, {}, 0.0)
-    problem = outputs.record(tmp_path, result, "tiny", "ok")
-    assert problem == (f"cannot write {tmp_path / 'manifest.jsonl'}: No space left on device (free space in "
+    error = outputs.record(tmp_path, result, "tiny", "ok")
+    assert outputs.write_error(Path(error.filename), error) == (f"cannot write {tmp_path / 'manifest.jsonl'}: No space left on device (free space in "
                        f"{tmp_path}; a rerun redoes only the clips that are missing)")
+
+
+def test_a_run_whose_output_disk_cannot_take_a_clip_is_refused_before_any_weight_loads(tmp_path, monkeypatch,
+                                                                                       prompts_file):
+    import dataclasses
+
+    from h3gen.config.preset import resolve
+    from h3gen.errors import WriteError
+    from h3gen.plugins.manager import registry
+    from h3gen.run.loop import prepare
+    from h3gen.run.settings import RunSettings
+
+    found = registry()
+    preset = resolve("tiny", found)
+    settings = RunSettings(prompts=prompts_file('{"prompt": "x"}\n'), output=tmp_path / "out")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 2**10, 2**10))
+    with pytest.raises(WriteError, match=f"^only 1 KiB free in {tmp_path / 'out'}, and a clip takes at least 64 KiB"):
+        prepare(settings, preset, found)
+    assert not (tmp_path / "out").exists()  # the folder the run made goes with it
+    prepare(dataclasses.replace(settings, dry_run=True), preset, found)  # a dry run writes nothing: it goes on
 
 
 def test_a_failed_clip_whose_manifest_line_is_lost_says_so(tmp_path, monkeypatch):
@@ -630,9 +652,7 @@ def test_a_failed_clip_whose_manifest_line_is_lost_says_so(tmp_path, monkeypatch
     failed = ClipResult(Request(index=0, prompt="x", seed=0, width=32, height=32, frames=124), tmp_path / "a.mp4",
                         False, {}, 0.0, error="only 0 KiB free", status="failed")
     result = outputs.recorded(tmp_path, failed, "tiny")
-    assert result.error == (f"only 0 KiB free; its manifest line was not written either: cannot write "
-                            f"{tmp_path / 'manifest.jsonl'}: No space left on device (free space in {tmp_path}; a "
-                            "rerun redoes only the clips that are missing)")
+    assert result.error == "only 0 KiB free; its manifest line was not written either (No space left on device)"
 
 
 def test_a_rerun_with_save_latents_renders_again_a_clip_whose_latents_were_cut_short(prompts_file, tmp_path):
@@ -682,7 +702,7 @@ def test_once_the_manifest_cannot_be_written_the_run_renders_no_more_clips(promp
         calls.append(status)
         if len(calls) == 1:
             return real(out_dir, result, preset, status)
-        return outputs.write_error(out_dir / outputs.MANIFEST, OSError(errno.EPERM, "Operation not permitted"))
+        return OSError(errno.EPERM, "Operation not permitted", str(out_dir / outputs.MANIFEST))
 
     monkeypatch.setattr(outputs, "record", full_after_one)
     out = tmp_path / "out"
