@@ -73,16 +73,18 @@ def find_preset(name_or_file: str, registry, folder: Path | None = None) -> tupl
     if not registry.presets:
         raise UsageError(f"unknown preset '{name_or_file}': no presets are registered",
                          "`h3gen plugins` says why the plugin that ships them failed")
+    beside = (folder or Path()) / f"{name_or_file}.toml"
+    if beside.is_file():
+        raise UsageError(f"unknown preset '{name_or_file}'", f"for the file, pass {beside}")
     raise UsageError(f"unknown preset '{name_or_file}'",
                      f"available: {', '.join(sorted(registry.presets))}{registry.missing()}")
 
 
 def preset_label(name: str, path: Path, registry) -> str:
-    """How errors and `presets show` name a preset: by its name, or by its file when a registered preset has that
-    name (a file named after the built-in it extends)."""
+    """How errors and `presets show` name a preset: a registered one by its name, a file by its path (as given, or
+    from the folder of the preset that extends it), so the user finds the file to fix."""
     registered = registry.presets.get(name)
-    same = registered is None or Path(registered).resolve() == path.resolve()
-    return f"preset {name}" if same else f"preset {path}"
+    return f"preset {name}" if registered is not None and Path(registered) == path else f"preset {path}"
 
 
 def load_preset(name_or_file: str, registry, folder: Path | None = None,

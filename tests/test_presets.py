@@ -1,5 +1,6 @@
 """Presets: versioned TOML naming registered stages, overrides with --set, provenance of every value."""
 
+import re
 import shutil
 
 import pytest
@@ -43,11 +44,12 @@ def test_shipped_presets_resolve_with_their_contracts():
 
 
 def test_set_overrides_and_records_where_values_came_from(tmp_path):
-    preset = resolve(write(tmp_path, BASE), registry(), ["sampler.steps=9", "request.width=1024"])
+    path = write(tmp_path, BASE)
+    preset = resolve(path, registry(), ["sampler.steps=9", "request.width=1024"])
     assert preset.stages["sampler"][1].steps == 9 and preset.request["width"] == 1024
     assert preset.sources["sampler.steps"] == "--set"
     assert preset.sources["sampler.video_shift"] == "default of sampler 'euler'"
-    assert preset.sources["encode.use"] == "preset custom"
+    assert preset.sources["encode.use"] == f"preset {path}" and preset.name == "custom"
     assert preset.sources["cache.use"] == "default"  # an optional stage the preset leaves out
 
 
@@ -85,14 +87,23 @@ def test_set_overrides_and_records_where_values_came_from(tmp_path):
                                                               "frames needs about"),
 ])
 def test_bad_presets(tmp_path, text, overrides, message):
-    with pytest.raises(UsageError, match=message):
-        resolve(write(tmp_path, text), registry(), overrides)
+    path = write(tmp_path, text)  # errors name a preset file by its path
+    with pytest.raises(UsageError, match=message.replace("preset custom", f"preset {re.escape(path)}")):
+        resolve(path, registry(), overrides)
 
 
 def test_unknown_preset_name_lists_the_available_ones():
     with pytest.raises(UsageError, match="available: diffusers, fasth3, fasth3-fp8, h3-base, h3-base-fast, "
                                          "h3-base-fast-fixed, h3-base-fp8, h3-exact, h3-reference, tiny, turbo-8"):
         resolve("nope", registry())
+
+
+def test_an_unknown_name_with_a_preset_file_of_that_name_beside_it_says_to_pass_the_file(tmp_path, monkeypatch):
+    (tmp_path / "mine.toml").write_text('version = 1\nextends = "tiny"\n')
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=r"^unknown preset 'mine' \(for the file, pass mine.toml\)$"):
+        resolve("mine", registry())
+    assert resolve("mine.toml", registry()).name == "mine"
 
 
 def test_presets_cli_list_and_show():

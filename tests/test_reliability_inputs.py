@@ -192,7 +192,8 @@ def test_a_preset_in_the_prompts_files_place_is_named_as_one(tmp_path):
 def test_bad_preset_file_is_refused(prompts_file, tmp_path, change, message):
     preset = tmp_path / "bad.toml"
     preset.write_text(change(TINY_PRESET))
-    refused(h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--preset", preset), message)
+    refused(h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--preset", preset),
+            message.replace("preset bad", f"preset {preset}"))  # a preset file is named by its path
 
 
 @pytest.mark.parametrize("setting, message", [
@@ -223,7 +224,8 @@ def test_bad_sampler_value_is_refused_before_any_weight_loads(prompts_file, tmp_
     sampler = sampler.replace('use = "euler"\n', "") if line.startswith("use") else sampler
     preset.write_text(sampler.replace("[sampler]\n", f"[sampler]\n{line}\n"))
     result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--preset", preset, check_code=2)
-    assert result.stderr.strip().splitlines()[-1] == f"h3gen: error: {message}"
+    named = message.replace("preset bad", f"preset {preset}")  # a preset file is named by its path
+    assert result.stderr.strip().splitlines()[-1] == f"h3gen: error: {named}"
     assert not list((tmp_path / "out").glob("**/*.mp4"))
 
 
