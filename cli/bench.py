@@ -119,7 +119,8 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     source = weights_source(random_weights, model)
     if random_weights is None:  # random weights stand in for whichever model a preset is made for
         for index, preset in enumerate(resolved):
-            check_model_kind(preset, source, model is None, baseline=bool(plan.baseline) and index == len(resolved) - 1)
+            check_model_kind(preset, source, model is None, bench=True,
+                             baseline=bool(plan.baseline) and index == len(resolved) - 1)
 
     check_writable(Path(output))  # now, not after the benchmark's minutes
 

@@ -240,16 +240,20 @@ def check_unique_outputs(requests, preset_name: str, prompts: Path) -> None:
         first_line[name] = request.line
 
 
-def check_model_kind(preset, repo, embedded: bool, baseline: bool = False) -> None:
+def check_model_kind(preset, repo, embedded: bool, baseline: bool = False, bench: bool = False) -> None:
     """A preset made for the tiny model on a real repository, or for a real one on the tiny model, renders nothing
-    worth having: stop before any weight loads. `baseline`: the preset is `h3gen bench`'s baseline."""
+    worth having: stop before any weight loads. `baseline`: the preset is `h3gen bench`'s baseline; `bench`: the
+    check is `h3gen bench`'s, which can run any preset on random weights instead."""
     needs, has = preset.model["needs"], repo.kind()
     if needs in ("any", has):
         return
     anyway = f"or --set model.needs=any to run preset {preset.name} on it anyway"
     if needs == "MiniMax-H3":
-        given = "the embedded tiny model was given" if embedded else f"{repo.root} holds a tiny model"
+        given = ("no --model was given, so the embedded tiny model stands in" if embedded
+                 else f"{repo.root} holds a tiny model")
         instead = "--baseline none" if baseline else "--preset tiny"
+        if bench:
+            instead = f"--random-weights full (its architecture, random weights), {instead}"
         raise UsageError(f"preset {preset.name} needs a MiniMax-H3 repository, and {given}",
                          f"pass --model DIR (or H3GEN_MODEL) with the MiniMax-H3 repository, {instead}, {anyway}")
     raise UsageError(f"preset {preset.name} is made for the tiny smoke-test model, and {repo.root} is a MiniMax-H3 "

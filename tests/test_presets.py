@@ -145,7 +145,8 @@ def test_presets_show_bad_value_exits_2():
 def test_a_preset_runs_only_on_the_model_it_is_made_for(prompts_file, tiny_model, tmp_path):
     prompts, out = prompts_file("a fox\n"), tmp_path / "out"
     real = h3gen("render", prompts, "-o", out, "--preset", "h3-base", check_code=2)
-    assert "preset h3-base needs a MiniMax-H3 repository, and the embedded tiny model was given" in real.stderr
+    assert ("preset h3-base needs a MiniMax-H3 repository, and no --model was given, so the embedded tiny model "
+            "stands in") in real.stderr
     assert "--set model.needs=any" in real.stderr and "loaded on" not in real.stderr
     # --model without --preset is h3-base: refused on the tiny model for the same reason
     picked = h3gen("render", prompts, "-o", out, "--model", tiny_model, check_code=2)
