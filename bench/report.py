@@ -53,8 +53,8 @@ def markdown(result: dict) -> str:
              "| preset | media s | stage | median s | p95 s | per forward s | forwards | peak GiB | host GiB | RTF "
              "| vs baseline | rel err vs baseline |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    order = {stage: i for i, stage in enumerate(TABLE_STAGES)}
-    for r in sorted(result["records"], key=lambda r: (r["duration_s"], not r["baseline"], r["preset"],
+    order, given = {stage: i for i, stage in enumerate(TABLE_STAGES)}, preset_order(result["records"])
+    for r in sorted(result["records"], key=lambda r: (r["duration_s"], not r["baseline"], given[r["preset"]],
                                                       order.get(r["stage"], 99))):
         cells = [r["preset"] + (" (baseline)" if r["baseline"] else ""), f"{r['duration_s']:.2f}", r["stage"]]
         cells += [_fmt(r.get(k)) for k in ("median_s", "p95_s", "per_forward_s", "forwards", "peak_gib", "host_gib",
@@ -71,7 +71,12 @@ def note_lines(records: list[dict]) -> list[str]:
     for r in records:
         said = notes.setdefault(r["preset"] + (" (baseline)" if r.get("baseline") else ""), [])
         said += [note for note in (r.get("notes") or "").split("; ") if note and note not in said]
-    return [f"- {name}: {'; '.join(said)}" for name, said in sorted(notes.items()) if said]
+    return [f"- {name}: {'; '.join(said)}" for name, said in notes.items() if said]  # in the records' order
+
+
+def preset_order(records: list[dict]) -> dict[str, int]:
+    """Each preset's place among the records: the order the command named them in."""
+    return {preset: index for index, preset in enumerate(dict.fromkeys(r["preset"] for r in records))}
 
 
 def _fmt(value) -> str:
@@ -86,8 +91,9 @@ def chart(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    given = preset_order(result["records"])
     groups = sorted({(r["duration_s"], r["preset"], r["baseline"]) for r in result["records"]},
-                    key=lambda g: (g[0], not g[2], g[1]))
+                    key=lambda g: (g[0], not g[2], given[g[1]]))
     medians = {(r["duration_s"], r["preset"], r["stage"]): r["median_s"] or 0.0 for r in result["records"]}
     labels = [f"{preset}\n{duration:.1f} s" for duration, preset, _ in groups]
     figure, axes = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4.5))

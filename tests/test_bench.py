@@ -115,6 +115,22 @@ def test_the_report_s_device_line_leaves_out_what_the_machine_has_not():
     assert gpu.startswith("Device: NVIDIA H200 (driver 580.1, CUDA 13.0); torch 2")
 
 
+def test_the_report_lists_presets_in_the_order_the_command_named_them():
+    from h3gen.bench.report import markdown
+
+    def row(preset, baseline=False):
+        return {"preset": preset, "baseline": baseline, "duration_s": 5.0, "stage": "dit", "median_s": 1.0,
+                "notes": f"{preset}'s note"}
+
+    result = {"versions": {"torch": "2", "diffusers": "0.42"}, "commit": "abc", "created": "now",
+              "device": {"name": "CPU"}, "records": [row("diffusers", True), row("zeta"), row("alpha")]}
+    lines = markdown(result).splitlines()
+    named = [line.split(" | ")[0].lstrip("| ") for line in lines if line.startswith("| ") and " dit " in line]
+    assert named == ["diffusers (baseline)", "zeta", "alpha"]
+    assert [line.split(":")[0] for line in lines if line.startswith("- ")] == ["- diffusers (baseline)", "- zeta",
+                                                                               "- alpha"]
+
+
 def test_bench_batch_times_clips_through_the_renderer(tmp_path):
     # The baseline renders clip by clip (mux in line), here one clip; the preset's muxes run behind the next clip's DiT.
     # The preset at its own 3 forwards, the baseline at 1 (--baseline-forwards): compared at 3 all the same.
