@@ -111,14 +111,15 @@ def test_the_sampler_draws_the_next_clip_s_noise_while_this_one_renders(tmp_path
 
 
 def test_a_plugin_stage_that_declares_nothing_works_in_line(tmp_path, tiny_model):
+    from h3gen.run.fingerprint import stamp
     from h3gen.stages.base import Stage
     from h3gen.stages.mux import write_mp4
 
     class PlainMux(Stage):
         kind, name = "mux", "plain"
 
-        def run(self, clip):
-            write_mp4(clip.path, clip.frames, clip.audio, sample_rate=clip.sample_rate)
+        def run(self, clip):  # as docs/plugins.md says a new mux writes: with the stamp a rerun reads
+            write_mp4(clip.path, clip.frames, clip.audio, sample_rate=clip.sample_rate, comment=stamp(clip.fingerprint))
             return clip
 
     assert not PlainMux.background and not PlainMux.hands_over_frames and PlainMux.refuses_split(None)
