@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from h3gen.errors import ClipError, H3genError
 from h3gen.run.render import Renderer, check_disk, clip_error
-from h3gen.stages.base import StageFailed
+from h3gen.stages.base import ReturnedRefused, StageFailed
 from h3gen.stages.clip import CLIP_DEVICE_STAGES, DEVICE_STAGES
 
 GO, PASS = 0, 1  # the first rank's word on a clip: render it, or leave it (busy, skipped, failed)
@@ -64,12 +64,14 @@ class GroupRenderer(Renderer):
         return None
 
     def check_fatal(self, clip, error: Exception) -> None:
-        """An input error meets every rank alike, and the group moves on to the next clip together. Anything else
-        (out of memory on one GPU, a lost peer) may have struck this rank alone, while the others wait in a
-        collective for it: the run ends here, torchrun stops the other ranks and names this one's error."""
+        """An input error meets every rank alike, as does a stage's return its contract refuses once every rank ran
+        it (ReturnedRefused), and the group moves on to the next clip together. Anything else (out of memory on one
+        GPU, a lost peer) may have struck this rank alone, while the others wait in a collective for it: the run
+        ends here, torchrun stops the other ranks and names this one's error."""
         import torch.distributed as dist
 
-        if isinstance(error, H3genError) and not isinstance(error, StageFailed):
+        in_step = isinstance(error, ReturnedRefused) or not isinstance(error, StageFailed)
+        if isinstance(error, H3genError) and in_step:
             return
         raise GroupError(f"rank {dist.get_rank()} failed on {clip.path.name}: {clip_error(clip, error)}",
                          "its group cannot go on without it; run the same command again to render the rest")

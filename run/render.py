@@ -18,7 +18,7 @@ from h3gen.run import budget, fingerprint, memory, outputs
 from h3gen.run.arriving import ArrivingMedia
 from h3gen.run.loop import signals_held
 from h3gen.run.timing import StageTimer
-from h3gen.stages.base import StageFailed
+from h3gen.stages.base import ReturnedRefused, StageFailed
 from h3gen.stages.clip import PIPELINE, Clip, media_problem
 
 
@@ -406,11 +406,10 @@ def check_media(clip: Clip, vae) -> None:
         frames, audio, sample_rate = clip.frames, clip.audio, clip.sample_rate
     fix = ("a vae's run(clip) sets clip.frames (uint8 (T, H, W, 3)), clip.audio (float32 (2, N)) and "
            "clip.sample_rate, or hands them over through clip.arriving: docs/plugins.md")
-    if missing:
-        raise vae.failed(f"returned the clip without {' or '.join(missing)}", fix)
-    problem = media_problem(clip.request, frames, audio, sample_rate)
+    problem = (f"the clip without {' or '.join(missing)}" if missing
+               else media_problem(clip.request, frames, audio, sample_rate))
     if problem:
-        raise vae.failed(f"returned {problem}", fix)
+        raise ReturnedRefused(f"{vae.label()} returned {problem}", fix)
 
 
 def file_state(path: Path):

@@ -43,6 +43,11 @@ class StageFailed(H3genError):
     exit_code = 1
 
 
+class ReturnedRefused(StageFailed):
+    """A stage returned, on every rank, something its contract refuses (a decode without its frames, or with frames
+    of another shape): the ranks are still in step, so in a group too it costs its clip alone."""
+
+
 class Stage:
     """One step of the pipeline. Subclasses set `kind`, `name`, `Config` and implement `run`."""
 

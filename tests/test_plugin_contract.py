@@ -166,6 +166,18 @@ def test_a_vae_that_hands_on_frames_or_a_soundtrack_of_another_shape_is_named_no
     assert sorted(p.name for p in (tmp_path / "out").glob("*.mp4")) == ["good.mp4"]
 
 
+def test_in_a_group_a_vae_s_refused_frames_cost_their_clip_alone(faulty, prompts_file, tmp_path):
+    """Every rank ran the decode; the first finds its frames refused. The ranks are in step, so the group goes on to
+    the next clip rather than ending the run."""
+    result = render(faulty, prompts_file, tmp_path, "few", "--set", "vae.wraps.use=reference", "--set",
+                    "sampler.dit=h3gen", "--cpu-workers", "2", "--ulysses", "2")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert ("failed bad.mp4 (line 1): vae stage 'faulty' (from plugin 'faulty') returned clip.frames is uint8 "
+            "(10, 32, 32, 3)") in result.stderr
+    assert "1 of 2 clips written" in result.stderr and "rank " not in result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.mp4")) == ["good.mp4"]
+
+
 NO_WRITE = '''
 import dataclasses
 from h3gen.plugins.hookspecs import hookimpl
