@@ -37,6 +37,10 @@ def _run_render(settings: RunSettings, began: float) -> int:
     from h3gen.run.loop import prepare, render_batch
 
     found = plugin_registry()
+    if settings.strict_plugins:  # the broken plugin is the error, not the preset it would have registered
+        from h3gen.run.loop import check_plugins
+
+        check_plugins(found, True, None)
     preset = resolve(settings.preset, found, list(settings.overrides))
     settings = with_preset_workers(settings, preset)
     layout = None

@@ -99,6 +99,14 @@ def test_a_preset_not_found_names_the_plugins_that_failed(site, prompts_file, tm
     assert "; plugin 'importfails' failed to load: no module named cuda_magic" in line
 
 
+def test_strict_plugins_names_the_broken_plugin_before_a_preset_it_may_have_registered(site, prompts_file, tmp_path):
+    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--preset", "invert", "--strict-plugins",
+                   env={**site, "H3GEN_LOAD_PLUGINS": "importfails"}, check_code=2)
+    assert result.stderr.startswith("h3gen: error: plugin 'importfails' failed to load: no module named cuda_magic ("),\
+        result.stderr
+    assert "unknown preset" not in result.stderr and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("strict", [["--strict-plugins"], []])
 def test_strict_plugins_stops_the_run(site, prompts_file, tmp_path, strict):
     env = {**site, "H3GEN_LOAD_PLUGINS": "importfails"} if strict else {**site, "H3GEN_STRICT_PLUGINS": "1",
