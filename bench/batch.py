@@ -210,7 +210,10 @@ def batch_markdown(result: dict) -> str:
         name = r["preset"] + (" (baseline, clip by clip)" if r.get("baseline") else "")
         name += f", {r['embedding_cache']} embedding cache" if r.get("embedding_cache") else ""
         lines.append(f"| {name} | " + " | ".join(table_cell(r.get(k)) for k in BATCH_COLUMNS) + " |")
-    return "\n".join(lines + [""] + note_lines(result["records"])) + "\n"
+    legend = (["- vs_baseline: clips_per_hour_full over the baseline's, each at its own forwards a clip; "
+               "vs_baseline_same_forwards: the baseline projected to this preset's forwards"]
+              if any(r.get("vs_baseline") for r in result["records"]) else [])
+    return "\n".join(lines + [""] + note_lines(result["records"]) + legend) + "\n"
 
 
 def write_batch_results(records: list[dict], out_dir: Path) -> dict[str, Path]:
