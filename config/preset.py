@@ -92,10 +92,13 @@ def load_preset(name_or_file: str, registry, folder: Path | None = None,
     """The preset's tables, with the presets it extends merged under them, and where each key came from
     ({"vae.wraps.use": "preset tiny"})."""
     name, path = find_preset(name_or_file, registry, folder)
-    if path.resolve() in chain:
-        raise UsageError(f"preset {name} extends itself ({' -> '.join(p.stem for p in chain + (path,))})",
+    label = preset_label(name, path, registry)
+    seen = [resolved for resolved, _ in chain]
+    if path.resolve() in seen:  # the cycle from its first preset, each named as errors name it
+        cycle = [said for _, said in chain[seen.index(path.resolve()):]] + [label]
+        raise UsageError(f"{label} extends itself ({' -> '.join(said.removeprefix('preset ') for said in cycle)})",
                          "remove the cycle of extends")
-    data, label = load_toml(path), preset_label(name, path, registry)
+    data = load_toml(path)
     base = data.pop("extends", None)
     if base is None:
         return name, data, dict.fromkeys(key_paths(data), label)
@@ -106,7 +109,7 @@ def load_preset(name_or_file: str, registry, folder: Path | None = None,
         find_preset(base, registry, path.parent)
     except UsageError as e:  # said with the file that names it: the user's command line may not show it
         raise UsageError(f"{path}: extends = {base!r}: {e.problem}", e.fix) from None
-    _, merged, origins = load_preset(base, registry, path.parent, chain + (path.resolve(),))
+    _, merged, origins = load_preset(base, registry, path.parent, chain + ((path.resolve(), label),))
     for key, value in data.items():
         if key in STAGE_KINDS and isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = replace_stage(merged[key], value, key, registry, origins, label)

@@ -48,13 +48,26 @@ def test_naming_another_stage_drops_the_keys_of_the_one_it_replaces(tmp_path):
 
 @pytest.mark.parametrize("text, message", [
     ('extends = "no-such-preset"\n', "unknown preset 'no-such-preset'"),
-    ('extends = "loop.toml"\n', "preset loop extends itself (loop -> loop)"),
+    ('extends = "loop.toml"\n', "preset {dir}/loop.toml extends itself ({dir}/loop.toml -> {dir}/loop.toml)"),
     ("extends = 3\n", "extends must be a preset name or file, got 3"),
 ])
 def test_unknown_bases_and_cycles_are_refused_in_one_line(tmp_path, prompts_file, text, message):
     preset = write(tmp_path, "loop.toml", text)
     result = h3gen("presets", "show", preset, check_code=2)
-    assert result.stderr.count("\n") == 1 and message in result.stderr
+    assert result.stderr.count("\n") == 1 and message.format(dir=tmp_path) in result.stderr
+
+
+def test_a_cycle_is_named_from_its_first_preset_by_the_files_to_fix(tmp_path):
+    from h3gen.config.preset import resolve
+    from h3gen.errors import UsageError
+    from h3gen.plugins.manager import registry
+
+    write(tmp_path, "a.toml", 'extends = "b.toml"\n')
+    write(tmp_path, "b.toml", 'extends = "c.toml"\n')
+    write(tmp_path, "c.toml", 'extends = "b.toml"\n')
+    b, c = tmp_path / "b.toml", tmp_path / "c.toml"
+    with pytest.raises(UsageError, match=re.escape(f"preset {b} extends itself ({b} -> {c} -> {b})")):
+        resolve(str(tmp_path / "a.toml"), registry())
 
 
 def test_a_bad_value_is_blamed_on_the_preset_that_set_it(tmp_path):
