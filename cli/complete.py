@@ -113,10 +113,31 @@ BASH_SCRIPT = """
 complete -o default -F %(complete_func)s %(prog_name)s
 """
 
+# typer's zsh script, installed as ~/.zfunc/_h3gen and autoloaded, only registers its function on the first TAB, which
+# then completes nothing. This one completes then too, and still registers itself when sourced.
+ZSH_SCRIPT = """#compdef %(prog_name)s
 
-def use_h3gen_bash() -> None:
-    """h3gen's bash script and the completion that reads it, in place of typer's; a script installed before still
-    works (it hands over bash's words)."""
+%(complete_func)s() {
+  eval $(env _TYPER_COMPLETE_ARGS="${words[1,$CURRENT]}" %(autocomplete_var)s=complete_zsh %(prog_name)s)
+}
+
+if [[ $zsh_eval_context[-1] == loadautofunc ]]; then
+  %(complete_func)s "$@"
+else
+  compdef %(complete_func)s %(prog_name)s
+fi
+"""
+
+
+def zsh_compadd(values: list[str], space: bool) -> str:
+    """zsh's compadd of `values`, each quoted as one word through the script's `eval`; a space after each, or none."""
+    quoted = " ".join("'" + value.replace("'", "'\\''") + "'" for value in values)
+    return ("compadd -- " if space else "compadd -S '' -- ") + quoted
+
+
+def use_h3gen_completion() -> None:
+    """h3gen's bash and zsh scripts and the completions that read them, in place of typer's; scripts installed before
+    still work (typer's bash script hands over bash's words)."""
     from typer import _completion_classes, _completion_shared
 
     class H3genBash(_completion_classes.BashComplete):
@@ -140,5 +161,19 @@ def use_h3gen_bash() -> None:
             values = [str(item.value) for item in self.get_completions(args, incomplete)]
             return "\n".join(v[cut:] if v.startswith(incomplete[:cut]) else v for v in values)
 
-    _completion_shared._completion_scripts["bash"] = BASH_SCRIPT
+    class H3genZsh(_completion_classes.ZshComplete):
+        source_template = ZSH_SCRIPT
+
+        def complete(self) -> str:
+            """typer's, but a `--set` key, which ends in `=`, takes no space after it: its value follows at once."""
+            args, incomplete = self.get_completion_args()
+            values = [str(item.value) for item in self.get_completions(args, incomplete)]
+            keys = [value for value in values if value.endswith("=")]
+            if not keys:
+                return super().complete()
+            others = [value for value in values if not value.endswith("=")]
+            return "; ".join([zsh_compadd(keys, space=False)] + ([zsh_compadd(others, space=True)] if others else []))
+
+    _completion_shared._completion_scripts.update(bash=BASH_SCRIPT, zsh=ZSH_SCRIPT)
     _completion_classes.add_completion_class(H3genBash, "bash")
+    _completion_classes.add_completion_class(H3genZsh, "zsh")

@@ -18,7 +18,7 @@ import typer
 
 from h3gen import __version__
 from h3gen.cli.complete import (SHELL_OPTIONS, baseline_names, bench_stages, complete_for, named_shell,
-                                preset_names, random_weights, set_keys, shells_after_option, use_h3gen_bash)
+                                preset_names, random_weights, set_keys, shells_after_option, use_h3gen_completion)
 from h3gen.cli.environment import check_allocator_config, check_threads
 from h3gen.cli.help import PlainCommand, PlainGroup, usage_errors_in_one_line
 from h3gen.errors import H3genError, UsageError
@@ -36,12 +36,12 @@ class Root(PlainGroup):
             return super().invoke(ctx)
 
     def _main_shell_completion(self, ctx_args, prog_name, complete_var=None):
-        use_h3gen_bash()  # after typer has registered its own
+        use_h3gen_completion()  # after typer has registered its own
         return super()._main_shell_completion(ctx_args, prog_name, complete_var)
 
     def parse_args(self, ctx, args):
         if any(arg in SHELL_OPTIONS for arg in args):  # the script typer's options write, for a shell named or not
-            use_h3gen_bash()
+            use_h3gen_completion()
         asked = named_shell(args)
         if asked and not ctx.resilient_parsing:
             complete_for(ctx, *asked)

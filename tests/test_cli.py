@@ -345,6 +345,49 @@ def test_bash_completes_a_set_value_past_its_equals_sign(tmp_path):
     assert shown == ["pyav,", "compopt -o nospace;sampler.steps=,", "h3-base-fp8,", "diffusers,fast,reference,"]
 
 
+def test_zsh_completion_adds_no_space_after_a_set_key():
+    """What zsh's script evaluates: the keys, which end in `=`, with no suffix, so the value follows at once; other
+    words as typer gives them, a space after each."""
+    def zsh(words: str) -> str:
+        return h3gen(env={"_H3GEN_COMPLETE": "complete_zsh", "_TYPER_COMPLETE_ARGS": words}, check_code=0).stdout
+
+    assert zsh("h3gen render p.txt --set sampler.st").startswith("compadd -S '' -- 'sampler.steps=' ")
+    assert zsh("h3gen render p.txt --set vae.use=fa").strip() == """_arguments '*: :(("vae.use=fast"))'"""
+
+
+ZSH_DRIVER = """
+zmodload zsh/zpty
+for line in "$@"; do  # each in a new interactive zsh, as a user's terminal: TAB, then 7, then the line printed
+  zpty z 'zsh -i'
+  zpty -w z 'PS1="> "'
+  zpty -w -n z "$line"$'\\t7\\C-aprint -r -- "[\\C-e]"\\n'
+  zpty -w z 'exit'
+  while zpty -r z out; do print -r -- "$out"; done
+  zpty -d z
+done
+"""
+
+
+def test_zsh_completes_from_the_installed_script_on_the_first_tab(tmp_path):
+    """The script --install-completion writes (autoloaded from ~/.zfunc by the lines it adds to ~/.zshrc) completes
+    on the first TAB of a new shell, and a --set key takes its value with no space between."""
+    zsh = shutil.which("zsh")
+    if zsh is None:
+        pytest.skip("needs zsh")
+    h3gen("--install-completion", "zsh", env={"HOME": str(tmp_path), "SHELL": "/bin/zsh"}, check_code=0)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "h3gen").write_text(f'#!/bin/sh\nexec {sys.executable} -m h3gen.cli.main "$@"\n')
+    (tmp_path / "bin" / "h3gen").chmod(0o755)
+    lines = ["h3gen render p.txt --set sampler.ste", "h3gen render p.txt --set vae.use=fa",
+             "h3gen render p.txt --preset h3-base-fp"]
+    shown = subprocess.run([zsh, "-f", "-c", ZSH_DRIVER, "zsh", *lines], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "HOME": str(tmp_path), "ZDOTDIR": str(tmp_path),
+                                "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}).stdout
+    printed = [line.strip() for line in shown.splitlines() if line.startswith("[h3gen")]
+    assert printed == ["[h3gen render p.txt --set sampler.steps=7]", "[h3gen render p.txt --set vae.use=fast 7]",
+                       "[h3gen render p.txt --preset h3-base-fp8 7]"], shown
+
+
 def test_install_completion_refuses_a_shell_it_does_not_know(tmp_path):
     refused = h3gen("--install-completion", "tcsh", env={"HOME": str(tmp_path)}, check_code=2)
     assert "--install-completion tcsh: not a shell h3gen completes in" in refused.stderr
