@@ -71,10 +71,8 @@ def dry_run(batch, settings: RunSettings) -> int:
 
     from h3gen.run.loop import plan
     from h3gen.run.outputs import held_elsewhere
-    from h3gen.run.budget import element_bytes
-    from h3gen.run.memory import host_fit_warning
     from h3gen.run.records import request_fields
-    from h3gen.run.render import pick_device, to_render
+    from h3gen.run.render import to_render
 
     conflicts = 0
     for request, path, found in plan(batch, settings):
@@ -88,10 +86,6 @@ def dry_run(batch, settings: RunSettings) -> int:
                               "frames": request.frames}), flush=True)
         else:
             print(f"{action:8s} {path}" + (f": {why}" if why else ""), flush=True)
-    if batch.requests and pick_device(batch.preset.runtime["device"]) == "cpu":  # a GPU run's plan checked it
-        warning = host_fit_warning(batch.requests, batch.repo.transformer_config(), element_bytes(batch.preset))
-        if warning:
-            batch.reporter.say(f"h3gen: {warning}")
     return 1 if conflicts else 0
 
 

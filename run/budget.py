@@ -252,10 +252,42 @@ def activations(preset, requests, config: dict, chunked: bool = False) -> int:
 
 
 def host_available_bytes() -> int:
-    """Host memory free now: streamed blocks live in pinned host memory, the machine must have it."""
+    """Host memory a process can take now without swapping: the kernel's MemAvailable (free memory and the page cache
+    it can drop), within a cgroup's limit (a container's); the free pages where Linux does not say."""
     import os
 
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/meminfo") as meminfo:
+            available = next((int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:")),
+                             available)
+        with open("/sys/fs/cgroup/memory.max") as limit, open("/sys/fs/cgroup/memory.current") as used:
+            ceiling = limit.read().strip()
+            if ceiling != "max":
+                available = min(available, max(0, int(ceiling) - int(used.read())))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def check_host_fits(preset, requests, repo, processes: int = 1) -> None:
+    """A run on the CPU holds its weights (at the run's precision, from a bf16 checkpoint) and the largest clip's
+    peak in host memory, once in each of `processes`: more than the machine has free stops it before any weight
+    loads, where it would otherwise end in the kernel's out-of-memory kill or in swap."""
+    from h3gen.models.repo import WEIGHTED
+    from h3gen.run import memory
+
+    weights = sum(repo.weight_bytes(part) for part in WEIGHTED if repo.path(part).is_dir()) * element_bytes(preset) // 2
+    shape = memory.DiTShape.from_dict(repo.transformer_config())
+    largest = max(requests, key=lambda r: memory.peak_bytes(r, shape, 0, element_bytes(preset)))
+    need = processes * memory.peak_bytes(largest, shape, weights, element_bytes(preset))
+    available = host_available_bytes()
+    if need > available:
+        each = f" in each of {processes} worker processes" if processes > 1 else ""
+        raise UsageError(f"the largest clip ({memory.clip_named(largest)}) needs about {need / GIB:.1f} GiB of host "
+                         f"memory on the CPU ({weights / GIB:.1f} GiB of it weights{each}), and this machine has "
+                         f"{available / GIB:.1f} GiB free",
+                         "render fewer frames or a smaller size, free host memory, or render on a GPU")
 
 
 def device_bytes(device: str) -> int:

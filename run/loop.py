@@ -126,7 +126,7 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
         check_stage_configs(preset, found, repo)
         if check_layout is not None:
             check_layout(preset, repo, found)
-        memory_plan = plan_memory_budget(preset, requests, repo, reporter)
+        memory_plan = plan_memory_budget(preset, requests, repo, reporter, settings.parallel.workers or 1)
     except BaseException:
         remove_if_empty(created)  # a refused run leaves no directory it made behind
         raise
@@ -161,12 +161,16 @@ def remove_if_empty(created: list[Path]) -> None:
         made.rmdir()
 
 
-def plan_memory_budget(preset, requests, repo, reporter):
-    """The run's memory plan (h3gen.run.budget; None on the CPU), which the sampler and encoder follow, said once."""
-    from h3gen.run.budget import planned
+def plan_memory_budget(preset, requests, repo, reporter, processes: int = 1):
+    """The run's memory plan (h3gen.run.budget; None on the CPU, where the clips must fit the host memory free in
+    each of this machine's `processes`), which the sampler and encoder follow, said once."""
+    from h3gen.run.budget import check_host_fits, planned
     from h3gen.run.render import pick_device
 
-    plan = planned(preset, requests, repo, pick_device(preset.runtime["device"]))
+    device = pick_device(preset.runtime["device"])
+    if device == "cpu" and requests:
+        check_host_fits(preset, requests, repo, processes)
+    plan = planned(preset, requests, repo, device)
     if plan is not None:
         reporter.say(f"h3gen: {plan.describe()}")
     return plan

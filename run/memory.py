@@ -60,11 +60,16 @@ def fit_warning(requests: list[Request], shape: DiTShape, resident_bytes: int, a
     limit = resident_bytes + available_bytes
     if need <= limit:
         return None
-    where = f"line {largest.line}" if largest.line else f"clip {largest.index + 1}"
     loaded = f" ({resident_bytes / GIB:.1f} GiB of weights loaded)" if resident_bytes else ""
-    return (f"warning: the largest clip ({where}, {largest.width}x{largest.height}, {largest.frames} frames) needs "
+    return (f"warning: the largest clip ({clip_named(largest)}) needs "
             f"about {need / GIB:.1f} GiB at peak{loaded}, {memory.format(limit / GIB)}: expect out of memory "
             f"({fix})")
+
+
+def clip_named(request: Request) -> str:
+    """A clip as memory errors name it: 'line 2, 1344x768, 241 frames'."""
+    where = f"line {request.line}" if request.line else f"clip {request.index + 1}"
+    return f"{where}, {request.width}x{request.height}, {request.frames} frames"
 
 
 def host_fit_warning(requests: list[Request], transformer_config: dict, element_bytes: int) -> str | None:

@@ -355,14 +355,48 @@ def test_a_cpu_run_warns_when_its_largest_clip_needs_more_than_host_memory_has_f
     assert warning.endswith(", host memory has 8.0 GiB free: expect out of memory (try fewer frames or a smaller size)")
 
 
-def test_a_dry_run_on_the_cpu_warns_of_a_clip_larger_than_host_memory(prompts_file, tmp_path):
-    """About 380 GiB at peak: more than any machine these tests run on has free."""
-    huge = prompts_file('{"prompt": "a city", "width": 7680, "height": 4320, "duration": 15}\n')
-    result = h3gen("render", huge, "-o", tmp_path / "out", "--dry-run", check_code=0)
-    assert "h3gen: warning: the largest clip (line 1, 7680x4320, 345 frames) needs about " in result.stderr
-    assert "expect out of memory (try fewer frames or a smaller size)" in result.stderr
+@pytest.mark.parametrize("dry_run", [["--dry-run"], []])
+def test_a_cpu_run_with_a_clip_larger_than_host_memory_is_refused_before_it_loads(prompts_file, tmp_path, dry_run):
+    """About 380 GiB at peak: more than any machine these tests run on has free. One line, exit 2, nothing written."""
+    huge = prompts_file('a fox\n{"prompt": "a city", "width": 7680, "height": 4320, "duration": 15}\n')
+    result = h3gen("render", huge, "-o", tmp_path / "out", *dry_run, check_code=2)
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("h3gen: error: the largest clip (line 2, 7680x4320, 345 frames) needs about "), line
+    assert line.endswith("GiB free (render fewer frames or a smaller size, free host memory, or render on a GPU)")
+    assert result.stdout == "" and not (tmp_path / "out").exists()
     small = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--dry-run", check_code=0)
     assert "warning" not in small.stderr
+
+
+def test_the_host_check_counts_weights_once_in_each_cpu_worker(tiny_model, monkeypatch):
+    from h3gen.config.preset import resolve
+    from h3gen.errors import UsageError
+    from h3gen.inputs.request import Request
+    from h3gen.models.repo import ModelRepo
+    from h3gen.plugins.manager import registry
+    from h3gen.run import budget, memory
+
+    repo, preset = ModelRepo(tiny_model), resolve("tiny", registry())
+    clip = Request(index=0, prompt="x", seed=0, width=64, height=32, frames=21)
+    weights = sum(repo.weight_bytes(part) for part in ("transformer", "vae", "audio_vae", "text_encoder")) * 2
+    need = memory.peak_bytes(clip, memory.DiTShape.from_dict(repo.transformer_config()), weights, 4)
+    monkeypatch.setattr(budget, "host_available_bytes", lambda: 2 * need)
+    budget.check_host_fits(preset, [clip], repo, processes=2)  # fits exactly
+    with pytest.raises(UsageError, match=r"^the largest clip \(clip 1, 64x32, 21 frames\) needs about .* GiB of host "
+                                         r"memory on the CPU \(.* GiB of it weights in each of 3 worker processes\)"):
+        budget.check_host_fits(preset, [clip], repo, processes=3)
+
+
+def test_host_memory_free_is_what_the_kernel_says_is_available():
+    """MemAvailable counts the page cache the kernel can drop: a machine that has just read its weights is not full."""
+    from h3gen.run.budget import host_available_bytes
+
+    meminfo = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in open("/proc/meminfo")}
+    expected = meminfo["MemAvailable"]
+    limit = Path("/sys/fs/cgroup/memory.max")
+    if limit.exists() and limit.read_text().strip() != "max":  # a container's limit holds it lower
+        expected = min(expected, int(limit.read_text()) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    assert abs(host_available_bytes() - expected) < 256 * 2**20
 
 
 # -- disk full ------------------------------------------------------------------------------------------------------
