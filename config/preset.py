@@ -191,10 +191,11 @@ def resolve(name_or_file: str, registry, overrides: list[str] = ()) -> Preset:
     if unknown:
         first = sorted(unknown)[0]
         what = "section" if isinstance(data[first], dict) else "top-level key"
-        raise UsageError(f"{where}: unknown {what} '{first}'", f"allowed: {', '.join(sorted(TOP_LEVEL | {'extends'}))} "
+        raise UsageError(f"{origin_of(sources, first, where)}: unknown {what} '{first}'", f"allowed: {', '.join(sorted(TOP_LEVEL | {'extends'}))} "
                          f"and the sections {', '.join(sorted(set(STAGE_KINDS) | set(SECTIONS)))}")
     if not isinstance(data.get("description", ""), str):
-        raise UsageError(f"{where}: description is {type(data['description']).__name__}, not text",
+        raise UsageError(f"{origin_of(sources, 'description', where)}: description is "
+                         f"{type(data['description']).__name__}, not text",
                          'write it in quotes, e.g. description = "FP8 linears for 24 GB cards"')
     request = _section(data, "request", REQUEST_DEFAULTS, where, sources)
     _check_request(request, sources)
@@ -260,15 +261,16 @@ def _check_parallel(parallel: dict, where: str, sources: dict) -> None:
 
 
 def _section(data: dict, section: str, defaults: dict, where: str, sources: dict) -> dict:
-    values = dict(_table(data.get(section, {}), section, where))
+    values = dict(_table(data.get(section, {}), section, origin_of(sources, section, where)))
     for key, value in values.items():
         given = sources.get(f"{section}.{key}") == "--set"
+        held = origin_of(sources, f"{section}.{key}", where)  # the preset that has the key, an extended one too
         if key not in defaults:
             raise UsageError(f"--set {section}.{key}: unknown key '{key}' in {where} [{section}]" if given
-                             else f"unknown key '{key}' in {where} [{section}]", f"allowed keys: {', '.join(defaults)}")
+                             else f"unknown key '{key}' in {held} [{section}]", f"allowed keys: {', '.join(defaults)}")
         widened = isinstance(defaults[key], float) and isinstance(value, int)  # 5 where 5.0 is meant
         if not isinstance(value, type(defaults[key])) and not widened:
-            label = f"--set {section}.{key}" if given else f"{where} [{section}] {key}"
+            label = f"--set {section}.{key}" if given else f"{held} [{section}] {key}"
             raise UsageError(f"{label} must be {type(defaults[key]).__name__}, got {value!r}",
                              "fix the value after the =" if given else "fix the value in the preset or --set")
         sources.setdefault(f"{section}.{key}", where)
@@ -289,10 +291,17 @@ def set_key(sources: dict, name: str) -> str:
                 "")
 
 
+def origin_of(sources: dict, name: str, where: str) -> str:
+    """The preset that holds `name` ("sampler.steps", or a section: any key under it), as errors name presets: an
+    extended preset where the key came from there; `where` (the preset asked for) otherwise."""
+    found = sources.get(name) or next((source for k, source in sources.items() if k.startswith(f"{name}.")), "")
+    return found if found.startswith("preset ") else where
+
+
 def _stage(kind: str, data: dict, registry, where: str, sources: dict, key: str = ""):
     """(name, config) of the stage `data[kind]` names; `key` is the section's place ("vae", "vae.wraps")."""
     key = key or kind
-    section = dict(_table(data.get(kind, {}), key, where))
+    section = dict(_table(data.get(kind, {}), key, origin_of(sources, key, where)))
     if "use" not in section and kind in OPTIONAL_STAGES and key == kind:
         section["use"] = OPTIONAL_STAGES[kind]
         sources.setdefault(f"{key}.use", "default")
@@ -314,7 +323,8 @@ def _stage(kind: str, data: dict, registry, where: str, sources: dict, key: str 
                              f"'{wraps.get('use')}', which may take it",
                              f"set the wrapped stage's keys under [{key}.wraps], or --set {key}.wraps.{unknown}=...")
     set_as = {k: set_key(sources, f"{key}.{k}") for k in section if set_key(sources, f"{key}.{k}")}
-    config = build_config(stage.Config, section, f"{where} [{key}]", set_as)
+    held = {k: f"{origin_of(sources, f'{key}.{k}', where)} [{key}]" for k in section}
+    config = build_config(stage.Config, section, f"{where} [{key}]", set_as, held)
     if wrapping:
         from h3gen.stages.base import Wrapped
 
@@ -420,14 +430,17 @@ def check_stage_configs(preset, registry, repo=None) -> None:
 
 
 def _blamed(preset, kind: str, error: UsageError) -> UsageError:
-    """`error` prefixed with where the first key of the section it names came from, when a --set or a preset gave it."""
+    """`error` prefixed with where the first key of the section it names came from, when a --set or a preset gave it;
+    for an error that names no key, where the section's values were set, each place once."""
     import re
 
-    keys = [k for k in re.findall(rf"\b{kind}\.[a-z0-9_.]*[a-z0-9_]", f"{error.problem} {error.fix}")
-            if k in preset.sources]
-    source = preset.sources[keys[0]] if keys else ""
-    if source != "--set" and not source.startswith("preset "):
+    named = [k for k in re.findall(rf"\b{kind}\.[a-z0-9_.]*[a-z0-9_]", f"{error.problem} {error.fix}")
+             if k in preset.sources]
+    # The first key it names; a check of several keys together names none: where the section's values were set.
+    keys = named[:1] or [k for k in preset.sources if k.startswith(f"{kind}.") and not k.endswith(".use")]
+    given = dict.fromkeys(f"--set {k}" if preset.sources[k] == "--set" else f"{preset.sources[k]} [{kind}]"
+                          for k in keys if preset.sources[k] == "--set" or preset.sources[k].startswith("preset "))
+    if not given:
         return error
-    given = f"--set {keys[0]}" if source == "--set" else f"{source} [{kind}]"
-    return UsageError(f"{given}: {error.problem}", error.fix)
+    return UsageError(f"{', '.join(given)}: {error.problem}", error.fix)
 

@@ -44,19 +44,22 @@ def config_problem(config_cls) -> str:
     return ""
 
 
-def build_config(config_cls: type, values: dict[str, Any], where: str, set_as: dict[str, str] | None = None):
+def build_config(config_cls: type, values: dict[str, Any], where: str, set_as: dict[str, str] | None = None,
+                 held: dict[str, str] | None = None):
     """Make a config dataclass from preset values: unknown keys and wrong types are errors listing what is allowed.
-    `set_as` names the keys a --set gave ({"steps": "sampler.steps"}): their errors blame the --set, not `where`."""
+    `set_as` names the keys a --set gave ({"steps": "sampler.steps"}): their errors blame the --set, not `where`;
+    `held` names the section that holds a key where it is not `where` (a preset the asked one extends)."""
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
     hints = typing.get_type_hints(config_cls)
-    set_as = set_as or {}
+    set_as, held = set_as or {}, held or {}
     for key, value in values.items():
         if key not in fields:
             allowed = ", ".join(sorted(fields))
             raise UsageError(f"--set {set_as[key]}: unknown key '{key}' in {where}" if key in set_as
-                             else f"unknown key '{key}' in {where}",
+                             else f"unknown key '{key}' in {held.get(key, where)}",
                              f"allowed keys: {allowed}" if allowed else "this stage takes no keys")
-        values[key] = _coerce(value, hints[key], f"--set {set_as[key]}" if key in set_as else f"{where}.{key}",
+        values[key] = _coerce(value, hints[key], f"--set {set_as[key]}" if key in set_as else
+                              f"{held.get(key, where)}.{key}",
                               "fix the value after the =" if key in set_as else "fix the value in the preset or --set")
     return config_cls(**values)
 

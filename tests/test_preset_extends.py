@@ -136,3 +136,21 @@ def test_presets_show_toml_resolves_back_to_every_builtin_preset(tmp_path):
     printed = h3gen("presets", "show", "fasth3-fp8", "--toml", check_code=0).stdout
     (tmp_path / "printed.toml").write_text(printed)
     assert resolved(tmp_path / "printed.toml") == resolved("fasth3-fp8")
+
+
+@pytest.mark.parametrize("base, message", [
+    ("[sampler]\nstepz = 3\n", "unknown key 'stepz' in preset {dir}/base.toml [sampler] "),
+    ('[sampler]\nsteps = "three"\n', "preset {dir}/base.toml [sampler].steps must be int, got 'three' "),
+    ("[samplr]\nsteps = 3\n", "preset {dir}/base.toml: unknown section 'samplr' "),
+    ("[request]\nwdth = 3\n", "unknown key 'wdth' in preset {dir}/base.toml [request] "),
+    ('[runtime]\ndevice = 3\n', "preset {dir}/base.toml [runtime] device must be str, got 3 "),
+    ('[vae]\nuse = "fast"\ntile_width = 100\n', "preset {dir}/base.toml [vae]: vae tile 256x100 with overlap 64 is not "
+                                                  "a tiling "),
+])
+def test_a_mistake_in_an_extended_preset_names_the_file_that_holds_it(tmp_path, base, message):
+    """The preset asked for is fine; the one it extends is not: the error sends the user to that file."""
+    write(tmp_path, "base.toml", 'extends = "tiny"\n' + base)
+    child = write(tmp_path, "child.toml", 'extends = "base.toml"\n[mux]\nuse = "pyav"\n')
+    result = h3gen("presets", "show", child, check_code=2)
+    assert result.stderr.startswith(f"h3gen: error: {message.format(dir=tmp_path)}"), result.stderr
+    assert "child.toml" not in result.stderr
