@@ -59,9 +59,10 @@ class FullSizeRandom:
     def weight_bytes(self, component: str) -> int:
         """A component's bytes in bf16, from its parameter count (built on the meta device)."""
         import torch
-        from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+        from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Transformer3DModel
 
-        classes = {"vae": AutoencoderKLMiniMaxH3, "audio_vae": AutoencoderKLMiniMaxH3Audio}
+        classes = {"vae": AutoencoderKLMiniMaxH3, "audio_vae": AutoencoderKLMiniMaxH3Audio,
+                   "transformer": MiniMaxH3Transformer3DModel}
         with torch.device("meta"):
             if component == "text_encoder":
                 from transformers import Qwen3VLForConditionalGeneration

@@ -84,7 +84,8 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     from h3gen.bench.report import write_results
     from h3gen.cli.ui import plugin_registry, results_only_on_stdout
     from h3gen.config.preset import parse_override, resolve
-    from h3gen.run.budget import check_budget
+    from h3gen.bench.batch import batch_requests
+    from h3gen.run.budget import check_budget, check_host_fits
     from h3gen.run.loop import check_model_kind, check_writable
     from h3gen.run.quiet import quiet_libraries
     from h3gen.run.render import pick_device
@@ -122,6 +123,10 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
             check_model_kind(preset, source, model is None, bench=True,
                              baseline=bool(plan.baseline) and index == len(resolved) - 1)
 
+    longest = batch_requests(plan, max(plan.durations), 1)
+    for preset in resolved:  # a clip the host cannot hold on the CPU: refused as render refuses it, not killed later
+        if pick_device(preset.runtime["device"]) == "cpu":
+            check_host_fits(preset, longest, source)
     check_writable(Path(output))  # now, not after the benchmark's minutes
 
     def say(text):

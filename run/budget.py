@@ -168,8 +168,11 @@ def host_fix(plan: MemoryPlan, available: int, plan_at, device_total: int, fp8: 
     return f"free {(plan.host_bytes - available) / GIB:.1f} GiB of host memory{fp8_hint}"
 
 
-def planned(preset, requests, repo, device: str) -> MemoryPlan | None:
-    """`plan_for`, with the preset's sampler and encoder set to follow the plan (`follow`)."""
+def planned(preset, requests, repo, device: str, processes: int = 1) -> MemoryPlan | None:
+    """`plan_for`, with the preset's sampler and encoder set to follow the plan (`follow`); on the CPU, the clips
+    checked against the host memory free (`check_host_fits`, for `processes` of them on this machine)."""
+    if device == "cpu" and requests:
+        check_host_fits(preset, requests, repo, processes)
     plan = plan_for(preset, requests, repo, device)
     follow(preset, plan)
     return plan
@@ -277,7 +280,7 @@ def check_host_fits(preset, requests, repo, processes: int = 1) -> None:
     from h3gen.models.repo import WEIGHTED
     from h3gen.run import memory
 
-    weights = sum(repo.weight_bytes(part) for part in WEIGHTED if repo.path(part).is_dir()) * element_bytes(preset) // 2
+    weights = sum(repo.weight_bytes(part) for part in WEIGHTED) * element_bytes(preset) // 2
     shape = memory.DiTShape.from_dict(repo.transformer_config())
     largest = max(requests, key=lambda r: memory.peak_bytes(r, shape, 0, element_bytes(preset)))
     need = processes * memory.peak_bytes(largest, shape, weights, element_bytes(preset))

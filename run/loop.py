@@ -164,13 +164,10 @@ def remove_if_empty(created: list[Path]) -> None:
 def plan_memory_budget(preset, requests, repo, reporter, processes: int = 1):
     """The run's memory plan (h3gen.run.budget; None on the CPU, where the clips must fit the host memory free in
     each of this machine's `processes`), which the sampler and encoder follow, said once."""
-    from h3gen.run.budget import check_host_fits, planned
+    from h3gen.run.budget import planned
     from h3gen.run.render import pick_device
 
-    device = pick_device(preset.runtime["device"])
-    if device == "cpu" and requests:
-        check_host_fits(preset, requests, repo, processes)
-    plan = planned(preset, requests, repo, device)
+    plan = planned(preset, requests, repo, pick_device(preset.runtime["device"]), processes)
     if plan is not None:
         reporter.say(f"h3gen: {plan.describe()}")
     return plan

@@ -368,6 +368,16 @@ def test_a_cpu_run_with_a_clip_larger_than_host_memory_is_refused_before_it_load
     assert "warning" not in small.stderr
 
 
+@pytest.mark.parametrize("kind", [["--stages", "dit"], ["--batch", "1"]])
+def test_bench_refuses_a_clip_larger_than_host_memory_before_it_loads(tmp_path, kind):
+    """As render does: one line and exit 2, not the kernel's out-of-memory kill minutes later; no record written."""
+    result = h3gen("bench", "--preset", "tiny", "--baseline", "none", "--random-weights", "tiny", "--durations", "15",
+                   "--size", "7680x4320", *kind, "-o", tmp_path / "results", check_code=2)
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("h3gen: error: the largest clip (clip 1, 7680x4320, 345 frames) needs about "), line
+    assert not (tmp_path / "results").exists()
+
+
 def test_the_host_check_counts_weights_once_in_each_cpu_worker(tiny_model, monkeypatch):
     from h3gen.config.preset import resolve
     from h3gen.errors import UsageError
