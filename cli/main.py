@@ -471,7 +471,7 @@ def presets_show(
     Example:
       h3gen presets show h3-base --set sampler.steps=25
     """
-    from h3gen.config.preset import check_stage_configs, describe, resolve, toml_value
+    from h3gen.config.preset import check_stage_configs, describe, find_preset, preset_label, resolve, toml_value
     from h3gen.config.preset import as_toml as preset_toml
     from h3gen.cli.ui import plugin_registry
 
@@ -482,8 +482,9 @@ def presets_show(
         check_stage_configs(resolved, found)  # what render would refuse is not shown (nor saved)
     except H3genError as e:
         fail(e)
-    described_by = resolved.sources.get("description", f"preset {resolved.name}")
-    if described_by != f"preset {resolved.name}":  # inherited through extends
+    own = preset_label(resolved.name, find_preset(name, found)[1], found)  # a file's label is its path
+    described_by = resolved.sources.get("description", own)
+    if described_by != own:  # inherited through extends
         resolved = dataclasses.replace(resolved, description=f"{resolved.description} ({described_by}'s description)")
     if overrides:  # the description was written for the preset as it was
         resolved = dataclasses.replace(resolved, description=f"{resolved.description} (with --set "

@@ -127,6 +127,16 @@ def test_presets_show_credits_what_a_child_inherits_to_its_parent(tmp_path):
     assert version.split() == ["version", "=", "1", "#", "preset", "tiny"]
 
 
+def test_a_preset_file_s_own_description_round_trips_through_toml(tmp_path):
+    """Its own description is not credited to anyone: saved with --toml and shown again, it reads the same."""
+    mine = tmp_path / "mine.toml"
+    mine.write_text('version = 1\nextends = "tiny"\ndescription = "my tiny"\n')
+    saved = h3gen("presets", "show", mine, "--toml", check_code=0).stdout
+    assert 'description = "my tiny"\n' in saved
+    (tmp_path / "round.toml").write_text(saved)
+    assert h3gen("presets", "show", tmp_path / "round.toml", "--toml", check_code=0).stdout == saved
+
+
 def test_a_bad_request_default_from_set_is_blamed_on_the_set_not_a_prompts_line(prompts_file, tmp_path):
     result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--set", "request.duration=4",
                    "--dry-run", check_code=2)
