@@ -78,6 +78,27 @@ def named_shell(args: list[str]) -> tuple[str, str] | None:
     return None
 
 
+ZSH_LOADER = "fpath+=~/.zfunc; autoload -Uz compinit; compinit"
+
+
+def install_zsh(prog_name: str, complete_var: str):
+    """The script as ~/.zfunc/_PROG and the line that loads it at the end of ~/.zshrc (once), the rest of the file as
+    it was: typer's install also switches on menu selection for every command's completion."""
+    from pathlib import Path
+
+    from typer.completion import get_completion_script
+
+    zshrc = Path.home() / ".zshrc"
+    text = zshrc.read_text() if zshrc.is_file() else ""
+    if ZSH_LOADER not in text:
+        with zshrc.open("a") as startup:
+            startup.write(("\n" if text and not text.endswith("\n") else "") + ZSH_LOADER + "\n")
+    script = Path.home() / ".zfunc" / f"_{prog_name}"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(get_completion_script(prog_name=prog_name, complete_var=complete_var, shell="zsh"))
+    return script
+
+
 def complete_for(ctx, option: str, shell: str) -> None:
     """Install or print the completion script of `shell`, as typer's options do for the detected one; exits."""
     import typer
@@ -88,7 +109,8 @@ def complete_for(ctx, option: str, shell: str) -> None:
     prog_name = ctx.info_name
     complete_var = f"_{prog_name.replace('-', '_').upper()}_COMPLETE"
     if option == "--install-completion":
-        shell, path = install(shell=shell, prog_name=prog_name, complete_var=complete_var)
+        shell, path = ((shell, install_zsh(prog_name, complete_var)) if shell == "zsh" else
+                       install(shell=shell, prog_name=prog_name, complete_var=complete_var))
         typer.secho(f"{shell} completion installed in {path}", fg="green")
         typer.echo("Completion will take effect once you restart the terminal")
     else:

@@ -317,10 +317,18 @@ def test_install_completion_installs_the_shell_asked_for(tmp_path, shell, script
     assert (tmp_path / script).read_text().strip() == shown.strip()
     assert {"zsh": "#compdef h3gen", "fish": "complete --command h3gen",
             "bash": "complete -o default -F _h3gen_completion h3gen"}[shell] in shown
-    if shell == "zsh":
-        assert "fpath+=~/.zfunc; autoload -Uz compinit; compinit" in (tmp_path / ".zshrc").read_text()
+    if shell == "zsh":  # the loading line alone: nothing that changes other commands' completion (a zstyle)
+        assert (tmp_path / ".zshrc").read_text() == "fpath+=~/.zfunc; autoload -Uz compinit; compinit\n"
     if shell == "bash":
         assert f"source '{tmp_path / script}'" in (tmp_path / ".bashrc").read_text()
+
+
+def test_zsh_install_adds_its_line_once_and_keeps_the_rest_of_zshrc(tmp_path):
+    (tmp_path / ".zshrc").write_text("# mine\n  alias x=y")  # no newline at the end, indented: as the user wrote it
+    for _ in range(2):
+        h3gen("--install-completion", "zsh", env={"HOME": str(tmp_path)}, check_code=0)
+    assert (tmp_path / ".zshrc").read_text() == ("# mine\n  alias x=y\n"
+                                                 "fpath+=~/.zfunc; autoload -Uz compinit; compinit\n")
 
 
 def test_bash_completes_a_set_value_past_its_equals_sign(tmp_path):
