@@ -87,6 +87,14 @@ def _plugin_manager() -> tuple[pluggy.PluginManager, list[tuple[str, str]], list
     return pm, failed, left_out
 
 
+def package_of(plugin: str) -> str | None:
+    """The installed package that declares the entry point `plugin` (what pip uninstalls), if one does."""
+    from importlib.metadata import entry_points
+
+    found = next((ep for ep in entry_points(group="h3gen") if ep.name == plugin), None)
+    return found.dist.name if found is not None and found.dist is not None else None
+
+
 def _reason(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 

@@ -215,12 +215,14 @@ def check_device(device: str) -> None:
 
 
 def check_plugins(found, strict: bool, reporter) -> None:
-    from h3gen.plugins.manager import NOT_INSTALLED
+    from h3gen.plugins.manager import NOT_INSTALLED, package_of
 
     for name, why in found.failed:
         if strict:
+            package = package_of(name)
+            uninstall = f" (pip uninstall {package})" if package else ""
             fix = ("correct the name in H3GEN_LOAD_PLUGINS or install the plugin" if why.startswith(NOT_INSTALLED)
-                   else "fix or uninstall it, leave it out with H3GEN_LOAD_PLUGINS")
+                   else f"fix or uninstall it{uninstall}, leave it out with H3GEN_LOAD_PLUGINS")
             others = [other for other, _ in found.failed if other != name]
             also = f"; plugin(s) {', '.join(map(repr, others))} failed too (h3gen plugins says why)" if others else ""
             raise UsageError(f"plugin '{name}' {why}{also}",

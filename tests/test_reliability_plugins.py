@@ -113,9 +113,12 @@ def test_strict_plugins_stops_the_run(site, prompts_file, tmp_path, strict):
                                                                         "H3GEN_LOAD_PLUGINS": "raises"}
     result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", *strict, env=env)
     assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
-    broken = ("plugin 'importfails' failed to load: no module named cuda_magic" if strict
-              else "plugin 'raises' failed during registration: boom while registering")
-    assert result.stderr.startswith(f"h3gen: error: {broken} (fix or uninstall it, leave it out with "
+    broken, package = (("plugin 'importfails' failed to load: no module named cuda_magic", "h3gen-importfails")
+                       if strict else ("plugin 'raises' failed during registration: boom while registering",
+                                       "h3gen-raises"))
+    # The package pip knows it by, which is not the plugin's entry-point name.
+    assert result.stderr.startswith(f"h3gen: error: {broken} (fix or uninstall it (pip uninstall {package}), leave "
+                                    "it out with "
                                     "H3GEN_LOAD_PLUGINS, or run without --strict-plugins and H3GEN_STRICT_PLUGINS)")
     assert not list((tmp_path / "out").glob("*.mp4"))
 
@@ -148,8 +151,8 @@ def test_strict_plugins_stops_the_listings_too(site, command, strict):
     result = h3gen(*command, *([] if strict else ["--strict-plugins"]),
                    env={**site, **strict, "H3GEN_LOAD_PLUGINS": "raises"}, check_code=2)
     assert result.stderr == ("h3gen: error: plugin 'raises' failed during registration: boom while registering (fix "
-                             "or uninstall it, leave it out with H3GEN_LOAD_PLUGINS, or run without --strict-plugins "
-                             "and H3GEN_STRICT_PLUGINS)\n")
+                             "or uninstall it (pip uninstall h3gen-raises), leave it out with H3GEN_LOAD_PLUGINS, or "
+                             "run without --strict-plugins and H3GEN_STRICT_PLUGINS)\n")
     assert result.stdout == ""
 
 
