@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from h3gen.bench.report import note_lines
+from h3gen.bench.report import header, note_lines
 from h3gen.bench.sweep import (BenchPlan, adapter_overrides, cache_overrides, forward_overrides,
                                host_gib, preset_forwards, said_failed)
 from h3gen.run.report import SilentReporter
@@ -202,17 +202,21 @@ def table_cell(value) -> str:
 
 
 def batch_markdown(result: dict) -> str:
-    device = result["device"]
-    lines = [f"Device: {device['name']}; torch {result['versions']['torch']}; commit {str(result['commit'])[:10]}; "
-             f"{result['created']}", "", "| preset | " + " | ".join(BATCH_COLUMNS) + " |",
+    lines = [header(result), "", "| preset | " + " | ".join(BATCH_COLUMNS) + " |",
              "| --- " * (len(BATCH_COLUMNS) + 1) + "|"]
     for r in result["records"]:
         name = r["preset"] + (" (baseline, clip by clip)" if r.get("baseline") else "")
         name += f", {r['embedding_cache']} embedding cache" if r.get("embedding_cache") else ""
         lines.append(f"| {name} | " + " | ".join(table_cell(r.get(k)) for k in BATCH_COLUMNS) + " |")
-    legend = (["- vs_baseline: clips_per_hour_full over the baseline's, each at its own forwards a clip; "
-               "vs_baseline_same_forwards: the baseline projected to this preset's forwards"]
-              if any(r.get("vs_baseline") for r in result["records"]) else [])
+    lengths = ", ".join(dict.fromkeys(f"{r['duration_s']:.2f} s" for r in result["records"] if r.get("duration_s")))
+    legend = ["", f"Columns: clips of {lengths}; clips_per_hour is the timed clips over the batch's wall time (the "
+              "first clip's start to the last file written) and encode_s; clips_per_hour_full is 3600 over a clip's "
+              "seconds at the preset's full forwards (forwards x per_forward_s, extra_per_clip_s, its share of "
+              "encode_s); encode_s is every timed clip's prompt encoding together; the other _s columns are per "
+              "clip, or of the batch's last clip"
+              + ("; vs_baseline is clips_per_hour_full over the baseline's, each at its own forwards a clip, and "
+                 "vs_baseline_same_forwards the baseline projected to this preset's forwards."
+                 if any(r.get("vs_baseline") for r in result["records"]) else ".")]
     return "\n".join(lines + [""] + note_lines(result["records"]) + legend) + "\n"
 
 

@@ -42,14 +42,27 @@ def environment() -> dict:
     }
 
 
-def markdown(result: dict) -> str:
-    """The records as a table; `rel err vs baseline` is the DiT's output video latents against the baseline's."""
+def header(result: dict) -> str:
+    """A table's first line: the device, the versions, the commit, when, and the clip size measured."""
     device = result["device"]
     details = ", ".join(f"{label} {device[key]}" for label, key in (("driver", "driver"), ("CUDA", "cuda"))
                         if device.get(key))  # a CPU has no driver
-    lines = [f"Device: {device['name']}{f' ({details})' if details else ''}; "
-             f"torch {result['versions']['torch']}, diffusers {result['versions']['diffusers']}; "
-             f"commit {str(result['commit'])[:10]}; {result['created']}", "",
+    sizes = ", ".join(dict.fromkeys(str(r["size"]) for r in result["records"] if r.get("size")))
+    return (f"Device: {device['name']}{f' ({details})' if details else ''}; "
+            f"torch {result['versions']['torch']}, diffusers {result['versions']['diffusers']}; "
+            f"commit {str(result['commit'])[:10]}; {result['created']}" + (f"; clips of {sizes}" if sizes else ""))
+
+
+STAGE_LEGEND = ["", "Columns: media s is the clip's length (its frames at 24 per second); per forward s a DiT forward alone; "
+                "vs baseline the baseline's median over this one's, for the stage as each ran it (the dit and e2e "
+                "rows at each one's own forwards: compare per forward s for the same work); peak GiB the GPU's "
+                "peak (- on the CPU); host GiB the process's resident memory; rel err vs baseline the DiT's "
+                "output video latents against the baseline's, over how far the baseline moved them from the noise."]
+
+
+def markdown(result: dict) -> str:
+    """The records as a table; `rel err vs baseline` is the DiT's output video latents against the baseline's."""
+    lines = [header(result), "",
              "| preset | media s | stage | median s | p95 s | per forward s | forwards | peak GiB | host GiB | RTF "
              "| vs baseline | rel err vs baseline |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -62,7 +75,7 @@ def markdown(result: dict) -> str:
         cells.append(f"{r['vs_baseline']:.2f}x" if r.get("vs_baseline") else "-")
         cells.append(f"{r['dit_rel_err']:.3g}" if r.get("dit_rel_err") is not None else "-")
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines + [""] + note_lines(result["records"])) + "\n"
+    return "\n".join(lines + [""] + note_lines(result["records"]) + STAGE_LEGEND) + "\n"
 
 
 def note_lines(records: list[dict]) -> list[str]:

@@ -168,7 +168,8 @@ def test_bench_batch_times_clips_through_the_renderer(tmp_path):
     table = open(paths[1]).read()
     assert "| tiny | 2 |" in table
     # The two ratios side by side, each said in the table's notes.
-    assert "- vs_baseline: clips_per_hour_full over the baseline's, each at its own forwards a clip" in table
+    assert "vs_baseline is clips_per_hour_full over the baseline's, each at its own forwards a clip" in table
+    assert "clips_per_hour is the timed clips over the batch's wall time" in table and "; clips of 64x32" in table
     rejected = h3gen("bench", "--baseline-clips", "1", "-o", tmp_path)
     assert rejected.returncode == 2 and "--baseline-clips" in rejected.stderr and "--batch" in rejected.stderr
     rejected = h3gen("bench", "--baseline-forwards", "1", "-o", tmp_path)
