@@ -53,11 +53,12 @@ def header(result: dict) -> str:
             f"commit {str(result['commit'])[:10]}; {result['created']}" + (f"; clips of {sizes}" if sizes else ""))
 
 
-STAGE_LEGEND = ["", "Columns: media s is the clip's length (its frames at 24 per second); per forward s a DiT forward alone; "
-                "vs baseline the baseline's median over this one's, for the stage as each ran it (the dit and e2e "
-                "rows at each one's own forwards: compare per forward s for the same work); peak GiB the GPU's "
-                "peak (- on the CPU); host GiB the process's resident memory; rel err vs baseline the DiT's "
-                "output video latents against the baseline's, over how far the baseline moved them from the noise."]
+STAGE_LEGEND = ["", "Columns: media s is the clip's length (its frames at 24 per second); per forward s a DiT "
+                "forward alone; vs baseline the baseline's median over this one's, for the stage as each ran it "
+                "(the dit and e2e rows at each one's own forwards: compare per forward s for the same work); peak GiB "
+                "the GPU's peak (- on the CPU); host GiB the process's resident memory; rel err vs baseline the "
+                "DiT's output video latents against the baseline's, over how far the baseline moved them from the "
+                "noise."]
 
 
 def markdown(result: dict) -> str:

@@ -2,9 +2,10 @@
 
 The mux starts with the decode and encodes each chunk of frames as it lands; what is left when the decode ends is
 what no next clip hides after the last one. This decodes one clip of the preset with its background mux, as the
-run loop does, with the soundtrack encoded ahead of the frames (`ArrivingMedia.audio_ahead`) or after them. Per variant, median of `--repeat`: the decode's wall time, how
-many frames the mux had read when it ended, the tail (decode end to file written) and its parts (the video
-encode's end, the audio's packets muxed, the file synced), and whether the MP4 is the same bytes in every variant.
+run loop does, with the soundtrack encoded ahead of the frames (`ArrivingMedia.audio_ahead`) or after them. Per
+variant, median of `--repeat`: the decode's wall time, how many frames the mux had read when it ended, the tail
+(decode end to file written) and its parts (the video encode's end, the audio's packets muxed, the file synced), and
+whether the MP4 is the same bytes in every variant.
 
     python3 bench/tail_probe.py [--preset fasth3-fp8] [--seconds 10] [--repeat 3] [-o tail.json]
     python3 bench/tail_probe.py --preset tiny --set vae.use=fast --tiny --seconds 2 --repeat 1   # on the CPU

@@ -191,8 +191,9 @@ def resolve(name_or_file: str, registry, overrides: list[str] = ()) -> Preset:
     if unknown:
         first = sorted(unknown)[0]
         what = "section" if isinstance(data[first], dict) else "top-level key"
-        raise UsageError(f"{origin_of(sources, first, where)}: unknown {what} '{first}'", f"allowed: {', '.join(sorted(TOP_LEVEL | {'extends'}))} "
-                         f"and the sections {', '.join(sorted(set(STAGE_KINDS) | set(SECTIONS)))}")
+        raise UsageError(f"{origin_of(sources, first, where)}: unknown {what} '{first}'",
+                         f"allowed: {', '.join(sorted(TOP_LEVEL | {'extends'}))} and the sections "
+                         f"{', '.join(sorted(set(STAGE_KINDS) | set(SECTIONS)))}")
     if not isinstance(data.get("description", ""), str):
         raise UsageError(f"{origin_of(sources, 'description', where)}: description is "
                          f"{type(data['description']).__name__}, not text",

@@ -657,8 +657,9 @@ def test_a_manifest_line_that_cannot_be_written_fails_its_clip(tmp_path, monkeyp
     result = ClipResult(Request(index=0, prompt="x", seed=0, width=32, height=32, frames=124), tmp_path / "a.mp4",
                         True, {}, 0.0)
     error = outputs.record(tmp_path, result, "tiny", "ok")
-    assert outputs.write_error(Path(error.filename), error) == (f"cannot write {tmp_path / 'manifest.jsonl'}: No space left on device (free space in "
-                       f"{tmp_path}; a rerun redoes only the clips that are missing)")
+    assert outputs.write_error(Path(error.filename), error) == (
+        f"cannot write {tmp_path / 'manifest.jsonl'}: No space left on device (free space in {tmp_path}; a rerun "
+        "redoes only the clips that are missing)")
 
 
 def test_a_run_whose_output_disk_cannot_take_a_clip_is_refused_before_any_weight_loads(tmp_path, monkeypatch,
@@ -718,7 +719,8 @@ def test_a_rerun_with_save_latents_says_why_it_renders_a_clip_whose_latents_are_
     (out / "a.latents.safetensors").unlink()
     planned = h3gen("render", prompts, "-o", out, "--save-latents", "--dry-run", check_code=0)
     assert planned.stdout.strip().endswith("a.mp4: there but damaged: its latents a.latents.safetensors are missing "
-                                           "(--save-latents writes them beside the clip); to render again"), planned.stdout
+                                           "(--save-latents writes them beside the clip); to render again"), \
+        planned.stdout
     assert "skip" in h3gen("render", prompts, "-o", out, "--dry-run", check_code=0).stdout  # without: nothing lacks
 
 
