@@ -189,7 +189,10 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
                                                                          default=0.0) or None,
                 host_gib=round(host, 3) or None,
                 notes=f"{forwards} forward(s) per clip timed; clips_per_hour_full uses {full_forwards}"
-                      + (f"; {memory_plan.describe()}" if memory_plan is not None else ""))
+                      + (f"; {memory_plan.describe()}" if memory_plan is not None else "")
+                      + ("; each clip decoded beside the next clip's forwards: per_forward_s includes the share of the "
+                         "device the decode took, and between_clips_s below 0 is how long the two ran together"
+                         if renderer.beside is not None else ""))
 
 
 BATCH_COLUMNS = ("clips", "encode_s", "per_forward_s", "vae_s_per_clip", "mux_s_per_clip", "extra_per_clip_s",

@@ -53,6 +53,9 @@ SECTION_NOTES = {
     "runtime.dtype": f"the precision weights load and compute in: {', '.join(DTYPES)}.",
     "runtime.vram_gib": "a device memory budget in GiB, for a GPU run: the run keeps within it, streaming as many "
                         "of h3gen's DiT blocks from host memory as it needs; 0: none.",
+    "runtime.overlap_decode": "true: each clip decodes on a thread and CUDA stream of its own while the next clip's "
+                              "DiT forwards run: the same clips, sooner where either leaves the device idle (one "
+                              "device; not where the memory plan streams weights).",
     "parallel.gpus": "GPU workers, as --gpus N when neither --gpus nor --cpu-workers is given; 0: none.",
     "parallel.cpu_workers": "CPU workers, as --cpu-workers N when neither flag is given; 0: none.",
     "parallel.ulysses": "ranks per clip when workers run, as --ulysses K when it is not given; 0: the layout "

@@ -376,7 +376,8 @@ def render_pending(requests, settings: RunSettings, preset, found, repo, reporte
         from h3gen.parallel.group_render import GroupRenderer
 
         renderer = GroupRenderer(preset, found, repo, reporter, group, leader, memory_plan)
-    notes = "".join(f", {note}" for note in (stage.load_note() for stage in renderer.stages.values()) if note)
+    notes = "".join(f", {note}" for note in [*(stage.load_note() for stage in renderer.stages.values()),
+                                             renderer.overlap_note] if note)
     reporter.say(f"h3gen: loaded on {renderer.runtime.device} ({preset.runtime['dtype']}){notes}")
     from h3gen.run.memory import cuda_fit_warning, host_fit_warning
 
