@@ -4,7 +4,7 @@ On one device a batch decodes each clip after its forwards, and the next clip's 
 the overlap, the decode runs on a host thread of its own, on a CUDA stream of its own, while the render thread takes
 the next clip through the sampler, so the device can fill with one what the other leaves idle. Every kernel sees the
 same inputs either way: the clip is the same, only when it is done differs. One decode runs at a time, in the order
-of the clips; the render thread records each one's result (`Renderer.land`) as it finds it done.
+of the clips; the render thread records each one's result (`Renderer.land_decoded`) once it has ended.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class DecodeBeside:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.startswith("cuda") else None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="h3gen-decode")
-        self.in_flight = collections.deque()  # (clip, claim, future), in the clips' order
+        self.in_flight = collections.deque()  # (clip, claim, future, before, refused), in the clips' order
 
     def submit(self, decode, clip, claim, before, refused: int) -> None:
         """`decode(clip, before)` on the decode thread, once the work queued so far on the render thread's stream
