@@ -211,8 +211,9 @@ def check_duration(seconds: float, where: str) -> None:
 
 def check_size(width: int, height: int, where: str) -> None:
     if width < 32 or height < 32 or width % 32 or height % 32:
-        raise UsageError(f"{where}: size {width}x{height} is not made of multiples of 32 (at least 32)",
-                         "use e.g. 1344x768, 768x1344 or 1024x1024")
+        nearest = "x".join(str(max(32, round(side / 32) * 32)) for side in (width, height))
+        raise UsageError(f"{where}: size {width}x{height} is not made of multiples of 32",
+                         f"use {nearest}, the nearest that is, each side 32 or more")
     if not MIN_ASPECT <= width / height <= MAX_ASPECT:
         raise UsageError(f"{where}: aspect ratio {width}x{height} is outside H3's 1:4 to 4:1",
                          "choose a less extreme width/height")
