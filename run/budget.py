@@ -274,16 +274,17 @@ def host_available_bytes() -> int:
 
 
 def check_host_fits(preset, requests, repo, processes: int = 1) -> None:
-    """A run on the CPU holds its weights (at the run's precision, from a bf16 checkpoint) and the largest clip's
-    peak in host memory, once in each of `processes`: more than the machine has free stops it before any weight
-    loads, where it would otherwise end in the kernel's out-of-memory kill or in swap."""
+    """A run on the CPU holds its libraries, its weights (at the run's precision, from a bf16 checkpoint) and the
+    largest clip's peak in host memory (`memory.host_peak_bytes`), once in each of `processes`: more than the machine
+    has free stops it before any weight loads, where it would otherwise end in the kernel's out-of-memory kill or in
+    swap."""
     from h3gen.models.repo import WEIGHTED
     from h3gen.run import memory
 
     weights = sum(repo.weight_bytes(part) for part in WEIGHTED) * element_bytes(preset) // 2
     shape = memory.DiTShape.from_dict(repo.transformer_config())
-    largest = max(requests, key=lambda r: memory.peak_bytes(r, shape, 0, element_bytes(preset)))
-    need = processes * memory.peak_bytes(largest, shape, weights, element_bytes(preset))
+    largest = max(requests, key=lambda r: memory.host_peak_bytes(r, shape, 0, element_bytes(preset)))
+    need = processes * memory.host_peak_bytes(largest, shape, weights, element_bytes(preset))
     available = host_available_bytes()
     if need > available:
         each = f" in each of {processes} worker processes" if processes > 1 else ""

@@ -23,6 +23,13 @@ DIT_VALUES_PER_ROW_PER_FFN = 6.3
 # (ffn_chunk_rows), 26.7 over 20.6 GiB is 3.1.
 FAST_DIT_VALUES_PER_ROW_PER_FFN, CHUNKED_FFN_VALUES_PER_ROW_PER_FFN = 4.1, 3.1
 VAE_BYTES_PER_PIXEL = 36  # 8.4 GiB / (243 * 1344 * 768)
+# A run on the CPU: the decode's whole-clip buffers lead (the frames in float, the tiles before they are blended,
+# the uint8 frames the mux reads). Measured on the tiny model in fp32 through the reference decode, as the peak
+# resident memory above a 32x32 clip's run: 1.55 GiB over 32.5 M pixels (512x512, 124 frames) and 2.84 GiB over
+# 63.7 M pixels (243 frames), 51 and 48 bytes a pixel; half for 16-bit types. The libraries a render imports come
+# first: that 32x32 run peaked at 0.99 GiB, weights and all.
+HOST_VAE_BYTES_PER_PIXEL_FP32 = 52
+HOST_LIBRARIES_BYTES = GIB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,13 +57,21 @@ def peak_bytes(request: Request, shape: DiTShape, resident_bytes: int, element_b
     return int(resident_bytes + max(dit, vae))
 
 
+def host_peak_bytes(request: Request, shape: DiTShape, weights_bytes: int, element_bytes: int = 4) -> int:
+    """A CPU process's peak for `request`: the libraries, the weights (`weights_bytes`, once loaded: 0 for what the
+    process holds already) and the larger of the DiT's activations and the decode's buffers."""
+    dit = packed_rows(request, shape) * shape.ffn_dim * element_bytes * DIT_VALUES_PER_ROW_PER_FFN
+    vae = request.frames * request.width * request.height * HOST_VAE_BYTES_PER_PIXEL_FP32 * element_bytes / 4
+    return int(HOST_LIBRARIES_BYTES + weights_bytes + max(dit, vae))
+
+
 def fit_warning(requests: list[Request], shape: DiTShape, resident_bytes: int, available_bytes: int,
                 element_bytes: int = 2, memory: str = "the GPU has {:.1f} GiB",
-                fix: str = "try an FP8 preset, fewer frames or a smaller size") -> str | None:
-    """A warning naming the largest clip when its estimated peak exceeds what the device can give (`memory` says it
-    of the GiB); None if all fit."""
-    largest = max(requests, key=lambda r: peak_bytes(r, shape, resident_bytes, element_bytes))
-    need = peak_bytes(largest, shape, resident_bytes, element_bytes)
+                fix: str = "try an FP8 preset, fewer frames or a smaller size", peak=peak_bytes) -> str | None:
+    """A warning naming the largest clip when its estimated peak (`peak(request, shape, resident, element_bytes)`)
+    exceeds what the device can give (`memory` says it of the GiB); None if all fit."""
+    largest = max(requests, key=lambda r: peak(r, shape, resident_bytes, element_bytes))
+    need = peak(largest, shape, resident_bytes, element_bytes)
     limit = resident_bytes + available_bytes
     if need <= limit:
         return None
@@ -76,8 +91,11 @@ def host_fit_warning(requests: list[Request], transformer_config: dict, element_
     """`fit_warning` for a run on the CPU, weights already loaded: against the host memory free now."""
     from h3gen.run.budget import host_available_bytes
 
+    def beyond_loaded(request, shape, resident, element):  # the libraries and weights are in memory already
+        return host_peak_bytes(request, shape, resident, element) - HOST_LIBRARIES_BYTES
+
     return fit_warning(requests, DiTShape.from_dict(transformer_config), 0, host_available_bytes(), element_bytes,
-                       "host memory has {:.1f} GiB free", "try fewer frames or a smaller size")
+                       "host memory has {:.1f} GiB free", "try fewer frames or a smaller size", beyond_loaded)
 
 
 def cuda_index(device=None) -> int:

@@ -389,7 +389,7 @@ def test_the_host_check_counts_weights_once_in_each_cpu_worker(tiny_model, monke
     repo, preset = ModelRepo(tiny_model), resolve("tiny", registry())
     clip = Request(index=0, prompt="x", seed=0, width=64, height=32, frames=21)
     weights = sum(repo.weight_bytes(part) for part in ("transformer", "vae", "audio_vae", "text_encoder")) * 2
-    need = memory.peak_bytes(clip, memory.DiTShape.from_dict(repo.transformer_config()), weights, 4)
+    need = memory.host_peak_bytes(clip, memory.DiTShape.from_dict(repo.transformer_config()), weights, 4)
     monkeypatch.setattr(budget, "host_available_bytes", lambda: 2 * need)
     budget.check_host_fits(preset, [clip], repo, processes=2)  # fits exactly
     with pytest.raises(UsageError, match=r"^the largest clip \(clip 1, 64x32, 21 frames\) needs about .* GiB of host "
