@@ -17,7 +17,7 @@ from typing import Any
 
 from h3gen.config.contract import AdapterConfig
 from h3gen.errors import H3genError, UsageError
-from h3gen.config.stage_config import build_config
+from h3gen.config.stage_config import build_config, type_fix
 from h3gen.stages.base import STAGE_KINDS
 
 KNOWN_VERSIONS = (1,)
@@ -274,7 +274,8 @@ def _section(data: dict, section: str, defaults: dict, where: str, sources: dict
         if not isinstance(value, type(defaults[key])) and not widened:
             label = f"--set {section}.{key}" if given else f"{held} [{section}] {key}"
             raise UsageError(f"{label} must be {type(defaults[key]).__name__}, got {value!r}",
-                             "fix the value after the =" if given else "fix the value in the preset or --set")
+                             type_fix(type(defaults[key]), "fix the value after the =" if given
+                                      else "fix the value in the preset or --set"))
         sources.setdefault(f"{section}.{key}", where)
     for key, value in defaults.items():
         values.setdefault(key, value)

@@ -75,4 +75,9 @@ def _coerce(value, hint, where: str, fix: str):
         return origin(_coerce(v, item, where, fix) for v in value)
     if origin is object or isinstance(value, origin) and not (origin is int and isinstance(value, bool)):
         return value
-    raise UsageError(f"{where} must be {getattr(origin, '__name__', origin)}, got {value!r}", fix)
+    raise UsageError(f"{where} must be {getattr(origin, '__name__', origin)}, got {value!r}", type_fix(origin, fix))
+
+
+def type_fix(kind, fix: str) -> str:
+    """The fix for a value of the wrong type; for a bool, how TOML writes one (`yes`, `1` or `"true"` are not)."""
+    return f"write true or false, lowercase and unquoted; {fix}" if kind is bool else fix

@@ -156,7 +156,9 @@ def _request(fields: dict, index: int, line: int, base_seed: int, defaults: dict
                              "multiples of 32", "give the line a width and height, or crop the keyframe a little "
                              "less narrow") from None
         width, height = canvas
-    check_size(width, height, where)
+    given = [side for side in ("width", "height") if side in fields]
+    check_size(width, height, where, preset_side=next(iter({"width", "height"} - set(given))) if len(given) == 1
+               else "")
     clip_id = fields.get("id")
     if clip_id is not None and not SAFE_ID.match(clip_id):
         raise UsageError(f"{where}: id {_short(clip_id)} is not a plain file name",
@@ -209,14 +211,26 @@ def check_duration(seconds: float, where: str) -> None:
                          "ask for 5 to 15 seconds")
 
 
-def check_size(width: int, height: int, where: str) -> None:
-    if width < 32 or height < 32 or width % 32 or height % 32:
-        nearest = "x".join(str(max(32, round(side / 32) * 32)) for side in (width, height))
-        raise UsageError(f"{where}: size {width}x{height} is not made of multiples of 32",
-                         f"use {nearest}, the nearest that is, each side 32 or more")
-    if not MIN_ASPECT <= width / height <= MAX_ASPECT:
-        raise UsageError(f"{where}: aspect ratio {width}x{height} is outside H3's 1:4 to 4:1",
-                         "choose a less extreme width/height")
+def check_size(width: int, height: int, where: str, preset_side: str = "") -> None:
+    """Sides in multiples of 32, 32 or more, within 1:4 to 4:1; `preset_side` ("width" or "height"): the side the
+    preset gave, which the error names (and the fix: the prompt can give it too)."""
+    multiples = width >= 32 and height >= 32 and not width % 32 and not height % 32
+    within = width > 0 and height > 0 and MIN_ASPECT <= width / height <= MAX_ASPECT
+    if multiples and within:
+        return
+    size = f"size {width}x{height}" + (f" (its {preset_side} the preset's)" if preset_side else "")
+    problem = (f"{size} has a side under 32 pixels" if min(width, height) < 32
+               else f"{size} is not made of multiples of 32" if not multiples
+               else f"{size} is outside H3's aspect ratios of 1:4 to 4:1")
+    too = f"; or give the line a {preset_side} too" if preset_side else ""
+    raise UsageError(f"{where}: {problem}", f"use {'x'.join(map(str, nearest_size(width, height)))}, the nearest "
+                                            f"size H3 takes: sides in multiples of 32, within 1:4 to 4:1{too}")
+
+
+def nearest_size(width: int, height: int) -> tuple[int, int]:
+    """Each side rounded to a multiple of 32 (32 or more), the longer then cut to four times the shorter."""
+    width, height = (max(32, round(side / 32) * 32) for side in (width, height))
+    return min(width, 4 * height), min(height, 4 * width)
 
 
 # What the largest group of GPUs a run can have holds: 8 ranks of one machine splitting a clip, at 288 GiB each (the

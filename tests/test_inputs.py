@@ -1,5 +1,7 @@
 """Bad input is refused before anything loads: one line naming the problem and the fix, exit 2, no output file."""
 
+import re
+
 import pytest
 
 from conftest import h3gen
@@ -32,14 +34,19 @@ def test_plain_and_json_lines(tmp_path):
     ('{"prompt": "x", "duration": 4}\n', "duration 4 s is outside"),
     ('{"prompt": "x", "duration": 16}\n', "duration 16 s is outside"),
     ('{"prompt": "x", "width": 100}\n', "not made of multiples of 32"),
-    ('{"prompt": "x", "width": 640, "height": 32}\n', "aspect ratio 640x32"),
+    ('{"prompt": "x", "width": 640, "height": 32}\n', "size 640x32 is outside H3's aspect ratios of 1:4 to 4:1 (use "
+                                                     "128x32, the nearest size H3 takes"),
+    ('{"prompt": "x", "width": 1000}\n', "size 1000x32 (its height the preset's) is not made of multiples of 32 "
+                                         "(use 128x32, the nearest size H3 takes: sides in multiples of 32, within "
+                                         "1:4 to 4:1; or give the line a height too)"),
+    ('{"prompt": "x", "width": 0, "height": 64}\n', "size 0x64 has a side under 32 pixels (use 32x64"),
     ('{"prompt": "x", "id": "a"}\n{"prompt": "y", "id": "a"}\n', "duplicate id 'a'"),
     ('{"prompt": "x", "id": "../escape"}\n', "is not a plain file name"),
     ('{"prompt": "x", "id": "/etc/passwd"}\n', "is not a plain file name"),
     (b"caf\xe9\n", "p.txt:1: not UTF-8"),
 ])
 def test_bad_prompts_files(tmp_path, text, message):
-    with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+    with pytest.raises(UsageError, match=re.escape(message)):
         parse(tmp_path, text)
 
 

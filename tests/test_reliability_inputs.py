@@ -30,8 +30,9 @@ def refused(result, message):
     ('{"prompt": "x", "duration": 4.5}\n', "duration 4.5 s is outside H3's 5-15 s"),
     ('{"prompt": "x", "duration": 15.5}\n', "duration 15.5 s is outside H3's 5-15 s"),
     ('{"prompt": "x", "width": 1000, "height": 768}\n', "size 1000x768 is not made of multiples of 32 (use 992x768, "
-                                                      "the nearest that is, each side 32 or more)"),
-    ('{"prompt": "x", "width": 32, "height": 4096}\n', "aspect ratio 32x4096 is outside H3's 1:4 to 4:1"),
+                                                      "the nearest size H3 takes"),
+    ('{"prompt": "x", "width": 32, "height": 4096}\n', "size 32x4096 is outside H3's aspect ratios of 1:4 to 4:1 "
+                                                      "(use 32x128"),
     ('{"prompt": "x", "id": "a"}\n{"prompt": "y", "id": "a"}\n', "prompts.txt:2: duplicate id 'a' (first on line 1)"),
     ('{"prompt": "x", "id": "../../etc/cron.d/x"}\n', "id '../../etc/cron.d/x' is not a plain file name"),
     ('{"prompt": "x", "id": "/tmp/x"}\n', "id '/tmp/x' is not a plain file name"),
