@@ -21,9 +21,11 @@ def why_not(preset, memory_plan) -> str:
     (`compile` of the sampler or the vae) is not made to compile on two threads at once."""
     if memory_plan is not None and (memory_plan.streamed or memory_plan.stream_encoder):
         return "the memory plan streams weights, and leaves no room for a decode beside the forwards"
-    compiled = [kind for kind in ("sampler", "vae") if getattr(preset.stages[kind][1], "compile", False)]
-    if compiled:
-        return f"torch.compile ({', '.join(f'{kind}.compile' for kind in compiled)}) compiles on one thread at a time"
+    sampler, vae = preset.stages["sampler"][1], preset.stages["vae"][1]
+    compiled = [key for key, config in (("sampler.compile", sampler), ("vae.compile", vae))
+                if getattr(config, "compile", False) and getattr(config, "dit", "h3gen") == "h3gen"]
+    if compiled:  # a sampler's compile applies to h3gen's DiT only
+        return f"torch.compile ({', '.join(compiled)}) compiles on one thread at a time"
     return ""
 
 

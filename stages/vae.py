@@ -110,9 +110,12 @@ DIFFUSERS_TILE, DIFFUSERS_OVERLAP = 256, 64
 class FastVAEConfig:
     # diffusers' own decoder modules and default tiling: the reference stage's frames, only batched.
     exact: bool = False
-    # Tile edge and minimum overlap in pixels (multiples of 16); diffusers' defaults keep its tiling.
+    # A tile's height in pixels (a multiple of 16); diffusers' default keeps its tiling.
     tile_height: int = DIFFUSERS_TILE
+    # A tile's width in pixels (a multiple of 16); diffusers' default keeps its tiling.
     tile_width: int = DIFFUSERS_TILE
+    # The least overlap of neighbouring tiles in pixels (a multiple of 16, under the tile's sides); diffusers' default
+    # keeps its tiling.
     overlap: int = DIFFUSERS_OVERLAP
     # Tiles per decoder forward; 0 picks the most that half the free device memory holds, up to max_tile_batch.
     tile_batch: int = 0

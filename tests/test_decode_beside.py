@@ -138,6 +138,8 @@ def test_a_memory_plan_that_streams_a_compiled_stage_or_a_group_decodes_after_th
     assert why_not(preset, None) == "" and why_not(preset, resident) == ""
     assert "streams weights" in why_not(preset, MemoryPlan(24 * 2**30, 48, 30, 22 * 2**30, 20 * 2**30))
     assert "streams weights" in why_not(preset, MemoryPlan(24 * 2**30, 48, 0, 22 * 2**30, 0, stream_encoder=True))
+    tiny = resolve("tiny", registry(), ["sampler.compile=true"])  # diffusers' DiT there: nothing compiles
+    assert why_not(tiny, None) == ""
     compiled = resolve("fasth3-fp8", registry(), ["sampler.compile=true", "vae.compile=true"])
     assert why_not(compiled, resident) == ("torch.compile (sampler.compile, vae.compile) compiles on one thread "
                                                 "at a time")
