@@ -288,10 +288,12 @@ def check_host_fits(preset, requests, repo, processes: int = 1) -> None:
     available = host_available_bytes()
     if need > available:
         each = f" in each of {processes} worker processes" if processes > 1 else ""
+        loaded = processes * (memory.HOST_LIBRARIES_BYTES + weights)  # before any clip
         raise UsageError(f"the largest clip ({memory.clip_named(largest)}) needs about {need / GIB:.1f} GiB of host "
                          f"memory on the CPU ({weights / GIB:.1f} GiB of it weights{each}), and this machine has "
                          f"{available / GIB:.1f} GiB free",
-                         "render fewer frames or a smaller size, free host memory, or render on a GPU")
+                         "the weights alone take more: run on a GPU, or free host memory" if loaded > available
+                         else "render fewer frames or a smaller size, free host memory, or render on a GPU")
 
 
 def device_bytes(device: str) -> int:

@@ -256,7 +256,10 @@ def check_model_kind(preset, repo, embedded: bool, baseline: bool = False, bench
                  else f"{repo.root} holds a tiny model")
         instead = "--baseline none" if baseline else "--preset tiny"
         if bench:
-            instead = f"--random-weights full (its architecture, random weights), {instead}"
+            from h3gen.run.render import pick_device
+
+            gpu = pick_device(preset.runtime["device"]).startswith("cuda")
+            instead = f"--random-weights full{'' if gpu else ' on a GPU'} (its architecture, random weights), {instead}"
         raise UsageError(f"preset {preset.name} needs a MiniMax-H3 repository, and {given}",
                          f"pass --model DIR (or H3GEN_MODEL) with the MiniMax-H3 repository, {instead}, {anyway}")
     raise UsageError(f"preset {preset.name} is made for the tiny smoke-test model, and {repo.root} is a MiniMax-H3 "

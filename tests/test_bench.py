@@ -82,10 +82,11 @@ def test_bench_checks_the_model_each_preset_is_made_for(tmp_path):
     common = ["--durations", "5", "--size", "32x32", "--stages", "vae,mux", "--repeat", "1", "--warmup", "0", "-o",
               tmp_path]
     refused = h3gen("bench", "--preset", "h3-base", "--baseline", "none", *common, check_code=2)
+    full = "--random-weights full (its" if torch.cuda.is_available() else "--random-weights full on a GPU (its"
     assert refused.stderr.startswith("h3gen: error: preset h3-base needs a MiniMax-H3 repository, and no --model was "
                                      "given, so the embedded tiny model stands in (pass --model DIR (or H3GEN_MODEL) "
-                                     "with the MiniMax-H3 repository, --random-weights full (its architecture, random "
-                                     "weights), --preset tiny, or --set model.needs=any")
+                                     f"with the MiniMax-H3 repository, {full} architecture, random weights), --preset "
+                                     "tiny, or --set model.needs=any")
     baseline = h3gen("bench", "--preset", "tiny", *common, check_code=2)  # the baseline, diffusers, is checked too
     assert baseline.stderr.startswith("h3gen: error: preset diffusers needs a MiniMax-H3 repository")
     assert "--baseline none, or --set model.needs=any" in baseline.stderr and "--preset tiny" not in baseline.stderr

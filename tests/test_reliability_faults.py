@@ -397,6 +397,22 @@ def test_the_host_check_counts_weights_once_in_each_cpu_worker(tiny_model, monke
         budget.check_host_fits(preset, [clip], repo, processes=3)
 
 
+def test_the_host_check_says_when_the_weights_alone_do_not_fit(tiny_model, monkeypatch):
+    """Fewer frames cannot help where the libraries and weights alone take more than is free."""
+    from h3gen.config.preset import resolve
+    from h3gen.errors import UsageError
+    from h3gen.inputs.request import Request
+    from h3gen.models.repo import ModelRepo
+    from h3gen.plugins.manager import registry
+    from h3gen.run import budget
+
+    clip = Request(index=0, prompt="x", seed=0, width=32, height=32, frames=124)
+    monkeypatch.setattr(budget, "host_available_bytes", lambda: 2**29)
+    with pytest.raises(UsageError) as refused:
+        budget.check_host_fits(resolve("tiny", registry()), [clip], ModelRepo(tiny_model))
+    assert refused.value.fix == "the weights alone take more: run on a GPU, or free host memory"
+
+
 def test_host_memory_free_is_what_the_kernel_says_is_available():
     """MemAvailable counts the page cache the kernel can drop: a machine that has just read its weights is not full."""
     from h3gen.run.budget import host_available_bytes
