@@ -116,7 +116,10 @@ def _parse_line(line: str, where: str) -> dict:
     try:
         fields = json.loads(line, object_pairs_hook=_once_each)
     except json.JSONDecodeError as e:
-        raise UsageError(f"{where}: malformed JSON ({e.msg} at column {e.colno})",
+        before = line[:e.pos].rstrip()
+        what = ("a comma before the closing bracket, which JSON does not allow" if before.endswith(",")
+                and line[e.pos:].lstrip()[:1] in "}]" else e.msg)
+        raise UsageError(f"{where}: malformed JSON at column {e.colno}: {what}",
                          'write one object per line, e.g. {"prompt": "..."}; a prompt starting with "[" or "{" '
                          'goes in one too') from None
     except _Twice as e:

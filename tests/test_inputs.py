@@ -28,6 +28,8 @@ def test_plain_and_json_lines(tmp_path):
     ("# only a comment\n", "has no prompts"),
     ('ok\n{"prompt": "x",\n', "p.txt:2: malformed JSON"),
     ('{"prompt": "x", "colour": "red"}\n', "unknown field 'colour'"),
+    ('{"prompt": "x", "seed": 3,}\n', "p.txt:1: malformed JSON at column 27: a comma before the closing bracket, "
+                                     "which JSON does not allow"),
     ('{"prompt": "x", "seed": 1, "prompt": "y"}\n', "p.txt:1: field 'prompt' is given twice"),
     ('{"prompt": "x", "seed": "7"}\n', "field 'seed' has the wrong type"),
     ('{"id": "a"}\n', "missing or empty 'prompt'"),
