@@ -247,7 +247,7 @@ def check_fits(request: Request, where: str) -> None:
     need = peak_bytes(request, DiTShape(), 0)
     if need > MAX_CLIP_BYTES:
         raise UsageError(f"{where}: size {request.width}x{request.height} at {request.frames} frames needs about "
-                         f"{need / 2**40:,.1f} TiB of device memory, more than any group of GPUs holds",
+                         f"{need / 2**40:,.1f} TiB of memory, more than any machine or group of GPUs holds",
                          "use a size near H3's 1344x768")
 
 
