@@ -159,9 +159,8 @@ def _request(fields: dict, index: int, line: int, base_seed: int, defaults: dict
                              "multiples of 32", "give the line a width and height, or crop the keyframe a little "
                              "less narrow") from None
         width, height = canvas
-    given = [side for side in ("width", "height") if side in fields]
-    check_size(width, height, where, preset_side=next(iter({"width", "height"} - set(given))) if len(given) == 1
-               else "")
+    from_preset = [side for side in ("width", "height") if side not in fields]
+    check_size(width, height, where, preset_side=from_preset[0] if len(from_preset) == 1 else "")
     clip_id = fields.get("id")
     if clip_id is not None and not SAFE_ID.match(clip_id):
         raise UsageError(f"{where}: id {_short(clip_id)} is not a plain file name",
