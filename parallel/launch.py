@@ -130,7 +130,8 @@ def launch_workers(batch, settings: RunSettings, entry: str, began: float) -> in
             held.write_bytes(prompts_bytes(settings.prompts))
             settings = dataclasses.replace(settings, prompts=held)
         job = {"settings": settings.to_json(), "device": "gpu" if parallel.gpus else "cpu",
-               "status_file": str(Path(scratch) / "status"), "heads": heads, "split_refusal": refusal, "began": began}
+               "status_file": str(Path(scratch) / "status"), "heads": heads, "split_refusal": refusal, "began": began,
+               "launcher": os.getpid()}
         stopped = run(launch_config(parallel, per_node), job, entry, say)
         if stopped:
             return stopped

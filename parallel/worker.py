@@ -25,6 +25,7 @@ def main(argv: list[str], make_reporter) -> int:
     from h3gen.run.loop import Interrupted, stop_on_signals
 
     job = json.loads(argv[0])
+    die_with_launcher(job.get("launcher"))
     os.chdir(job["settings"]["cwd"])  # the launcher's: the paths of the run are relative to it, as the user gave them
     try:
         with stop_on_signals():
@@ -39,6 +40,26 @@ def main(argv: list[str], make_reporter) -> int:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return stop.exit_code
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def die_with_launcher(launcher: int | None) -> None:
+    """End this worker with the launcher that started it: the kernel kills it once the launcher's process ends
+    (Linux), and it ends at once where the launcher has ended already. torchrun's agent loses the workers it is
+    starting when the run is stopped just then (it knows them only once all have started), and such a worker would
+    wait on the launcher's rendezvous long after the run ended, holding the command's output open."""
+    if launcher is None:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the agent's own shutdown is all there is
+        return
+    if os.getppid() != launcher:  # ended before the kernel could be told
+        os._exit(1)
 
 
 def record_error(error: H3genError) -> None:

@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from test_parallel_runtime import ENV, workers_of
 from test_reliability_faults import install
 from conftest import child_env
@@ -115,3 +117,44 @@ def test_a_clip_a_killed_worker_was_redoing_with_force_is_not_counted(tmp_path):
     written = sorted(r["path"].rsplit("/", 1)[-1] for r in map(json.loads, stdout.splitlines()) if r["ok"])
     assert written == ["clip0.mp4"] and "1 of 2 clips written" in stderr, stderr[-3000:]
     assert not re.search(r"wrote \S*clip1.mp4", stderr), stderr[-3000:]
+
+
+TIED_WORKER = """
+import os, sys, time
+from h3gen.parallel.worker import die_with_launcher
+die_with_launcher(int(sys.argv[1]) if len(sys.argv) > 1 else os.getppid())
+print(os.getpid(), flush=True)
+time.sleep(120)
+"""
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] == "Z"  # a zombie is gone but for its exit status
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
+def test_a_worker_ends_with_the_launcher_that_started_it(tmp_path):
+    """torchrun's agent loses the workers it is starting when the run is stopped just then: the kernel ends them
+    with the launcher, instead of leaving them to wait on its rendezvous with the command's output held open."""
+    launcher = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                                 f"subprocess.run([sys.executable, '-c', {TIED_WORKER!r}])"],
+                                stdout=subprocess.PIPE, text=True, env=child_env({}))
+    worker = int(launcher.stdout.readline())
+    assert not gone(worker)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 30
+    while not gone(worker):
+        assert time.monotonic() < deadline, "the worker outlived its launcher"
+        time.sleep(0.05)
+    launcher.stdout.close()
+
+
+def test_a_worker_whose_launcher_has_ended_already_ends_at_once():
+    late = subprocess.run([sys.executable, "-c", TIED_WORKER, "1"], capture_output=True, text=True, timeout=60,
+                          env=child_env({}))
+    assert late.returncode == 1 and late.stdout == ""
