@@ -318,18 +318,21 @@ class Renderer:
         ran_out = memory.refused_allocations(self.runtime.device) > refused
         self.done.append(self.finish(clip, clip_error(clip, error, self.memory_plan, ran_out=ran_out), claim=claim))
 
-    def land_decoded(self, wait: bool) -> None:
-        """Record the clips whose decode beside the forwards has ended (all of them with `wait`), in their order."""
+    def land_decoded(self, wait: bool, ending: bool = False) -> None:
+        """Record the clips whose decode beside the forwards has ended (all of them with `wait`), in their order.
+        `ending` (close): as the run ends, a decode's error that would end it costs just its clip."""
         while self.beside is not None and self.beside.first_ended(wait):
             clip, claim, future, before, refused = self.beside.in_flight.popleft()
-            try:
+            error = future.exception()
+            if error is None:
                 decoded, job = future.result()
-            except BaseException as e:
+                self.decoded(decoded, claim, job, before)
+            elif ending and isinstance(error, Exception):
+                self.done.append(self.finish(clip, clip_error(clip, error, self.memory_plan), claim=claim))
+            else:
                 self.claim_on_device = claim  # an error that ends the run leaves its claim to close()
-                self.failed(clip, claim, e, refused)
+                self.failed(clip, claim, error, refused)
                 self.claim_on_device = None
-                continue
-            self.decoded(decoded, claim, job, before)
 
     def decodes_together(self) -> str:
         """Why the ranks of this renderer decode each clip together ('' for one process)."""
@@ -409,8 +412,9 @@ class Renderer:
         """Wait for background muxes, or with `discard` (a signal) stop them; the results of the clips that were
         written all the same. Either way each file is written whole or not at all."""
         mux = self.stages["mux"]
-        if self.beside is not None:
-            self.settle_beside()
+        if self.beside is not None:  # every decode in flight ends first: none can be stopped halfway
+            self.beside.close()
+            self.land_decoded(wait=True, ending=True)
         if discard and mux.background:
             mux.discard_in_flight()
         for kind in PIPELINE:
@@ -425,19 +429,6 @@ class Renderer:
                 claim.release()
         self.muxing.clear()
         return written
-
-    def settle_beside(self) -> None:
-        """Wait for the decodes beside the forwards: the decoded clips join those muxing or written, a failed one is
-        recorded as failed (as the run ends, an error that would end it costs just its clip)."""
-        self.beside.close()
-        while self.beside.in_flight:
-            clip, claim, future, before, _ = self.beside.in_flight.popleft()
-            try:
-                decoded, job = future.result()
-            except Exception as e:
-                self.done.append(self.finish(clip, clip_error(clip, e, self.memory_plan), claim=claim))
-                continue
-            self.decoded(decoded, claim, job, before)
 
     def unload(self, stage) -> None:
         """A stage that fails to let go of its memory costs nothing written: it is reported, and the run goes on."""
