@@ -50,9 +50,15 @@ def packed_rows(request: Request, shape: DiTShape, text_rows: int = TEXT_ROWS) -
     return text_rows + request.audio_latent_shape[-1] * AUDIO_CHANNELS + video
 
 
+def dit_bytes(request: Request, shape: DiTShape, element_bytes: int,
+              values_per_row: float = DIT_VALUES_PER_ROW_PER_FFN) -> float:
+    """The DiT's activations at its peak for `request`."""
+    return packed_rows(request, shape) * shape.ffn_dim * element_bytes * values_per_row
+
+
 def peak_bytes(request: Request, shape: DiTShape, resident_bytes: int, element_bytes: int = 2,
                values_per_row: float = DIT_VALUES_PER_ROW_PER_FFN) -> int:
-    dit = packed_rows(request, shape) * shape.ffn_dim * element_bytes * values_per_row
+    dit = dit_bytes(request, shape, element_bytes, values_per_row)
     vae = request.frames * request.width * request.height * VAE_BYTES_PER_PIXEL
     return int(resident_bytes + max(dit, vae))
 
@@ -60,9 +66,8 @@ def peak_bytes(request: Request, shape: DiTShape, resident_bytes: int, element_b
 def host_peak_bytes(request: Request, shape: DiTShape, weights_bytes: int, element_bytes: int = 4) -> int:
     """A CPU process's peak for `request`: the libraries, the weights (`weights_bytes`, once loaded: 0 for what the
     process holds already) and the larger of the DiT's activations and the decode's buffers."""
-    dit = packed_rows(request, shape) * shape.ffn_dim * element_bytes * DIT_VALUES_PER_ROW_PER_FFN
     vae = request.frames * request.width * request.height * HOST_VAE_BYTES_PER_PIXEL_FP32 * element_bytes / 4
-    return int(HOST_LIBRARIES_BYTES + weights_bytes + max(dit, vae))
+    return int(HOST_LIBRARIES_BYTES + weights_bytes + max(dit_bytes(request, shape, element_bytes), vae))
 
 
 def fit_warning(requests: list[Request], shape: DiTShape, resident_bytes: int, available_bytes: int,
