@@ -14,9 +14,8 @@ part of the batch, as loading them is not (`unload_s` gives it). `last_clip_tail
 decode to that end: its mux, which no next clip hides; `last_clip_mux_left_s` is the part of it until the mux
 returned (the file written), the rest is the clip's finish (its manifest line and record). `between_clips_s` is
 the mean time from one clip's decode to the next clip's start: what the device waits for between clips beyond the
-mux. `baseline_forwards` runs the
-baseline at fewer forwards than the measured presets (each preset is compared at its own count all the same, from
-the baseline's per-forward seconds). With `warm_cache`, each preset's batch runs twice over one fresh embedding
+mux. `baseline_forwards` runs the baseline at fewer forwards than the measured presets (each preset is compared at
+its own count all the same, from the baseline's per-forward seconds). With `warm_cache`, each preset's batch runs twice over one fresh embedding
 cache: the second run's encode seconds are what a rerun over the same prompts pays (`encoder_loads` says whether it
 loaded the encoder).
 """
