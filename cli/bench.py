@@ -8,6 +8,8 @@ from pathlib import Path
 from h3gen.errors import UsageError
 
 STAGES = ("encode", "dit", "vae", "mux")
+# Over this many pixels a clip (160x160 at 5 s), a CPU benchmark runs minutes a stage: the run says so before it starts.
+CPU_QUICK_PIXELS = 160 * 160 * 124
 
 
 def parse_plan(presets, baseline, durations, size, repeat, warmup, stages, forwards, text_tokens):
@@ -96,7 +98,8 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
                   else "--baseline-forwards")
         raise UsageError(f"{option} belongs to a batch benchmark", "add --batch N")
     if batch and tuple(s.strip() for s in stages.split(",")) != STAGES:
-        raise UsageError(f"--stages {stages} belongs to the per-stage benchmark: a batch times whole clips, every stage",
+        raise UsageError(f"--stages {stages} belongs to the per-stage benchmark: a batch times whole clips, "
+                         "every stage",
                          "drop --stages, or --batch to time the stages apart")
     plan = parse_plan(presets, baseline, durations, size, repeat, warmup, stages, forwards, text_tokens)
     plan.warm_cache, plan.baseline_clips, plan.overrides = warm_cache, baseline_clips, list(sets)
@@ -123,14 +126,17 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
             check_model_kind(preset, source, model is None, bench=True,
                              baseline=bool(plan.baseline) and index == len(resolved) - 1)
 
-    longest = batch_requests(plan, max(plan.durations), 1)
-    for preset in resolved:  # a clip the host cannot hold on the CPU: refused as render refuses it, not killed later
-        if pick_device(preset.runtime["device"]) == "cpu":
-            check_host_fits(preset, longest, source)
-    check_writable(Path(output))  # now, not after the benchmark's minutes
-
     def say(text):
         print(text, file=sys.stderr, flush=True)
+
+    [longest] = batch_requests(plan, max(plan.durations), 1)
+    on_cpu = [preset for preset in resolved if pick_device(preset.runtime["device"]) == "cpu"]
+    for preset in on_cpu:  # a clip the host cannot hold on the CPU: refused as render refuses it, not killed later
+        check_host_fits(preset, [longest], source)
+    check_writable(Path(output))  # now, not after the benchmark's minutes
+    if on_cpu and longest.width * longest.height * longest.frames > CPU_QUICK_PIXELS:
+        say(f"bench: note: on the CPU a {longest.width}x{longest.height} clip of {max(plan.durations):g} s takes "
+            "minutes a stage, even on the tiny model; --size 32x32 --durations 5 times the CPU path in seconds")
 
     with results_only_on_stdout():  # a stage's own prints go to stderr; stdout has the files written
         if batch:

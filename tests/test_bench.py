@@ -361,7 +361,7 @@ def test_a_failed_preset_s_traceback_is_printed_with_traceback(monkeypatch, caps
 
 @pytest.mark.parametrize("seconds, frames", [(5, 124), (6, 158), (10, 243), (15, 345)])
 def test_the_bench_renders_the_frames_render_gives_a_duration(seconds, frames):
-    """The smallest 17n+5 lasting the duration, as a prompt's duration gives (6 s is 158 frames, not the nearest 141)."""
+    """The smallest 17n+5 lasting the duration, as a prompt's duration gives (6 s: 158 frames, not the nearest 141)."""
     from h3gen.bench.batch import batch_requests
     from h3gen.bench.sweep import BenchPlan
 
@@ -401,3 +401,21 @@ def test_bench_batch_with_the_decode_beside_the_forwards_says_so_in_its_notes(tm
                    "--set", "runtime.overlap_decode=true", "-o", tmp_path, check_code=0)
     (record,) = json.loads(open(result.stdout.split()[0]).read())["records"]
     assert record["clips"] == 2 and "each clip decoded beside the next clip's forwards" in record["notes"]
+
+
+@pytest.mark.parametrize("size, noted", [("1344x768", True), ("32x32", False)])
+def test_a_cpu_bench_of_a_large_clip_says_it_takes_minutes_before_it_starts(tmp_path, monkeypatch, capsys, size,
+                                                                             noted):
+    from h3gen.bench import sweep
+    from h3gen.cli.bench import run_bench_command
+
+    def nothing_timed(plan, registry, source, random_weights, say):
+        say("bench: timing")
+        return []
+
+    monkeypatch.setattr(sweep, "run_bench", nothing_timed)
+    run_bench_command(["tiny"], "none", "10", size, 1, 0, "tiny", None, "encode", None, 8, tmp_path)
+    said = capsys.readouterr().err
+    note = ("bench: note: on the CPU a 1344x768 clip of 10 s takes minutes a stage, even on the tiny model; "
+            "--size 32x32 --durations 5 times the CPU path in seconds\n")
+    assert said.startswith(note + "bench: timing") if noted else note not in said and said.startswith("bench: timing")
