@@ -15,9 +15,9 @@ decode to that end: its mux, which no next clip hides; `last_clip_mux_left_s` is
 returned (the file written), the rest is the clip's finish (its manifest line and record). `between_clips_s` is
 the mean time from one clip's decode to the next clip's start: what the device waits for between clips beyond the
 mux. `baseline_forwards` runs the baseline at fewer forwards than the measured presets (each preset is compared at
-its own count all the same, from the baseline's per-forward seconds). With `warm_cache`, each preset's batch runs twice over one fresh embedding
-cache: the second run's encode seconds are what a rerun over the same prompts pays (`encoder_loads` says whether it
-loaded the encoder).
+its own count all the same, from the baseline's per-forward seconds). With `warm_cache`, each preset's batch runs
+twice over one fresh embedding cache: the second run's encode seconds are what a rerun over the same prompts pays
+(`encoder_loads` says whether it loaded the encoder).
 """
 
 from __future__ import annotations
@@ -188,10 +188,7 @@ def time_batch(preset, registry, source, requests, out_dir: Path, full_forwards:
                                                                          default=0.0) or None,
                 host_gib=round(host, 3) or None,
                 notes=f"{forwards} forward(s) per clip timed; clips_per_hour_full uses {full_forwards}"
-                      + (f"; {memory_plan.describe()}" if memory_plan is not None else "")
-                      + ("; each clip decoded beside the next clip's forwards: per_forward_s includes the share of the "
-                         "device the decode took, and between_clips_s below 0 is how long the two ran together"
-                         if renderer.beside is not None else ""))
+                      + (f"; {memory_plan.describe()}" if memory_plan is not None else ""))
 
 
 BATCH_COLUMNS = ("clips", "encode_s", "per_forward_s", "vae_s_per_clip", "mux_s_per_clip", "extra_per_clip_s",

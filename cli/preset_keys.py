@@ -53,13 +53,6 @@ SECTION_NOTES = {
     "runtime.dtype": f"the precision weights load and compute in: {', '.join(DTYPES)}.",
     "runtime.vram_gib": "a device memory budget in GiB, for a GPU run: the run keeps within it, streaming as many "
                         "of h3gen's DiT blocks from host memory as it needs; 0: none.",
-    "runtime.overlap_decode": "true: each clip decodes on a thread of its own (on a GPU, a CUDA stream of its own) "
-                              "while the render thread runs the next clips' DiT forwards: the same clips, sooner "
-                              "where either leaves the GPU idle; on the CPU the two share the cores. Not part of the "
-                              "fingerprint: a rerun with or without it skips the clips. Each worker of --gpus or "
-                              "--cpu-workers takes it, but not the ranks of a group that split each clip "
-                              "(--ulysses), nor a run whose memory plan streams weights or that compiles "
-                              "(sampler.compile on h3gen's DiT, vae.compile): the run's load line says which.",
     "parallel.gpus": "GPU workers, as --gpus N when neither --gpus nor --cpu-workers is given; 0: none.",
     "parallel.cpu_workers": "CPU workers, as --cpu-workers N when neither flag is given; 0: none.",
     "parallel.ulysses": "ranks per clip when workers run, as --ulysses K when it is not given; 0: the layout "

@@ -23,8 +23,7 @@ from h3gen.stages.base import STAGE_KINDS
 KNOWN_VERSIONS = (1,)
 REQUEST_DEFAULTS = {"width": 1344, "height": 768, "duration": 5.0}
 # vram_gib: the device memory budget (0: what is free when the run starts), met by h3gen.run.budget's plan.
-# overlap_decode: each clip's decode beside the next clip's DiT forwards (h3gen.run.decode_beside).
-RUNTIME_DEFAULTS = {"device": "auto", "dtype": "bfloat16", "vram_gib": 0.0, "overlap_decode": False}
+RUNTIME_DEFAULTS = {"device": "auto", "dtype": "bfloat16", "vram_gib": 0.0}
 # Several workers (0: one process, no torch.distributed); ulysses 0 lets the layout rule pick. Flags override.
 PARALLEL_DEFAULTS = {"gpus": 0, "cpu_workers": 0, "ulysses": 0}
 TOP_LEVEL = {"version", "description"}

@@ -63,9 +63,6 @@ class GroupRenderer(Renderer):
         clip.drop_tensors()
         return None
 
-    def decodes_together(self) -> str:
-        return "the ranks of a group decode each clip together"
-
     def check_fatal(self, clip, error: Exception) -> None:
         """An input error meets every rank alike, as does a stage's return its contract refuses once every rank ran
         it (ReturnedRefused), and the group moves on to the next clip together. Anything else (out of memory on one

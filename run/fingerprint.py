@@ -17,9 +17,8 @@ from pathlib import Path
 RENDER_VERSION = 1
 # Resolved preset values that change how a run goes, never what a clip holds (streamed blocks: tests/test_streaming.py;
 # a memory budget only picks how many).
-NOT_IN_OUTPUT = ("version", "request.", "runtime.device", "runtime.vram_gib", "runtime.overlap_decode", "parallel.",
-                 "model.", "mux.workers", "encode.cache", "encode.stream_layers", "sampler.stream_blocks",
-                 "sampler.stream_with")
+NOT_IN_OUTPUT = ("version", "request.", "runtime.device", "runtime.vram_gib", "parallel.", "model.", "mux.workers",
+                 "encode.cache", "encode.stream_layers", "sampler.stream_blocks", "sampler.stream_with")
 TAG = "comment"  # the MP4 metadata key; ffmpeg's mp4 muxer keeps only the standard ones
 
 

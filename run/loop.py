@@ -115,7 +115,8 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
         if settings.shard and not requests:
             index, count = settings.shard
             reporter.say(f"h3gen: shard {index}/{count} holds none of the {len(every)} prompt(s) of "
-                         f"{settings.prompts} (prompt k of the file, from 0, goes to shard k mod {count}): nothing to do")
+                         f"{settings.prompts} (prompt k of the file, from 0, goes to shard k mod {count}): "
+                         "nothing to do")
         check_plugins(found, settings.strict_plugins, reporter)
         repo = model_repo(settings.model, reporter)
         check_model_kind(preset, repo, settings.model is None)
@@ -379,8 +380,7 @@ def render_pending(requests, settings: RunSettings, preset, found, repo, reporte
         from h3gen.parallel.group_render import GroupRenderer
 
         renderer = GroupRenderer(preset, found, repo, reporter, group, leader, memory_plan)
-    notes = "".join(f", {note}" for note in [*(stage.load_note() for stage in renderer.stages.values()),
-                                             renderer.overlap_note] if note)
+    notes = "".join(f", {note}" for note in (stage.load_note() for stage in renderer.stages.values()) if note)
     reporter.say(f"h3gen: loaded on {renderer.runtime.device} ({preset.runtime['dtype']}){notes}")
     from h3gen.run.memory import cuda_fit_warning, host_fit_warning
 

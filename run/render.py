@@ -137,7 +137,6 @@ class Renderer:
         self.discarded = 0  # clips in flight that close(discard=True) dropped
         self.cache_problem_said = False  # the embedding cache's write problem, said once a run
         self.results = []  # every clip this renderer finished, in the order their manifest lines were written
-        self.beside = self.decode_beside(memory_plan)  # h3gen.run.decode_beside, or None: in line
         self.unrecorded = ""  # why the manifest could not take a clip's line: the clips after it are not rendered
         self.bytes_per_pixel = 0.0  # the least an MP4 of this run took per pixel of its frames (check_disk)
 
@@ -162,18 +161,6 @@ class Renderer:
             yield from self.render_chunk(clips, failed, redo)
         yield from self.collect(wait=True)
 
-    def decode_beside(self, memory_plan):
-        """The decode thread for `runtime.overlap_decode`, where the run can take it (its note says so either way)."""
-        from h3gen.run.decode_beside import DecodeBeside, why_not
-
-        self.overlap_note = ""
-        if not self.preset.runtime["overlap_decode"]:
-            return None
-        reason = self.decodes_together() or why_not(self.preset, memory_plan)
-        self.overlap_note = (f"each clip decodes after its forwards ({reason})" if reason
-                             else "each clip decodes beside the next clip's forwards")
-        return None if reason else DecodeBeside(self.runtime.device)
-
     def render_chunk(self, clips: list[Clip], failed: set, redo: str) -> Iterator[ClipResult]:
         clips[:] = [clip for clip in clips if clip.request.index not in failed]
         sampler = self.stages["sampler"]
@@ -187,12 +174,8 @@ class Renderer:
                 sampler.prepare(clips[0])
             self.render_one(clip, claim)
             self.claim_on_device = None
-            if self.beside is None:  # memory.release waits on the whole device, and a decode beside would be in it
-                memory.release(self.runtime.device)
-            yield from self.collect(wait=False)
-        if self.beside is not None:  # the encoder may load next, and nothing may decode beside memory.settle
-            self.land_decoded(wait=True)
             memory.release(self.runtime.device)
+            yield from self.collect(wait=False)
 
     def admit(self, clip: Clip, redo: str) -> tuple[str, object, str]:
         """(status, claim, error): the claim when this run renders the clip; status "busy" when another run holds
@@ -246,104 +229,57 @@ class Renderer:
         return failed
 
     def render_one(self, clip: Clip, claim) -> None:
-        """The DiT on the device, then the decode and the mux (`decode`): in line, or with `runtime.overlap_decode`
-        on a thread of its own (h3gen.run.decode_beside) while the next clip's forwards run."""
+        """DiT and decode on the device, then the mux, in the background when the mux stage can: started with the
+        decode when the VAE stage hands its frames over chunk by chunk, so only the last chunk is left to encode."""
         import torch
 
         self.reporter.clip_started(clip)
-        if self.runtime.device.startswith("cuda"):
+        cuda = self.runtime.device.startswith("cuda")
+        if cuda:
             torch.cuda.reset_peak_memory_stats()
         refused = memory.refused_allocations(self.runtime.device)
+        error, mux, job = "", self.stages["mux"], None
         before = file_state(clip.path)  # a mux that fails after writing the file takes it back
         try:
             check_disk(self.out_dir, clip.request, self.bytes_per_pixel)
             clip = self.stages["sampler"](clip)
             if self.save_latents:
                 write_latents(clip)
-            if self.beside is not None:
-                self.beside.submit(self.decode, clip, claim, before, refused)
-                self.claim_on_device = None  # close() finds it among the decodes in flight
-                return
-            clip, job = self.decode(clip, before)
-        except BaseException as e:
-            self.failed(clip, claim, e, refused)
-            return
-        self.decoded(clip, claim, job, before)
-
-    def decode(self, clip: Clip, before) -> tuple[Clip, object]:
-        """The clip's decode, and its mux: started with the decode when the VAE stage hands its frames over chunk by
-        chunk (only the last chunk is then left to encode), in the background once the frames are there, or in line.
-        (clip, its mux's job in the background, or None once written); a failure has stopped the mux and taken back
-        what it wrote."""
-        import torch
-
-        mux, vae, job = self.stages["mux"], self.stages["vae"], None
-        try:
-            if vae.hands_over_frames and mux.background:
+            if self.stages["vae"].hands_over_frames and mux.background:
                 clip.arriving = ArrivingMedia()
                 job = mux.submit(clip)
                 if job is None:  # the mux runs in line, after the decode: it takes the finished frames
                     clip.arriving = None
-            clip = vae(clip)
-            check_media(clip, vae)
+            clip = self.stages["vae"](clip)
+            check_media(clip, self.stages["vae"])
             clip.drop_tensors(keep_media=True)  # the device's share goes now; the mux needs only frames and audio
-            if self.runtime.device.startswith("cuda"):
-                clip.peak_gib = torch.cuda.max_memory_allocated() / 2**30
+            clip.peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
             if job is None and mux.background:
                 job = mux.submit(clip)
-            if job is None:
-                try:
-                    clip = mux(clip)
-                except BaseException:
-                    remove_if_written(clip.path, before)
-                    raise
-            return clip, job
-        except BaseException as e:
+            if job is not None:
+                self.muxing.append((clip, claim, job, before))
+                self.claim_on_device = None  # close() finds it in self.muxing
+                return
+            try:
+                clip = mux(clip)
+            except BaseException:
+                remove_if_written(clip.path, before)
+                raise
+        except BaseException as e:  # a faulty stage costs its clip, not the batch
             if job is not None:
                 abandon(clip, job, e)
-            raise
-
-    def decoded(self, clip: Clip, claim, job, before) -> None:
-        """A decoded clip: muxing in the background, or written."""
-        if job is not None:
-            self.muxing.append((clip, claim, job, before))
-        else:
-            self.done.append(self.finish(clip, claim=claim))
-
-    def failed(self, clip: Clip, claim, error: BaseException, refused: int) -> None:
-        """A faulty stage costs its clip, not the batch; a signal, or a model no clip can use, ends the run."""
-        if not isinstance(error, Exception) or isinstance(error, ModelError):
-            raise error
-        self.check_fatal(clip, error)
-        ran_out = memory.refused_allocations(self.runtime.device) > refused
-        self.done.append(self.finish(clip, clip_error(clip, error, self.memory_plan, ran_out=ran_out), claim=claim))
-
-    def land_decoded(self, wait: bool, ending: bool = False) -> None:
-        """Record the clips whose decode beside the forwards has ended (all of them with `wait`), in their order.
-        `ending` (close): as the run ends, a decode's error that would end it costs just its clip."""
-        while self.beside is not None and self.beside.first_ended(wait):
-            clip, claim, future, before, refused = self.beside.in_flight.popleft()
-            error = future.exception()
-            if error is None:
-                decoded, job = future.result()
-                self.decoded(decoded, claim, job, before)
-            elif ending and isinstance(error, Exception):
-                self.done.append(self.finish(clip, clip_error(clip, error, self.memory_plan), claim=claim))
-            else:
-                self.claim_on_device = claim  # an error that ends the run leaves its claim to close()
-                self.failed(clip, claim, error, refused)
-                self.claim_on_device = None
-
-    def decodes_together(self) -> str:
-        """Why the ranks of this renderer decode each clip together ('' for one process)."""
-        return ""
+            if not isinstance(e, Exception) or isinstance(e, ModelError):  # a model no clip can use ends the run
+                raise
+            self.check_fatal(clip, e)
+            error = clip_error(clip, e, self.memory_plan,
+                               ran_out=memory.refused_allocations(self.runtime.device) > refused)
+        self.done.append(self.finish(clip, error, claim=claim))
 
     def check_fatal(self, clip: Clip, error: Exception) -> None:
         """Raise to end the run rather than fail the clip; on one device a clip's error never ends the run."""
 
     def collect(self, wait: bool) -> Iterator[ClipResult]:
         """Results of the clips whose mux has finished (all of them with `wait`), in the order they were rendered."""
-        self.land_decoded(wait)
         self.finish_muxed(wait)
         yield from self.done
         self.done.clear()
@@ -412,9 +348,6 @@ class Renderer:
         """Wait for background muxes, or with `discard` (a signal) stop them; the results of the clips that were
         written all the same. Either way each file is written whole or not at all."""
         mux = self.stages["mux"]
-        if self.beside is not None:  # every decode in flight ends first: none can be stopped halfway
-            self.beside.close()
-            self.land_decoded(wait=True, ending=True)
         if discard and mux.background:
             mux.discard_in_flight()
         for kind in PIPELINE:

@@ -395,14 +395,6 @@ def test_durations_and_size_are_read_each_on_its_own():
         assert str(refused.value).startswith(message) and ("size" in message) == ("--size" in str(refused.value))
 
 
-def test_bench_batch_with_the_decode_beside_the_forwards_says_so_in_its_notes(tmp_path):
-    result = h3gen("bench", "--batch", "2", "--preset", "tiny", "--baseline", "none", "--durations", "5", "--size",
-                   "64x32", "--random-weights", "tiny", "--forwards", "1", "--text-tokens", "8", "--warmup", "0",
-                   "--set", "runtime.overlap_decode=true", "-o", tmp_path, check_code=0)
-    (record,) = json.loads(open(result.stdout.split()[0]).read())["records"]
-    assert record["clips"] == 2 and "each clip decoded beside the next clip's forwards" in record["notes"]
-
-
 @pytest.mark.parametrize("size, noted", [("1344x768", True), ("32x32", False)])
 def test_a_cpu_bench_of_a_large_clip_says_it_takes_minutes_before_it_starts(tmp_path, monkeypatch, capsys, size,
                                                                              noted):

@@ -45,7 +45,6 @@ class StoppedByCtrlC:
     def __init__(self, preset, found, repo, reporter, memory_plan=None):
         self.reporter, self.results, self.discarded = reporter, [], 0
         self.stages, self.runtime = {}, SimpleNamespace(device="cpu", dtype=SimpleNamespace(itemsize=4))
-        self.overlap_note = ""
 
     def render(self, requests, out_dir, save_latents, force):
         clip = Clip(requests[0], out_dir / "a.mp4")

@@ -78,8 +78,8 @@ def test_set_overrides_and_records_where_values_came_from(tmp_path):
     (BASE, ["vae.wraps.use=fast"], r"^--set vae.wraps.use: unknown key 'wraps' in preset custom \[vae\]"),
     (BASE, ["vae.use=fast", "vae.tile_height=big"], r"^--set vae.tile_height must be int, got 'big'"),
     # A bool is said as TOML writes one: yes, 1 and "true" are not.
-    (BASE, ["runtime.overlap_decode=yes"], r"^--set runtime.overlap_decode must be bool, got 'yes' \(write true or "
-                                           r"false, lowercase and unquoted; fix the value after the =\)"),
+    (BASE, ["sampler.compile=yes"], r"^--set sampler.compile must be bool, got 'yes' \(write true or "
+                                    r"false, lowercase and unquoted; fix the value after the =\)"),
     (BASE, ["vae.use=fast", "vae.exact=1"], r"^--set vae.exact must be bool, got 1 \(write true or false, lowercase "
                                             r"and unquoted; fix the value after the =\)"),
     (BASE.replace("steps = 6", "steps = 6 6"), [], "not valid TOML.*line 6"),
