@@ -1,10 +1,12 @@
 """The DiT's FP8 GEMMs (row-wise `torch._scaled_mm`, fast accumulation) at the 10 s clip's shapes: cuBLAS's own
 pick against the kernel TunableOp finds by timing every candidate, alone and in the order a block runs them.
 With --bf16, the bf16 presets' GEMMs (`F.linear`, the feed-forward over the whole sequence) instead, also
-through cuBLASLt.
+through cuBLASLt. With --tensorwise, the same FP8 GEMMs with one scale per operand instead of one per row and
+per output channel: what a per-tensor FP8 linear would save in GEMM time (it would pay a reduction over each
+activation before quantizing it, which this leaves out).
 
-Usage: python3 bench/fp8_gemm_tuning.py [--bf16]   (a Hopper GPU; writes $OUT/fp8_gemm_tuning.json or
-$OUT/bf16_gemm_tuning.json)
+Usage: python3 bench/fp8_gemm_tuning.py [--bf16 | --tensorwise]   (a Hopper GPU; writes $OUT/fp8_gemm_tuning.json,
+$OUT/bf16_gemm_tuning.json or $OUT/fp8_tensorwise_gemm_tuning.json)
 """
 import json
 import os
@@ -22,6 +24,7 @@ SHAPES = [("qkv", 73642, 5376, 21504), ("out", 73642, 7168, 5376), ("up_gate", 1
           ("down", 16384, 14336, 5376)]
 CALLS = {"qkv": 1, "out": 1, "up_gate": 5, "down": 5}  # per block
 BF16 = "--bf16" in sys.argv
+TENSORWISE = "--tensorwise" in sys.argv
 if BF16:
     SHAPES = [(name, 73642, k, n) for name, _, k, n in SHAPES]
     CALLS = dict.fromkeys(CALLS, 1)
@@ -34,6 +37,8 @@ def operands(rows, k, n):
                 torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) / k ** 0.5)
     a = torch.randn(rows, k, device="cuda", generator=g).to(FP8)
     b = torch.randn(n, k, device="cuda", generator=g).to(FP8).t()
+    if TENSORWISE:
+        return a, b, torch.tensor(0.75, device="cuda"), torch.tensor(1.25, device="cuda")
     return a, b, torch.rand(rows, 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5
 
 
@@ -93,7 +98,8 @@ def main():
     except Exception as exc:
         results["tunableop_error"] = repr(exc)[:400]
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{'bf16' if BF16 else 'fp8'}_gemm_tuning.json").write_text(json.dumps(results, indent=1, default=str))
+    kind = "bf16" if BF16 else "fp8_tensorwise" if TENSORWISE else "fp8"
+    (OUT / f"{kind}_gemm_tuning.json").write_text(json.dumps(results, indent=1, default=str))
     print(json.dumps(results, default=str)[:3000])
 
 
