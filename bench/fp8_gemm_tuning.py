@@ -1,9 +1,9 @@
 """The DiT's FP8 GEMMs (row-wise `torch._scaled_mm`, fast accumulation) at the 10 s clip's shapes: cuBLAS's own
 pick against the kernel TunableOp finds by timing every candidate, alone and in the order a block runs them.
 With --bf16, the bf16 presets' GEMMs (`F.linear`, the feed-forward over the whole sequence) instead, also
-through cuBLASLt. With --tensorwise, the same FP8 GEMMs with one scale per operand instead of one per row and
-per output channel: what a per-tensor FP8 linear would save in GEMM time (it would pay a reduction over each
-activation before quantizing it, which this leaves out).
+through cuBLASLt. With --tensorwise, the same FP8 GEMMs in one process, taking turns: row-wise scales with the bias
+the model adds in the epilogue, row-wise without it, and one scale per operand (what a GEMM whose scales and bias
+were applied by the kernel reading its output would run), with and without the bias.
 
 Usage: python3 bench/fp8_gemm_tuning.py [--bf16 | --tensorwise]   (a Hopper GPU; writes $OUT/fp8_gemm_tuning.json,
 $OUT/bf16_gemm_tuning.json or $OUT/fp8_tensorwise_gemm_tuning.json)
@@ -37,8 +37,6 @@ def operands(rows, k, n):
                 torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) / k ** 0.5)
     a = torch.randn(rows, k, device="cuda", generator=g).to(FP8)
     b = torch.randn(n, k, device="cuda", generator=g).to(FP8).t()
-    if TENSORWISE:
-        return a, b, torch.tensor(0.75, device="cuda"), torch.tensor(1.25, device="cuda")
     return a, b, torch.rand(rows, 1, device="cuda") + 0.5, torch.rand(1, n, device="cuda") + 0.5
 
 
@@ -72,7 +70,41 @@ def measure(inputs, label):
     return row
 
 
+def epilogues():
+    """--tensorwise: each epilogue's GEMM time per forward, in two alternating rounds on the same operands."""
+    base = {name: operands(rows, k, n) for name, rows, k, n in SHAPES}
+    one = torch.ones((), device="cuda")
+    bias = {name: torch.randn(n, device="cuda", dtype=torch.bfloat16) for name, _, _, n in SHAPES}
+    variants = {
+        "rowwise_bias": lambda name: (*base[name], bias[name]),
+        "rowwise": lambda name: (*base[name], None),
+        "tensorwise": lambda name: (base[name][0], base[name][1], one, one, None),
+        "tensorwise_bias": lambda name: (base[name][0], base[name][1], one, one, bias[name]),
+    }
+
+    def run(ops):
+        a, b, sa, sb, add = ops
+        return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=add, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    for round_ in range(2):
+        for label, make in variants.items():
+            inputs = {name: make(name) for name, *_ in SHAPES}
+            row = {}
+            for name, rows, k, n in SHAPES:
+                s = seconds(lambda: run(inputs[name]), 20)
+                row[name] = dict(ms=round(s * 1e3, 3), tflops=round(2 * rows * k * n / s / 1e12, 1))
+            block = lambda: [run(inputs[name]) for name, *_ in SHAPES for _ in range(CALLS[name])]
+            row["gemm_s_per_forward"] = round(seconds(lambda: [block() for _ in range(10)], 1) * 5, 3)
+            results.setdefault(label, []).append(row)
+            print(round_, label, json.dumps(row), flush=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "fp8_tensorwise_gemm_tuning.json").write_text(json.dumps(results, indent=1))
+
+
 def main():
+    if TENSORWISE:
+        return epilogues()
     inputs = {name: operands(rows, k, n) for name, rows, k, n in SHAPES}
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     expected = {name: gemm(inputs[name]) for name, *_ in SHAPES}
@@ -98,7 +130,7 @@ def main():
     except Exception as exc:
         results["tunableop_error"] = repr(exc)[:400]
     OUT.mkdir(parents=True, exist_ok=True)
-    kind = "bf16" if BF16 else "fp8_tensorwise" if TENSORWISE else "fp8"
+    kind = "bf16" if BF16 else "fp8"
     (OUT / f"{kind}_gemm_tuning.json").write_text(json.dumps(results, indent=1, default=str))
     print(json.dumps(results, default=str)[:3000])
 
