@@ -57,7 +57,7 @@ def seconds(fn, repeat):
     return (time.perf_counter() - start) / repeat
 
 
-def measure(inputs, label):
+def measure(inputs, label, gemm=gemm):
     row = {}
     for name, rows, k, n in SHAPES:
         s = seconds(lambda: gemm(inputs[name]), 20)
@@ -90,14 +90,7 @@ def epilogues():
     for round_ in range(2):
         for label, make in variants.items():
             inputs = {name: make(name) for name, *_ in SHAPES}
-            row = {}
-            for name, rows, k, n in SHAPES:
-                s = seconds(lambda: run(inputs[name]), 20)
-                row[name] = dict(ms=round(s * 1e3, 3), tflops=round(2 * rows * k * n / s / 1e12, 1))
-            block = lambda: [run(inputs[name]) for name, *_ in SHAPES for _ in range(CALLS[name])]
-            row["gemm_s_per_forward"] = round(seconds(lambda: [block() for _ in range(10)], 1) * 5, 3)
-            results.setdefault(label, []).append(row)
-            print(round_, label, json.dumps(row), flush=True)
+            results.setdefault(label, []).append(measure(inputs, f"{round_} {label}", run))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "fp8_tensorwise_gemm_tuning.json").write_text(json.dumps(results, indent=1))
 
