@@ -123,8 +123,7 @@ def main():
     except Exception as exc:
         results["tunableop_error"] = repr(exc)[:400]
     OUT.mkdir(parents=True, exist_ok=True)
-    kind = "bf16" if BF16 else "fp8"
-    (OUT / f"{kind}_gemm_tuning.json").write_text(json.dumps(results, indent=1, default=str))
+    (OUT / f"{'bf16' if BF16 else 'fp8'}_gemm_tuning.json").write_text(json.dumps(results, indent=1, default=str))
     print(json.dumps(results, default=str)[:3000])
 
 
