@@ -37,23 +37,7 @@ def qk_norm_rope_fp8_reference(qkv, heads, q_weight, k_weight, eps, cos=None, si
 
 
 @triton.jit
-def _row_angles(ptr, row_block, seq_len, half, rows, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
-                ROWS: tl.constexpr, HEADS_BLOCK: tl.constexpr, other: tl.constexpr, DTYPE: tl.constexpr,
-                EMULATE: tl.constexpr):
-    """One rotary half of cos or sin for the program's rows, loaded once per row and rounded to `DTYPE`, then
-    repeated for each of the row's heads: (ROWS * HEADS_BLOCK, HALF_BLOCK), pairs row-major."""
-    row = row_block + tl.arange(0, ROWS)
-    mask = (row < rows)[:, None] & (half < HALF)[None, :]
-    angles = tl.load(ptr + ((row % seq_len) * (2 * HALF))[:, None] + half[None, :], mask=mask, other=other)
-    angles = round_to(angles.to(tl.float32), DTYPE, EMULATE)
-    if ROWS == 1:
-        return tl.broadcast_to(angles, (HEADS_BLOCK, HALF_BLOCK))
-    return tl.reshape(tl.broadcast_to(angles[:, None, :], (ROWS, HEADS_BLOCK, HALF_BLOCK)),
-                      (ROWS * HEADS_BLOCK, HALF_BLOCK))
-
-
-@triton.jit
-def _normed_rotated(src, weight_ptr, cos_a, sin_a, cos_b, sin_b, half, rest, rest_dim, half_mask, rest_mask, eps,
+def _normed_rotated(src, weight_ptr, cos_ptrs, sin_ptrs, half, rest, rest_dim, half_mask, rest_mask, eps,
                     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr, HAS_ROPE: tl.constexpr,
                     DTYPE: tl.constexpr, EMULATE: tl.constexpr):
     """One head per pair: its first rotary half, second half and the channels past them, normed and rotated,
@@ -69,6 +53,10 @@ def _normed_rotated(src, weight_ptr, cos_a, sin_a, cos_b, sin_b, half, rest, res
     b = round_to(b * rstd * w_b, DTYPE, EMULATE)
     c = c * rstd * w_c
     if HAS_ROPE:
+        cos_a = round_to(tl.load(cos_ptrs, mask=half_mask, other=1.0), DTYPE, EMULATE)
+        sin_a = round_to(tl.load(sin_ptrs, mask=half_mask, other=0.0), DTYPE, EMULATE)
+        cos_b = round_to(tl.load(cos_ptrs + HALF, mask=half_mask, other=1.0), DTYPE, EMULATE)
+        sin_b = round_to(tl.load(sin_ptrs + HALF, mask=half_mask, other=0.0), DTYPE, EMULATE)
         # rotate-half: (a, b) -> (a cos - b sin, b cos + a sin)
         rotated_a = round_to(a * cos_a, DTYPE, EMULATE) + round_to(-b * sin_a, DTYPE, EMULATE)
         rotated_b = round_to(b * cos_b, DTYPE, EMULATE) + round_to(a * sin_b, DTYPE, EMULATE)
@@ -93,26 +81,18 @@ def _qk_norm_rope_fp8_kernel(qkv_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_p
     rest_dim = 2 * HALF + rest
     src = qkv_ptr + (row * row_stride + head * HEAD_DIM)[:, None]
     dst = (row * inner + head * HEAD_DIM)[:, None]
+    angle = ((row % seq_len) * (2 * HALF))[:, None] + half[None, :]
+    cos_ptrs, sin_ptrs = cos_ptr + angle, sin_ptr + angle
     half_mask = pair_mask & (half < HALF)[None, :]
     rest_mask = pair_mask & (rest < REST)[None, :]
     # (B, heads) multipliers for q, k, v, stacked; the batch of a row is row // seq_len. Each is a power of two, so
     # quantize_rows' store (scale, round to DTYPE, e4m3) rounds to DTYPE exactly where the reference does.
     scale_index = (row // seq_len) * heads + head
     batch_heads = (rows // seq_len) * heads
-    # The rows' angles, loaded once for all their heads and for both q and k (none without RoPE: HALF is 0).
-    row_block = tl.program_id(0).to(tl.int64) * ROWS
-    cos_a = _row_angles(cos_ptr, row_block, seq_len, half, rows, HALF, HALF_BLOCK, ROWS, HEADS_BLOCK, 1.0, DTYPE,
-                        EMULATE)
-    sin_a = _row_angles(sin_ptr, row_block, seq_len, half, rows, HALF, HALF_BLOCK, ROWS, HEADS_BLOCK, 0.0, DTYPE,
-                        EMULATE)
-    cos_b = _row_angles(cos_ptr + HALF, row_block, seq_len, half, rows, HALF, HALF_BLOCK, ROWS, HEADS_BLOCK, 1.0,
-                        DTYPE, EMULATE)
-    sin_b = _row_angles(sin_ptr + HALF, row_block, seq_len, half, rows, HALF, HALF_BLOCK, ROWS, HEADS_BLOCK, 0.0,
-                        DTYPE, EMULATE)
     for part in tl.static_range(2):  # q, then k
-        a, b, c = _normed_rotated(src + part * inner, q_weight_ptr if part == 0 else k_weight_ptr, cos_a, sin_a,
-                                  cos_b, sin_b, half, rest, rest_dim, half_mask, rest_mask, eps, HEAD_DIM, HALF, REST,
-                                  HAS_ROPE, DTYPE, EMULATE)
+        a, b, c = _normed_rotated(src + part * inner, q_weight_ptr if part == 0 else k_weight_ptr, cos_ptrs, sin_ptrs,
+                                  half, rest, rest_dim, half_mask, rest_mask, eps, HEAD_DIM, HALF, REST, HAS_ROPE,
+                                  DTYPE, EMULATE)
         out = (q_out_ptr if part == 0 else k_out_ptr) + dst
         multiplier = tl.load(multiplier_ptr + part * batch_heads + scale_index, mask=pair_ok, other=1.0)[:, None]
         store_fp8(a, multiplier, out + half[None, :], half_mask, DTYPE, EMULATE)
