@@ -51,3 +51,15 @@ def test_vae_numerics_dry_run(tmp_path):
     for name in ("qkv (fused GEMM)", "q (qk_norm_rope exact norms)", "hidden1 (residual_rmsnorm)", "swiglu",
                  "hidden2 (residual add)"):
         assert results[name]["differing"] == 0, (name, results[name])
+
+
+def test_encode_probe_dry_run(tmp_path):
+    """Two prompts alone and together on the tiny model: the batched forward gives each prompt's own bits."""
+    out = tmp_path / "encode.json"
+    result = subprocess.run([sys.executable, str(BENCH / "encode_probe.py"), "--preset", "tiny", "--tiny",
+                             "--prompts", "2", "--repeat", "1", "-o", str(out)], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["prompts"] == 2 and len(report["one_prompt"]["walls"]) == 2
+    assert report["together"]["same_bits"] and report["together"]["max_abs_vs_one_prompt"] == [0.0, 0.0]
