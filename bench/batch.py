@@ -109,6 +109,11 @@ def run_batch(plan: BenchPlan, registry, source, random_weights: str | None, cli
                         said_failed(say, f"batch with {name}", e)
                         record = dict(preset=name, baseline=baseline, stage="batch", clips=count,
                                       notes=f"failed: {type(e).__name__}: {e}"[:500])
+                        failed = True
+                    else:
+                        failed = False
+                    if failed:  # past the except block, its exception and what it held are garbage now
+                        forget_failed_run(preset)
                     records.append(record | (dict(embedding_cache=run) if run else {}))
     base = next((r for r in records if r.get("baseline") and r.get("clips_per_hour")
                  and r.get("embedding_cache") != "warm"), None)
@@ -122,6 +127,15 @@ def run_batch(plan: BenchPlan, registry, source, random_weights: str | None, cli
             record["vs_baseline_same_forwards"] = (1.0 if record is base else  # itself, not its projection
                                                    round(record["clips_per_hour_full"] / same, 3))
     return records
+
+
+def forget_failed_run(preset) -> None:
+    """What a run that failed had loaded (a baseline out of memory on a smaller GPU: most of its weights on the
+    device) back to the device before the next preset loads, or that one fails for want of memory too."""
+    from h3gen.run import memory
+    from h3gen.run.render import pick_device
+
+    memory.let_go(pick_device(preset.runtime["device"]))
 
 
 def clips_per_hour(forwards: int, per_forward_s: float, extra_per_clip_s: float, encode_per_clip_s: float) -> float:

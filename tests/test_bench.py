@@ -411,3 +411,38 @@ def test_a_cpu_bench_of_a_large_clip_says_it_takes_minutes_before_it_starts(tmp_
     note = ("bench: note: on the CPU a 1344x768 clip of 10 s takes minutes a stage, even on the tiny model; "
             "--size 32x32 --durations 5 times the CPU path in seconds\n")
     assert said.startswith(note + "bench: timing") if noted else note not in said and said.startswith("bench: timing")
+
+
+def test_a_failed_batch_s_leftovers_are_freed_before_the_next_preset_loads(monkeypatch, tmp_path):
+    """A baseline out of memory on a smaller GPU left its weights held by the failure's reference cycles, and the
+    measured preset after it then failed for want of memory too: they are collected before the next batch runs."""
+    import gc
+    import weakref
+
+    from h3gen.bench import batch
+    from h3gen.bench.sweep import BenchPlan
+    from h3gen.plugins.manager import registry
+
+    held, seen = [], []
+
+    class Weights:
+        pass
+
+    def time_batch(preset, registry, source, requests, out_dir, full_forwards, baseline, say):
+        if baseline:
+            weights = Weights()
+            weights.cycle = weights  # only the collector frees it, as the failure's frames and tracebacks
+            held.append(weakref.ref(weights))
+            raise RuntimeError("CUDA out of memory")
+        seen.append(held[0]() is None)
+        return dict(preset=preset.name, baseline=False, stage="batch", clips=1)
+
+    monkeypatch.setattr(batch, "time_batch", time_batch)
+    plan = BenchPlan(presets=["tiny"], baseline="tiny", durations=[5.0], warmup=0)
+    gc.disable()
+    try:
+        records = batch.run_batch(plan, registry(), None, "tiny", 1, say=lambda line: None)
+    finally:
+        gc.enable()
+    assert seen == [True]
+    assert records[0]["notes"] == "failed: RuntimeError: CUDA out of memory" and records[1]["clips"] == 1
