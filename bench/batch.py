@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from h3gen.bench.report import header, note_lines
-from h3gen.bench.sweep import (BenchPlan, adapter_overrides, cache_overrides, forward_overrides,
+from h3gen.bench.sweep import (BenchPlan, adapter_overrides, cache_overrides, forget_failed_run, forward_overrides,
                                host_gib, preset_forwards, said_failed)
 from h3gen.run.report import SilentReporter
 from h3gen.stages.clip import FORWARDS_PART
@@ -127,15 +127,6 @@ def run_batch(plan: BenchPlan, registry, source, random_weights: str | None, cli
             record["vs_baseline_same_forwards"] = (1.0 if record is base else  # itself, not its projection
                                                    round(record["clips_per_hour_full"] / same, 3))
     return records
-
-
-def forget_failed_run(preset) -> None:
-    """What a run that failed had loaded (a baseline out of memory on a smaller GPU: most of its weights on the
-    device) back to the device before the next preset loads, or that one fails for want of memory too."""
-    from h3gen.run import memory
-    from h3gen.run.render import pick_device
-
-    memory.let_go(pick_device(preset.runtime["device"]))
 
 
 def clips_per_hour(forwards: int, per_forward_s: float, extra_per_clip_s: float, encode_per_clip_s: float) -> float:

@@ -289,6 +289,15 @@ def said_failed(say, what: str, error: Exception) -> None:
     say(f"bench: {what} failed: {type(error).__name__}: {str(error)[:300]}")
 
 
+def forget_failed_run(preset) -> None:
+    """What a run that failed had loaded (a baseline out of memory on a smaller GPU: most of its weights on the
+    device) back to the device before the next preset loads, or that one fails for want of memory too."""
+    from h3gen.run import memory
+    from h3gen.run.render import pick_device
+
+    memory.let_go(pick_device(preset.runtime["device"]))
+
+
 def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say=print) -> list[dict]:
     common = dict(gpus=1, layout="single", random_weights=random_weights, notes="")
     names = [(plan.baseline, True)] if plan.baseline else []
@@ -319,6 +328,12 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
                                         peak_gib=None, host_gib=None, rtf=None, dit_rel_err=None,
                                         vram_gib=preset.runtime["vram_gib"] or None,
                                         notes=f"failed: {type(e).__name__}: {e}"[:500]))
+                    failed = True
+                else:
+                    failed = False
+                if failed:  # past the except block, its exception and what it held are garbage now
+                    bench = None
+                    forget_failed_run(preset)
                     continue
                 error, reference, unmeasured = output_error(plan, request, bench.clip, baseline, reference)
                 gpus = int(bench.runtime.device.startswith("cuda"))  # a CPU run has none

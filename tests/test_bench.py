@@ -1,7 +1,10 @@
 """`h3gen bench` on the CPU with the tiny model: the same code path the GPU benchmark runs."""
 
+import contextlib
+import gc
 import json
 import re
+import weakref
 
 import pytest
 import torch
@@ -413,36 +416,67 @@ def test_a_cpu_bench_of_a_large_clip_says_it_takes_minutes_before_it_starts(tmp_
     assert said.startswith(note + "bench: timing") if noted else note not in said and said.startswith("bench: timing")
 
 
-def test_a_failed_batch_s_leftovers_are_freed_before_the_next_preset_loads(monkeypatch, tmp_path):
+class HeldWeights:
+    """Stands for what a failed run loaded: in a reference cycle, as a failure's frames and tracebacks hold it, and
+    kept from the collector (`gc.freeze`) as the renderer's settle keeps what its stages loaded."""
+
+    def __init__(self, held: list):
+        self.cycle = self
+        held.append(weakref.ref(self))
+        gc.freeze()
+
+
+def test_a_failed_batch_s_leftovers_are_freed_before_the_next_preset_loads(monkeypatch):
     """A baseline out of memory on a smaller GPU left its weights held by the failure's reference cycles, and the
     measured preset after it then failed for want of memory too: they are collected before the next batch runs."""
-    import gc
-    import weakref
-
     from h3gen.bench import batch
     from h3gen.bench.sweep import BenchPlan
     from h3gen.plugins.manager import registry
 
     held, seen = [], []
 
-    class Weights:
-        pass
-
     def time_batch(preset, registry, source, requests, out_dir, full_forwards, baseline, say):
         if baseline:
-            weights = Weights()
-            weights.cycle = weights  # only the collector frees it, as the failure's frames and tracebacks
-            held.append(weakref.ref(weights))
+            HeldWeights(held)
             raise RuntimeError("CUDA out of memory")
         seen.append(held[0]() is None)
         return dict(preset=preset.name, baseline=False, stage="batch", clips=1)
 
     monkeypatch.setattr(batch, "time_batch", time_batch)
     plan = BenchPlan(presets=["tiny"], baseline="tiny", durations=[5.0], warmup=0)
-    gc.disable()
-    try:
+    with collector_off():
         records = batch.run_batch(plan, registry(), None, "tiny", 1, say=lambda line: None)
-    finally:
-        gc.enable()
     assert seen == [True]
     assert records[0]["notes"] == "failed: RuntimeError: CUDA out of memory" and records[1]["clips"] == 1
+
+
+def test_a_failed_stage_bench_s_leftovers_are_freed_before_the_next_preset_loads(monkeypatch):
+    from h3gen.bench import sweep
+    from h3gen.plugins.manager import registry
+
+    held, seen = [], []
+
+    class StageBench:
+        def __init__(self, *args):
+            seen.append(all(ref() is None for ref in held))
+            HeldWeights(held)
+
+        def run(self):
+            raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(sweep, "StageBench", StageBench)
+    plan = sweep.BenchPlan(presets=["tiny"], baseline="tiny", durations=[5.0])
+    with collector_off():
+        records = sweep.run_bench(plan, registry(), None, "tiny", say=lambda line: None)
+    assert seen == [True, True] and all(r["notes"] == "failed: RuntimeError: CUDA out of memory" for r in records)
+
+
+@contextlib.contextmanager
+def collector_off():
+    """Only an explicit collection frees a reference cycle meanwhile."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.enable()
