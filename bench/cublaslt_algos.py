@@ -15,10 +15,11 @@ import argparse
 import ctypes
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
+
+from h3gen.bench.fp8_gemm_tuning import seconds
 
 FP8 = torch.float8_e4m3fn
 # (name, rows, in, out) as the FP8 presets run them: the DiT's projections over the whole sequence and its
@@ -123,16 +124,6 @@ class Problem:
             ctypes.c_void_p(self.workspace.data_ptr()), ctypes.c_size_t(WORKSPACE),
             ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)), "cublasLtMatmul")
         return self.out
-
-
-def seconds(fn, repeat):
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeat
 
 
 def kernel_name(fn) -> str:
