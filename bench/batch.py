@@ -101,6 +101,7 @@ def run_batch(plan: BenchPlan, registry, source, random_weights: str | None, cli
                 for run in ("cold", "warm") if plan.warm_cache else (None,):
                     say(f"bench: batch of {count} x {seconds:g} s clips with {name}"
                         + (f", {run} embedding cache" if run else ""))
+                    failed = False
                     try:
                         requests = batch_requests(plan, seconds, count, plan.warmup)
                         record = time_batch(preset, registry, source, requests, folder / f"clips-{run}",
@@ -110,8 +111,6 @@ def run_batch(plan: BenchPlan, registry, source, random_weights: str | None, cli
                         record = dict(preset=name, baseline=baseline, stage="batch", clips=count,
                                       notes=f"failed: {type(e).__name__}: {e}"[:500])
                         failed = True
-                    else:
-                        failed = False
                     if failed:  # past the except block, its exception and what it held are garbage now
                         forget_failed_run(preset)
                     records.append(record | (dict(embedding_cache=run) if run else {}))

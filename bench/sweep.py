@@ -317,6 +317,7 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
                 say(f"bench: {name} at {seconds:g} s ({request.frames} frames, {plan.width}x{plan.height})")
                 bench = None  # the last preset's clip (latents, frames) freed before this one's budget is set
                 gc.collect()
+                failed = False
                 try:
                     bench = StageBench(preset, registry, source, plan, request, Path(workdir), say)
                     runs = bench.run()
@@ -329,8 +330,6 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
                                         vram_gib=preset.runtime["vram_gib"] or None,
                                         notes=f"failed: {type(e).__name__}: {e}"[:500]))
                     failed = True
-                else:
-                    failed = False
                 if failed:  # past the except block, its exception and what it held are garbage now
                     bench = None
                     forget_failed_run(preset)
