@@ -23,15 +23,13 @@ def main() -> None:
     import torch
 
     from h3gen.bench.batch import batch_requests
-    from h3gen.bench.sweep import BenchPlan, probe_renderer
+    from h3gen.bench.sweep import BenchPlan, add_probe_options, probe_renderer
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--preset", default="fasth3-fp8")
+    add_probe_options(parser)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--tiny", action="store_true", help="the tiny model (a smoke run on the CPU)")
-    parser.add_argument("--set", action="append", default=[], help="a preset override, as `h3gen render --set`")
     parser.add_argument("-o", "--output", type=Path, default=Path("encode.json"))
     args = parser.parse_args()
 

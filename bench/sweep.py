@@ -76,6 +76,13 @@ def adapter_overrides(random_weights: str | None) -> list[str]:
     return ["adapter.paths=[]"] if random_weights else []
 
 
+def add_probe_options(parser) -> None:
+    """The options of a probe that builds its renderer with `probe_renderer`: the preset, and --tiny and --set."""
+    parser.add_argument("--preset", default="fasth3-fp8")
+    parser.add_argument("--tiny", action="store_true", help="the tiny model (a smoke run on the CPU)")
+    parser.add_argument("--set", action="append", default=[], help="a preset override, as `h3gen render --set`")
+
+
 def probe_renderer(name: str, forwards: int, sets=(), tiny: bool = False):
     """A renderer of preset `name` at `forwards` DiT forwards a clip, as a bench run makes it, for the probes under
     bench/: the full-size architecture with random weights, or with `tiny` the tiny model (a smoke run on the CPU).
