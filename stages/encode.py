@@ -163,7 +163,7 @@ class Qwen3VLEncoder(Stage):
             by_count.setdefault(len(tokens), []).append((clip, tokens))
         groups = []
         for members in by_count.values():
-            per_forward, group, rows = self.config.batch_tokens // len(members[0][1]), [], set()
+            per_forward, group, rows = self.config.batch_tokens // max(1, len(members[0][1])), [], set()
             for clip, tokens in members:
                 if group and tokens not in rows and len(rows) >= per_forward:
                     groups.append(group)
