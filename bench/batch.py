@@ -73,13 +73,10 @@ def clip_label(request: Request) -> str:
 
 
 def batch_requests(plan: BenchPlan, seconds: float, clips: int, warmup: int = 0) -> list[Request]:
-    """`warmup` clips, then `clips` timed ones: ids warmup-i and batch-i. A warm-up prompt is a word shorter, so the
-    encoder never takes it in one forward with timed prompts (h3gen.stages.encode): the timed clips' encoding is
-    their own, the encoder's first call (its kernels' compilation) the warm-up's."""
+    """`warmup` clips, then `clips` timed ones: ids warmup-i and batch-i."""
     names = [f"warmup-{i}" for i in range(warmup)] + [f"batch-{i}" for i in range(clips)]
-    return [Request(index=i, prompt=" ".join([name] + ["a"] * (plan.text_tokens - 1 - (i < warmup))),
-                    seed=plan.seed + i, width=plan.width, height=plan.height, frames=frames_for_duration(seconds),
-                    id=name)
+    return [Request(index=i, prompt=" ".join([name] + ["a"] * (plan.text_tokens - 1)), seed=plan.seed + i,
+                    width=plan.width, height=plan.height, frames=frames_for_duration(seconds), id=name)
             for i, name in enumerate(names)]
 
 

@@ -53,9 +53,6 @@ class EmbeddingCache:
         key = hashlib.sha256(f"{self.prefix}\0{prompt}".encode()).hexdigest()
         return self.directory / key[:2] / f"{key}.safetensors"
 
-    def holds(self, prompt: str) -> bool:
-        return self.path(prompt).is_file()
-
     def get(self, prompt: str):
         from safetensors.torch import load_file
 

@@ -203,10 +203,6 @@ class Renderer:
         if self.encoder_unloaded:
             load(encode, self.repo)
             self.encoder_unloaded = False
-        timer = self.runtime.timer
-        with timer.elapsed() as took:  # the prompts it encodes together, each clip taking its part of the time
-            together = encode.prepare_chunk(clips) or []
-        timer.share(together, "encode", took.seconds)
         for clip in clips:
             try:
                 encode(clip, report=False)

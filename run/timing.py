@@ -16,35 +16,19 @@ class StageTimer:
         """Add the time of the block to `clip.seconds[kind]`; `report=False` for parts of a reported stage.
 
         `host=True` for work that never touches the device (muxing), which may run on another thread."""
-        with self.elapsed(host) as took:
-            yield
-        clip.seconds[kind] = clip.seconds.get(kind, 0.0) + took.seconds
-        if report:
-            self.on_stage(clip, kind, took.seconds)
-
-    @contextlib.contextmanager
-    def elapsed(self, host: bool = False):
-        """The time of the block, in the `seconds` of what it yields once the block is done."""
-        took = Took()
         if self.cuda and not host:
             import torch
 
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            yield took
+            yield
             end.record()
             end.synchronize()
-            took.seconds = start.elapsed_time(end) / 1e3
+            seconds = start.elapsed_time(end) / 1e3
         else:
             began = time.perf_counter()
-            yield took
-            took.seconds = time.perf_counter() - began
-
-    def share(self, clips, kind: str, seconds: float) -> None:
-        """Work done once for several clips (their prompts in one forward): each takes an equal part of its time."""
-        for clip in clips:
-            clip.seconds[kind] = clip.seconds.get(kind, 0.0) + seconds / len(clips)
-
-
-class Took:
-    seconds = 0.0
+            yield
+            seconds = time.perf_counter() - began
+        clip.seconds[kind] = clip.seconds.get(kind, 0.0) + seconds
+        if report:
+            self.on_stage(clip, kind, seconds)

@@ -162,13 +162,6 @@ class Stage:
         """Called with the next clip while the device still works on this one: start host-side work `run` will need
         (the built-in sampler draws the clip's seeded noise), on a thread. The default does nothing."""
 
-    def prepare_chunk(self, clips) -> list:
-        """The encode stage: called with a chunk's clips before `run` takes them one by one, to do work that serves
-        several at once (the built-in encoder encodes prompts of one token count in one forward, and `run` takes
-        each clip's part). Returns the clips it did work for: each is timed with an equal part of the call. The
-        default does nothing."""
-        return []
-
     def submit(self, clip, stage=None):
         """A background mux (`background = True`): start muxing `clip` on a thread by calling `stage(clip, False)`
         (`stage` is a wrapper of this mux, or None for this one), and return a Future of the clip; or return None to
@@ -238,9 +231,6 @@ class Wrapper(Stage):
 
     def prepare(self, clip) -> None:
         self.inner.prepare(clip)
-
-    def prepare_chunk(self, clips) -> list:
-        return self.inner.prepare_chunk(clips)
 
     def submit(self, clip, stage=None):
         return self.inner.submit(clip, stage or self)  # on the inner mux's threads, through this wrapper's run

@@ -371,15 +371,6 @@ def test_the_bench_renders_the_frames_render_gives_a_duration(seconds, frames):
     assert [r.frames for r in batch_requests(BenchPlan(presets=["tiny"]), seconds, 2)] == [frames] * 2
 
 
-def test_a_warm_up_prompt_is_a_word_shorter_so_it_is_never_encoded_with_the_timed_ones():
-    from h3gen.bench.batch import batch_requests
-    from h3gen.bench.sweep import BenchPlan
-
-    plan = BenchPlan(presets=["tiny"])
-    words = [len(r.prompt.split()) for r in batch_requests(plan, 5, 2, warmup=1)]
-    assert words == [plan.text_tokens - 1, plan.text_tokens, plan.text_tokens]
-
-
 def test_bench_with_random_weights_says_it_does_not_read_h3gen_model(tmp_path):
     result = h3gen("bench", "--preset", "tiny", "--baseline", "none", "--random-weights", "tiny", "--durations", "5",
                    "--size", "32x32", "--repeat", "1", "--warmup", "0", "--stages", "dit", "-o", tmp_path,
