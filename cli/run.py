@@ -72,7 +72,7 @@ def dry_run(batch, settings: RunSettings) -> int:
     from h3gen.run.loop import plan
     from h3gen.run.outputs import held_elsewhere
     from h3gen.run.records import request_fields
-    from h3gen.run.render import to_render
+    from h3gen.run.resume import to_render
 
     conflicts = 0
     for request, path, found in plan(batch, settings):

@@ -73,7 +73,7 @@ def result_event(result) -> dict:
 
 
 def result_from_event(fields: dict, requests: dict):
-    from h3gen.run.render import ClipResult
+    from h3gen.run.records import ClipResult
 
     return ClipResult(**{**fields, "request": requests[fields["request"]], "path": Path(fields["path"])})
 

@@ -9,7 +9,8 @@ sent to the others before the clip starts, so the ranks never disagree about whi
 from __future__ import annotations
 
 from h3gen.errors import ClipError, H3genError
-from h3gen.run.render import Renderer, check_disk, clip_error
+from h3gen.run.outputs import check_disk
+from h3gen.run.render import Renderer, clip_error
 from h3gen.stages.base import ReturnedRefused, StageFailed
 from h3gen.stages.clip import CLIP_DEVICE_STAGES, DEVICE_STAGES
 

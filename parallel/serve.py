@@ -151,7 +151,7 @@ class Worker:
         run (written by a worker that died before it said so): recorded and counted as written. What a dead worker
         left beside them (a partial file, a lock) goes."""
         from h3gen.run import outputs
-        from h3gen.run.render import already_done, clip_name
+        from h3gen.run.resume import already_done, clip_name
         from h3gen.stages.clip import PIPELINE
 
         batch, output = self.batch, self.settings.output

@@ -97,7 +97,7 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
     from h3gen.config.contract import check_adapters, check_cache
     from h3gen.config.preset import check_stage_configs
     from h3gen.inputs.prompts import read_prompts, shard_requests
-    from h3gen.run.render import check_room
+    from h3gen.run.outputs import check_room
 
     every = read_prompts(settings.prompts, settings.seed, preset.request)
     check_unique_outputs(every, preset.name, settings.prompts)  # across shards too: two shards must not write one file
@@ -198,7 +198,7 @@ def check_writable(directory: Path) -> None:
 def clear_leftovers(requests, output: Path, preset_name: str) -> None:
     """What a killed run left of this run's clips (partial files, locks) goes, unless a live run still holds it."""
     from h3gen.run import outputs
-    from h3gen.run.render import clip_name
+    from h3gen.run.resume import clip_name
 
     for request in requests:
         outputs.clear_leftovers(output / clip_name(request, preset_name))
@@ -233,7 +233,7 @@ def check_plugins(found, strict: bool, reporter) -> None:
 
 def check_unique_outputs(requests, preset_name: str, prompts: Path) -> None:
     """Two lines that would write one file: the second would silently replace the first."""
-    from h3gen.run.render import clip_name
+    from h3gen.run.resume import clip_name
 
     first_line = {}
     for request in requests:
@@ -288,7 +288,7 @@ def note_tiny(settings: RunSettings, reporter) -> None:
 def plan(batch: Batch, settings: RunSettings) -> list:
     """What a run would do with each clip, without loading a weight: (request, path, the skip check's result) per
     request, in file order; a result of None: it would render."""
-    from h3gen.run.render import already_done, clip_name
+    from h3gen.run.resume import already_done, clip_name
 
     return [(request, settings.output / clip_name(request, batch.preset.name),
              already_done(request, settings.output, batch.preset.name, settings.save_latents, batch.run_fields,
@@ -301,7 +301,7 @@ def skip_finished(batch: Batch, settings: RunSettings) -> list:
     and for those it wrote with other settings (conflicts), which this run leaves alone; none of either that
     `settings.redo` renders again."""
     from h3gen.run.outputs import recorded
-    from h3gen.run.render import already_done, to_render
+    from h3gen.run.resume import already_done, to_render
 
     preset_name, reporter, output = batch.preset.name, batch.reporter, settings.output
     found = [already_done(request, output, preset_name, settings.save_latents, batch.run_fields, settings.redo)

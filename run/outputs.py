@@ -1,4 +1,5 @@
-"""The output directory shared by runs: a claim per clip, and a manifest of what happened to every clip.
+"""The output directory shared by runs: a claim per clip, a manifest of what happened to every clip, room on its
+disk for the next clip, and the latents written beside a clip.
 
 Two overlapping runs (cron jobs that outlast their interval) on one directory never write the same clip: each
 clip is claimed with an advisory lock that the kernel drops when its process ends, so a crashed run never leaves
@@ -14,10 +15,20 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from h3gen.errors import ClipError, WriteError
+
+if TYPE_CHECKING:
+    from h3gen.inputs.request import Request
+    from h3gen.stages.clip import Clip
 
 MANIFEST = "manifest.jsonl"
+# Less than any MP4 of a request takes: a black 10 s 1344x768 clip with a silent soundtrack is 21 KB.
+MP4_FLOOR_BYTES = 64 * 2**10
 
 
 class ClipClaim:
@@ -179,3 +190,47 @@ def save_tensors(tensors: dict, path: Path) -> None:
             partial.unlink(missing_ok=True)
         except OSError:
             pass
+
+
+def check_disk(out_dir: Path, request: Request, bytes_per_pixel: float = 0.0) -> None:
+    """Fail a clip before it spends GPU time when its MP4 cannot fit on the disk: less is free than any MP4 takes, or
+    than the clip would take at `bytes_per_pixel`, the least this run's written clips took. Short of that the clip is
+    rendered, and a disk that fills while it is written fails the clip with nothing partial left (the atomic write)."""
+    pixels = request.frames * request.width * request.height
+    need = max(MP4_FLOOR_BYTES, int(pixels * bytes_per_pixel))
+    free = shutil.disk_usage(out_dir).free
+    if free < need:
+        free_text, need_text = sizes_that_differ(free, need)
+        size = f"at least {need_text}" if need == MP4_FLOOR_BYTES else f"about {need_text} as this run's clips do"
+        raise ClipError(f"only {free_text} free in {out_dir}, the clip needs {size}",
+                        "free disk space; a rerun redoes only the clips that are missing")
+
+
+def check_room(out_dir: Path) -> None:
+    """Refuse a run before any weight loads when its output disk cannot take even the smallest MP4."""
+    free = shutil.disk_usage(out_dir).free
+    if free < MP4_FLOOR_BYTES:
+        free_text, need_text = sizes_that_differ(free, MP4_FLOOR_BYTES)
+        raise WriteError(f"only {free_text} free in {out_dir}, and a clip takes at least {need_text}",
+                         "free disk space there, or pass -o on another disk")
+
+
+def sizes_that_differ(a: int, b: int) -> tuple[str, str]:
+    """Both sizes in the larger one's unit (KiB, MiB or GiB), with as many decimals as it takes for two different
+    sizes to read differently."""
+    unit, scale = next((unit, scale) for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+                       if max(a, b) >= scale or unit == "KiB")
+    for decimals in range(4):
+        texts = f"{a / scale:.{decimals}f} {unit}", f"{b / scale:.{decimals}f} {unit}"
+        if texts[0] != texts[1]:
+            return texts
+    return f"{a:,} bytes", f"{b:,} bytes"
+
+
+def latents_path(path: Path) -> Path:
+    return path.with_suffix(".latents.safetensors")
+
+
+def write_latents(clip: Clip) -> None:
+    save_tensors({"video": clip.video_latents.float().cpu().contiguous(),
+                          "audio": clip.audio_latents.float().cpu().contiguous()}, latents_path(clip.path))

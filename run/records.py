@@ -1,7 +1,47 @@
-"""One record per clip and event, the same for a `--json` line and a manifest line (the manifest adds `time` and
-`pid`); the README's "Records" section says what each field means."""
+"""What happened to a clip (`ClipResult`), and its record: one per clip and event, the same for a `--json` line and
+a manifest line (the manifest adds `time` and `pid`); the README's "Records" section says what each field means."""
 
 from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from h3gen.inputs.request import Request
+
+
+@dataclasses.dataclass
+class ClipResult:
+    request: Request
+    path: Path
+    ok: bool
+    seconds: dict[str, float]
+    end_to_end: float
+    error: str = ""
+    peak_gib: float | None = None  # None where it was not measured (on the CPU, a clip not rendered)
+    forwards: int = 0
+    forwards_reused: int = 0
+    skipped: bool = False  # the output was already there and valid, or another run is writing it
+    note: str = ""  # why a clip was skipped when not because it was already there
+    attention: str = ""  # the attention backend the DiT ran on
+    # ok, failed, skipped, busy (another run has it), conflict (there, other settings) or damaged (there, invalid:
+    # rendered again)
+    status: str = ""
+    fingerprint: str = ""  # the digest of what decided the clip's bytes (h3gen.run.fingerprint)
+    memory_plan: dict | None = None  # the run's memory plan (h3gen.run.budget.MemoryPlan.record), on a GPU
+
+    def __post_init__(self):
+        if not self.status:
+            self.status = ("busy" if self.note else "skipped") if self.skipped else "ok" if self.ok else "failed"
+
+    @property
+    def rendered(self) -> bool:
+        """Written by this run: its times were measured."""
+        return self.status == "ok"
+
+    @property
+    def rtf(self) -> float | None:
+        return self.end_to_end / self.request.duration if self.rendered else None
+
 
 
 def request_fields(path, request, preset: str) -> dict:

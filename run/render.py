@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
-import shutil
 import sys
 import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-from h3gen.errors import ClipError, H3genError, ModelError, WriteError
+from h3gen.errors import H3genError, ModelError
 from h3gen.inputs.request import Request
 from h3gen.run import budget, fingerprint, memory, outputs
 from h3gen.run.arriving import ArrivingMedia
+from h3gen.run.outputs import check_disk, write_latents
+from h3gen.run.records import ClipResult
+from h3gen.run.resume import already_done, clip_name, to_render
 from h3gen.run.loop import signals_held
 from h3gen.run.timing import StageTimer
 from h3gen.stages.base import ReturnedRefused, StageFailed
@@ -41,53 +42,6 @@ class Runtime:
         if self.quant is None or not self.quant.quantizes_parts:
             return module
         return self.quant.quantize(role, module, prefix)
-
-
-@dataclasses.dataclass
-class ClipResult:
-    request: Request
-    path: Path
-    ok: bool
-    seconds: dict[str, float]
-    end_to_end: float
-    error: str = ""
-    peak_gib: float | None = None  # None where it was not measured (on the CPU, a clip not rendered)
-    forwards: int = 0
-    forwards_reused: int = 0
-    skipped: bool = False  # the output was already there and valid, or another run is writing it
-    note: str = ""  # why a clip was skipped when not because it was already there
-    attention: str = ""  # the attention backend the DiT ran on
-    # ok, failed, skipped, busy (another run has it), conflict (there, other settings) or damaged (there, invalid:
-    # rendered again)
-    status: str = ""
-    fingerprint: str = ""  # the digest of what decided the clip's bytes (h3gen.run.fingerprint)
-    memory_plan: dict | None = None  # the run's memory plan (h3gen.run.budget.MemoryPlan.record), on a GPU
-
-    def __post_init__(self):
-        if not self.status:
-            self.status = ("busy" if self.note else "skipped") if self.skipped else "ok" if self.ok else "failed"
-
-    @property
-    def rendered(self) -> bool:
-        """Written by this run: its times were measured."""
-        return self.status == "ok"
-
-    @property
-    def rtf(self) -> float | None:
-        return self.end_to_end / self.request.duration if self.rendered else None
-
-
-def clip_name(request: Request, preset: str) -> str:
-    """The id when given, else a hash of what determines the clip, so reruns find the same file."""
-    if request.id:  # an id that already ends in .mp4 is the file name itself
-        return request.id if request.id.endswith(".mp4") else f"{request.id}.mp4"
-    media = [request.first_frame, request.last_frame, *(r.path for r in request.references)]
-    # t2va names stay what they always were; conditioned clips also depend on their media, by content as the
-    # fingerprint takes them, so a project moved or mounted elsewhere finds its clips.
-    key = f"{preset}\0{request.seed}\0{request.prompt}" + "".join(f"\0{fingerprint.file_digest(m)}"
-                                                                   for m in media if m)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return f"h3-{digest}.mp4"
 
 
 def pick_device(wanted: str) -> str:
@@ -187,7 +141,7 @@ class Renderer:
             if not claim.acquire():
                 return "busy", None, ""
         except OSError as e:
-            return "", None, write_error(claim.lock_path, e)
+            return "", None, outputs.write_error(claim.lock_path, e)
         self.claim_on_device = claim  # from here a signal can land (the check below decodes): close() releases it
         there = already_done(clip.request, self.out_dir, self.preset.name, self.save_latents, self.run_fields, redo)
         if not to_render(there):
@@ -458,7 +412,7 @@ def clip_error(clip: Clip, error: Exception, memory_plan: dict | None = None, ra
     if isinstance(cause, MemoryError) or "can't allocate memory" in str(cause):  # torch's CPU allocator says so
         return HOST_OOM_HINT
     if isinstance(cause, OSError):
-        return write_error(clip.path, cause)
+        return outputs.write_error(clip.path, cause)
     if isinstance(error, H3genError):
         return str(error)
     return f"{type(error).__name__}: {error}"
@@ -472,115 +426,3 @@ def debugging() -> bool:
 OOM_HINT = "out of GPU memory (try --vram with less than the GPU has so DiT blocks stream, an FP8 preset, fewer frames or a smaller size)"
 HOST_OOM_HINT = ("out of host memory (try fewer frames or a smaller size, or leave it more memory: other programs, "
                  "fewer --cpu-workers)")
-# Less than any MP4 of a request takes: a black 10 s 1344x768 clip with a silent soundtrack is 21 KB.
-MP4_FLOOR_BYTES = 64 * 2**10
-
-
-def already_done(request: Request, out_dir: Path, preset: str, save_latents: bool,
-                 run_fields: dict, redo: str = "") -> ClipResult | None:
-    """What a run does with a clip whose file may be there: None when it is not (render it); skipped when it was
-    rendered with the same fingerprint and validates for this request, so a rerun resumes; a conflict (left alone)
-    when it was rendered with other settings or is a whole MP4 h3gen did not stamp; damaged (rendered again, see
-    `to_render`) when it does not validate and is h3gen's or cut short. `redo` (RunSettings.redo): "all" renders
-    every clip again (None), "conflicts" those h3gen stamped with other settings (a file it did not stamp stays)."""
-    from h3gen.run.validate import box_problem, validate_clip
-
-    path = out_dir / clip_name(request, preset)
-    wanted = fingerprint.clip_fields(run_fields, request)
-    if path.exists() and not path.is_file():  # no clip can be written there, --force or not
-        return conflict(request, path, wanted, ["a directory" if path.is_dir() else "a special file"], "not a file",
-                        "move it away, or -o elsewhere")
-    if redo == "all" or not path.is_file():
-        return None
-    stored = fingerprint.read_stamp(path)
-    settings = fingerprint.differences(stored, wanted)
-    if stored is not None and settings:  # a changed duration too: not a clip of the wrong length to replace
-        return None if redo == "conflicts" else conflict(request, path, wanted, settings,
-                                                         "rendered with different settings", REDO_HINT)
-    problems = validate_clip(path, expected_frames=request.frames)
-    if not problems and save_latents and stored is not None:
-        problems = latents_problems(latents_path(path))
-    if problems and stored is None and not box_problem(path):
-        return conflict(request, path, wanted, problems, "a whole MP4 h3gen did not stamp")
-    if problems:  # the atomic write replaces it only once the new file is whole
-        return ClipResult(request, path, False, {}, 0.0, status="damaged",
-                          error=f"there but damaged: {problems[0]}; to render again")
-    if stored is None:  # whole, but without h3gen's stamp: another tool's file, or an older h3gen's
-        return conflict(request, path, wanted, ["no h3gen stamp in its metadata"], "a whole MP4 h3gen did not stamp")
-    return ClipResult(request, path, True, {}, 0.0, skipped=True, fingerprint=fingerprint.digest(wanted))
-
-
-def latents_problems(path: Path) -> list[str]:
-    """What is wrong with a clip's latents file beside it (written whole, so damaged or gone only from outside)."""
-    from h3gen.models.repo import check_safetensors
-
-    if not path.is_file():
-        return [f"its latents {path.name} are missing (--save-latents writes them beside the clip)"]
-    try:
-        check_safetensors(path)
-    except ModelError:
-        return [f"its latents {path.name} are cut short or not safetensors"]
-    return []
-
-
-REDO_HINT = "--redo-conflicts to render these again, --force every clip, or -o elsewhere"
-
-
-def conflict(request: Request, path: Path, wanted: dict, reasons: list[str], what: str,
-             hint: str = "--force to redo, or -o elsewhere") -> ClipResult:
-    more = f", and {len(reasons) - 3} more" if len(reasons) > 3 else ""
-    return ClipResult(request, path, False, {}, 0.0, skipped=True, status="conflict",
-                      error=f"exists, {what} ({'; '.join(reasons[:3])}{more}); {hint}",
-                      fingerprint=fingerprint.digest(wanted))
-
-
-def to_render(found: ClipResult | None) -> bool:
-    """Whether `already_done`'s answer leaves the clip to render."""
-    return found is None or found.status == "damaged"
-
-
-def check_disk(out_dir: Path, request: Request, bytes_per_pixel: float = 0.0) -> None:
-    """Fail a clip before it spends GPU time when its MP4 cannot fit on the disk: less is free than any MP4 takes, or
-    than the clip would take at `bytes_per_pixel`, the least this run's written clips took. Short of that the clip is
-    rendered, and a disk that fills while it is written fails the clip with nothing partial left (the atomic write)."""
-    pixels = request.frames * request.width * request.height
-    need = max(MP4_FLOOR_BYTES, int(pixels * bytes_per_pixel))
-    free = shutil.disk_usage(out_dir).free
-    if free < need:
-        free_text, need_text = sizes_that_differ(free, need)
-        size = f"at least {need_text}" if need == MP4_FLOOR_BYTES else f"about {need_text} as this run's clips do"
-        raise ClipError(f"only {free_text} free in {out_dir}, the clip needs {size}",
-                        "free disk space; a rerun redoes only the clips that are missing")
-
-
-def check_room(out_dir: Path) -> None:
-    """Refuse a run before any weight loads when its output disk cannot take even the smallest MP4."""
-    free = shutil.disk_usage(out_dir).free
-    if free < MP4_FLOOR_BYTES:
-        free_text, need_text = sizes_that_differ(free, MP4_FLOOR_BYTES)
-        raise WriteError(f"only {free_text} free in {out_dir}, and a clip takes at least {need_text}",
-                         "free disk space there, or pass -o on another disk")
-
-
-def sizes_that_differ(a: int, b: int) -> tuple[str, str]:
-    """Both sizes in the larger one's unit (KiB, MiB or GiB), with as many decimals as it takes for two different
-    sizes to read differently."""
-    unit, scale = next((unit, scale) for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
-                       if max(a, b) >= scale or unit == "KiB")
-    for decimals in range(4):
-        texts = f"{a / scale:.{decimals}f} {unit}", f"{b / scale:.{decimals}f} {unit}"
-        if texts[0] != texts[1]:
-            return texts
-    return f"{a:,} bytes", f"{b:,} bytes"
-
-
-write_error = outputs.write_error
-
-
-def latents_path(path: Path) -> Path:
-    return path.with_suffix(".latents.safetensors")
-
-
-def write_latents(clip: Clip) -> None:
-    outputs.save_tensors({"video": clip.video_latents.float().cpu().contiguous(),
-                          "audio": clip.audio_latents.float().cpu().contiguous()}, latents_path(clip.path))

@@ -29,7 +29,7 @@ class Reporter(Protocol):
         """The sampler finished denoise step `step` of `steps`."""
 
     def clip_done(self, result) -> None:
-        """`result` (h3gen.run.render.ClipResult): written, skipped or failed."""
+        """`result` (h3gen.run.records.ClipResult): written, skipped or failed."""
 
     def summary(self, results, total: int | None = None) -> None:
         """The end of the run: every clip's result, in file order; `total` clips were asked for."""

@@ -159,7 +159,7 @@ def test_small_things_read_right(tmp_path, prompts_file):
     reported among the others and exits 2."""
     from h3gen.errors import UsageError
     from h3gen.inputs.request import Request
-    from h3gen.run.render import clip_name
+    from h3gen.run.resume import clip_name
     from h3gen.config.stage_config import build_config
     from h3gen.stages.base import NoConfig
 

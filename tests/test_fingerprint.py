@@ -278,7 +278,7 @@ def test_a_clip_s_media_is_read_once_for_its_name_and_fingerprint_and_again_once
     import os
 
     from h3gen.inputs.request import Request
-    from h3gen.run.render import clip_name
+    from h3gen.run.resume import clip_name
 
     frame = tmp_path / "first.png"
     frame.write_bytes(b"frame one")

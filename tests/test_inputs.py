@@ -163,9 +163,7 @@ def test_the_disk_check_shows_sizes_that_differ(tmp_path, monkeypatch):
 
     from h3gen.errors import ClipError
     from h3gen.inputs.request import Request
-    from h3gen.run.render import check_disk
-
-    from h3gen.run.render import sizes_that_differ
+    from h3gen.run.outputs import check_disk, sizes_that_differ
 
     tiny_clip = Request(index=0, prompt="x", seed=0, width=32, height=32, frames=124)  # needs 1.06 MiB at 8.75
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 2**20, 2**20))

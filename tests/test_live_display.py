@@ -94,7 +94,7 @@ def test_ctrl_c_takes_the_stopped_clip_s_bar_away_and_prints_no_empty_table(monk
 def test_the_summary_on_a_narrow_terminal_keeps_each_clip_s_whole_name(monkeypatch):
     """A name wider than its column folds onto more lines; none is cut short."""
     from h3gen.cli import ui
-    from h3gen.run.render import ClipResult
+    from h3gen.run.records import ClipResult
 
     terminal = io.StringIO()
     monkeypatch.setattr(ui, "Console", lambda **_: Console(file=terminal, force_terminal=True, width=80,

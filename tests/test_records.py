@@ -91,7 +91,7 @@ def test_a_reader_gone_stays_gone_and_ends_the_run_with_141(monkeypatch, tmp_pat
     from h3gen.cli import ui
     from h3gen.inputs.request import Request
     from h3gen.run import loop
-    from h3gen.run.render import ClipResult
+    from h3gen.run.records import ClipResult
 
     printed = iter([False, True, True])  # the first line finds the pipe closed; the rest go to /dev/null
     monkeypatch.setattr(ui, "print_result", lambda line: next(printed))

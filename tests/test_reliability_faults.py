@@ -471,7 +471,7 @@ def test_a_clip_that_cannot_fit_on_the_disk_fails_before_it_renders(tmp_path, mo
 
     from h3gen.inputs.request import Request
     from h3gen.errors import ClipError
-    from h3gen.run.render import check_disk
+    from h3gen.run.outputs import check_disk
 
     clip = Request(index=0, prompt="x", seed=0, width=1344, height=768, frames=243)
     check_disk(tmp_path, clip)
@@ -672,7 +672,7 @@ def test_a_manifest_line_that_cannot_be_written_fails_its_clip(tmp_path, monkeyp
 
     from h3gen.inputs.request import Request
     from h3gen.run import outputs
-    from h3gen.run.render import ClipResult
+    from h3gen.run.records import ClipResult
 
     def no_space(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -712,7 +712,7 @@ def test_a_failed_clip_whose_manifest_line_is_lost_says_so(tmp_path, monkeypatch
 
     from h3gen.inputs.request import Request
     from h3gen.run import outputs
-    from h3gen.run.render import ClipResult
+    from h3gen.run.records import ClipResult
 
     def no_space(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")

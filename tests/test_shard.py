@@ -43,7 +43,7 @@ def test_one_process_run_renders_its_shard_only(prompts_file, tmp_path):
     assert '"line": 2' in record and '"seed": 1' in record
     assert "[2/3]" in result.stderr and "1 of 1 clips written" in result.stderr
     # The one clip is named as the unsharded run names it.
-    from h3gen.run.render import clip_name
+    from h3gen.run.resume import clip_name
 
     (request,) = shard_requests(read_prompts(prompts, 0, DEFAULTS), (1, 2))
     assert [p.name for p in out.glob("*.mp4")] == [clip_name(request, "tiny")]

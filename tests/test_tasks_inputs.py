@@ -243,7 +243,7 @@ def test_a_conditioned_clip_keeps_its_name_when_the_project_moves(media, tmp_pat
     name."""
     import shutil
 
-    from h3gen.run.render import clip_name
+    from h3gen.run.resume import clip_name
 
     def name(folder, frame="frame.png"):
         (folder / "p.jsonl").write_text(json.dumps({"prompt": "a door", "first_frame": frame}) + "\n")

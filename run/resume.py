@@ -1,0 +1,89 @@
+"""What a run finds where a clip's file goes: the file's name, and whether the file there is done (a rerun skips
+it), in conflict (rendered with other settings, or not h3gen's) or damaged (rendered again)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from h3gen.errors import ModelError
+from h3gen.inputs.request import Request
+from h3gen.run import fingerprint
+from h3gen.run.outputs import latents_path
+from h3gen.run.records import ClipResult
+
+
+def clip_name(request: Request, preset: str) -> str:
+    """The id when given, else a hash of what determines the clip, so reruns find the same file."""
+    if request.id:  # an id that already ends in .mp4 is the file name itself
+        return request.id if request.id.endswith(".mp4") else f"{request.id}.mp4"
+    media = [request.first_frame, request.last_frame, *(r.path for r in request.references)]
+    # t2va names stay what they always were; conditioned clips also depend on their media, by content as the
+    # fingerprint takes them, so a project moved or mounted elsewhere finds its clips.
+    key = f"{preset}\0{request.seed}\0{request.prompt}" + "".join(f"\0{fingerprint.file_digest(m)}"
+                                                                   for m in media if m)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return f"h3-{digest}.mp4"
+
+
+def already_done(request: Request, out_dir: Path, preset: str, save_latents: bool,
+                 run_fields: dict, redo: str = "") -> ClipResult | None:
+    """What a run does with a clip whose file may be there: None when it is not (render it); skipped when it was
+    rendered with the same fingerprint and validates for this request, so a rerun resumes; a conflict (left alone)
+    when it was rendered with other settings or is a whole MP4 h3gen did not stamp; damaged (rendered again, see
+    `to_render`) when it does not validate and is h3gen's or cut short. `redo` (RunSettings.redo): "all" renders
+    every clip again (None), "conflicts" those h3gen stamped with other settings (a file it did not stamp stays)."""
+    from h3gen.run.validate import box_problem, validate_clip
+
+    path = out_dir / clip_name(request, preset)
+    wanted = fingerprint.clip_fields(run_fields, request)
+    if path.exists() and not path.is_file():  # no clip can be written there, --force or not
+        return conflict(request, path, wanted, ["a directory" if path.is_dir() else "a special file"], "not a file",
+                        "move it away, or -o elsewhere")
+    if redo == "all" or not path.is_file():
+        return None
+    stored = fingerprint.read_stamp(path)
+    settings = fingerprint.differences(stored, wanted)
+    if stored is not None and settings:  # a changed duration too: not a clip of the wrong length to replace
+        return None if redo == "conflicts" else conflict(request, path, wanted, settings,
+                                                         "rendered with different settings", REDO_HINT)
+    problems = validate_clip(path, expected_frames=request.frames)
+    if not problems and save_latents and stored is not None:
+        problems = latents_problems(latents_path(path))
+    if problems and stored is None and not box_problem(path):
+        return conflict(request, path, wanted, problems, "a whole MP4 h3gen did not stamp")
+    if problems:  # the atomic write replaces it only once the new file is whole
+        return ClipResult(request, path, False, {}, 0.0, status="damaged",
+                          error=f"there but damaged: {problems[0]}; to render again")
+    if stored is None:  # whole, but without h3gen's stamp: another tool's file, or an older h3gen's
+        return conflict(request, path, wanted, ["no h3gen stamp in its metadata"], "a whole MP4 h3gen did not stamp")
+    return ClipResult(request, path, True, {}, 0.0, skipped=True, fingerprint=fingerprint.digest(wanted))
+
+
+def latents_problems(path: Path) -> list[str]:
+    """What is wrong with a clip's latents file beside it (written whole, so damaged or gone only from outside)."""
+    from h3gen.models.repo import check_safetensors
+
+    if not path.is_file():
+        return [f"its latents {path.name} are missing (--save-latents writes them beside the clip)"]
+    try:
+        check_safetensors(path)
+    except ModelError:
+        return [f"its latents {path.name} are cut short or not safetensors"]
+    return []
+
+
+REDO_HINT = "--redo-conflicts to render these again, --force every clip, or -o elsewhere"
+
+
+def conflict(request: Request, path: Path, wanted: dict, reasons: list[str], what: str,
+             hint: str = "--force to redo, or -o elsewhere") -> ClipResult:
+    more = f", and {len(reasons) - 3} more" if len(reasons) > 3 else ""
+    return ClipResult(request, path, False, {}, 0.0, skipped=True, status="conflict",
+                      error=f"exists, {what} ({'; '.join(reasons[:3])}{more}); {hint}",
+                      fingerprint=fingerprint.digest(wanted))
+
+
+def to_render(found: ClipResult | None) -> bool:
+    """Whether `already_done`'s answer leaves the clip to render."""
+    return found is None or found.status == "damaged"
