@@ -81,21 +81,26 @@ def named_shell(args: list[str]) -> tuple[str, str] | None:
 ZSH_LOADER = "fpath+=~/.zfunc; autoload -Uz compinit; compinit"
 
 
-def install_zsh(prog_name: str, complete_var: str):
-    """The script as ~/.zfunc/_PROG and the line that loads it at the end of ~/.zshrc (once), the rest of the file as
-    it was: typer's install also switches on menu selection for every command's completion."""
+def install_script(shell: str, prog_name: str, complete_var: str):
+    """bash and zsh: the script in the home folder (~/.bash_completions/PROG.sh, ~/.zfunc/_PROG) and the line that
+    loads it at the end of the shell's startup file, once, the rest of the file as it was. typer's own install adds
+    a blank line to ~/.bashrc at every install, and for zsh also switches on menu selection for every command."""
     from pathlib import Path
 
     from typer.completion import get_completion_script
 
-    zshrc = Path.home() / ".zshrc"
-    text = zshrc.read_text() if zshrc.is_file() else ""
-    if ZSH_LOADER not in text:
-        with zshrc.open("a") as startup:
-            startup.write(("\n" if text and not text.endswith("\n") else "") + ZSH_LOADER + "\n")
-    script = Path.home() / ".zfunc" / f"_{prog_name}"
+    home = Path.home()
+    if shell == "zsh":
+        script, startup, loader = home / ".zfunc" / f"_{prog_name}", home / ".zshrc", ZSH_LOADER
+    else:
+        script = home / ".bash_completions" / f"{prog_name}.sh"
+        startup, loader = home / ".bashrc", f"source '{script}'"
+    text = startup.read_text() if startup.is_file() else ""
+    if loader not in text:
+        with startup.open("a") as lines:
+            lines.write(("\n" if text and not text.endswith("\n") else "") + loader + "\n")
     script.parent.mkdir(parents=True, exist_ok=True)
-    script.write_text(get_completion_script(prog_name=prog_name, complete_var=complete_var, shell="zsh"))
+    script.write_text(get_completion_script(prog_name=prog_name, complete_var=complete_var, shell=shell))
     return script
 
 
@@ -109,7 +114,7 @@ def complete_for(ctx, option: str, shell: str) -> None:
     prog_name = ctx.info_name
     complete_var = f"_{prog_name.replace('-', '_').upper()}_COMPLETE"
     if option == "--install-completion":
-        shell, path = ((shell, install_zsh(prog_name, complete_var)) if shell == "zsh" else
+        shell, path = ((shell, install_script(shell, prog_name, complete_var)) if shell in ("bash", "zsh") else
                        install(shell=shell, prog_name=prog_name, complete_var=complete_var))
         typer.secho(f"{shell} completion installed in {path}", fg="green")
         typer.echo("Completion will take effect once you restart the terminal")

@@ -323,12 +323,13 @@ def test_install_completion_installs_the_shell_asked_for(tmp_path, shell, script
         assert f"source '{tmp_path / script}'" in (tmp_path / ".bashrc").read_text()
 
 
-def test_zsh_install_adds_its_line_once_and_keeps_the_rest_of_zshrc(tmp_path):
-    (tmp_path / ".zshrc").write_text("# mine\n  alias x=y")  # no newline at the end, indented: as the user wrote it
-    for _ in range(2):
-        h3gen("--install-completion", "zsh", env={"HOME": str(tmp_path)}, check_code=0)
-    assert (tmp_path / ".zshrc").read_text() == ("# mine\n  alias x=y\n"
-                                                 "fpath+=~/.zfunc; autoload -Uz compinit; compinit\n")
+@pytest.mark.parametrize("shell, rc_file, line", [("zsh", ".zshrc", "fpath+=~/.zfunc; autoload -Uz compinit; compinit"),
+                                                  ("bash", ".bashrc", "source '{home}/.bash_completions/h3gen.sh'")])
+def test_install_adds_its_line_once_and_keeps_the_rest_of_the_startup_file(tmp_path, shell, rc_file, line):
+    (tmp_path / rc_file).write_text("# mine\n  alias x=y")  # no newline at the end, indented: as the user wrote it
+    for _ in range(3):
+        h3gen("--install-completion", shell, env={"HOME": str(tmp_path)}, check_code=0)
+    assert (tmp_path / rc_file).read_text() == f"# mine\n  alias x=y\n{line.format(home=tmp_path)}\n"
 
 
 def test_bash_completes_a_set_value_past_its_equals_sign(tmp_path):
