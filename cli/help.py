@@ -74,19 +74,25 @@ def write_params(command, ctx, formatter) -> None:
                 formatter.write_dl(rows)
 
 
+@contextlib.contextmanager
+def ended_as_sigpipe_ends():
+    """stdout's reader gone (`h3gen validate --json ... | head -1`): the command ends as SIGPIPE ends other tools,
+    quietly with 141, not with Click's exit 1 (`render` ends its run so itself, at the next clip)."""
+    import signal
+
+    try:
+        yield
+    except BrokenPipeError:
+        from h3gen.cli.ui import silence_stdout
+
+        silence_stdout()
+        raise SystemExit(128 + signal.SIGPIPE) from None
+
+
 class PlainCommand(TyperCommand):
     def invoke(self, ctx):
-        """stdout's reader gone (`h3gen validate --json ... | head -1`): the command ends as SIGPIPE ends other
-        tools, quietly with 141, not with Click's exit 1 (`render` ends its run so itself, at the next clip)."""
-        import signal
-
-        try:
+        with ended_as_sigpipe_ends():
             return super().invoke(ctx)
-        except BrokenPipeError:
-            from h3gen.cli.ui import silence_stdout
-
-            silence_stdout()
-            raise SystemExit(128 + signal.SIGPIPE) from None
 
     def collect_usage_pieces(self, ctx) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []

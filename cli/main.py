@@ -20,7 +20,7 @@ from h3gen import __version__
 from h3gen.cli.complete import (SHELL_OPTIONS, baseline_names, bench_stages, complete_for, named_shell,
                                 preset_names, random_weights, set_keys, shells_after_option, use_h3gen_completion)
 from h3gen.cli.environment import check_allocator_config, check_threads
-from h3gen.cli.help import PlainCommand, PlainGroup, usage_errors_in_one_line
+from h3gen.cli.help import PlainCommand, PlainGroup, ended_as_sigpipe_ends, usage_errors_in_one_line
 from h3gen.errors import H3genError, UsageError
 
 
@@ -63,7 +63,8 @@ class Root(PlainGroup):
 app = typer.Typer(cls=Root, add_completion=True, no_args_is_help=True, rich_markup_mode=None,
                   pretty_exceptions_enable=False, context_settings={"help_option_names": ["-h", "--help"]},
                   help="Render MiniMax-H3 clips (video with a stereo soundtrack) from a prompts file.")
-presets_app = typer.Typer(cls=PlainGroup, no_args_is_help=True, help="List and inspect presets.")
+presets_app = typer.Typer(cls=PlainGroup, invoke_without_command=True, subcommand_metavar="[COMMAND [ARGS]...]",
+                          help="List and inspect presets (alone: list them).")
 app.add_typer(presets_app, name="presets")
 
 
@@ -269,7 +270,8 @@ def bench(
                                                           autocompletion=random_weights,
                                                           help="full (real sizes, random) or tiny.")] = None,
     model: Annotated[Optional[Path], typer.Option("--model", envvar="H3GEN_MODEL", metavar="DIR",
-                                                  help="Model directory (not read with --random-weights).")] = None,
+                                                  help="Model directory. Refused with --random-weights, which "
+                                                       "stand in for it (H3GEN_MODEL is then not read).")] = None,
     stages: Annotated[str, typer.Option("--stages", metavar="STAGE,...", autocompletion=bench_stages,
                                         help="Stages to time: encode,dit,vae,mux.")] = "encode,dit,vae,mux",
     forwards: Annotated[Optional[int], typer.Option("--forwards", metavar="K", min=1,
@@ -433,9 +435,17 @@ def compare(
         raise typer.Exit(1)
 
 
+@presets_app.callback()
+def presets_alone(ctx: typer.Context):
+    """`h3gen presets` alone lists them, as `h3gen presets list` does."""
+    if ctx.invoked_subcommand is None:
+        with ended_as_sigpipe_ends():
+            presets_list()
+
+
 @presets_app.command("list", cls=PlainCommand)
 def presets_list(strict_plugins: StrictPlugins = False):
-    """List the presets every plugin registered.
+    """List the presets every plugin registered (h3gen presets alone does too).
 
     \b
     Example:

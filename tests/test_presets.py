@@ -114,6 +114,7 @@ def test_an_unknown_name_with_a_preset_file_of_that_name_beside_it_says_to_pass_
 def test_presets_cli_list_and_show():
     listed = h3gen("presets", "list", check_code=0).stdout
     assert "fasth3" in listed and "h3-base" in listed and "tiny" in listed
+    assert h3gen("presets", check_code=0).stdout == listed  # alone, it lists them
     shown = h3gen("presets", "show", "fasth3", "--set", "mux.crf=20", check_code=0).stdout
     assert "sampler.sigma_positions" in shown and "# preset fasth3" in shown
     assert "mux.crf" in shown and "20" in shown and "# --set" in shown

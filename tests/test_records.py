@@ -65,7 +65,7 @@ def test_a_closed_stdout_ends_the_run_as_sigpipe_does(prompts_file, tmp_path):
     assert [json.loads(line)["status"] for line in (out / "manifest.jsonl").read_text().splitlines()] == ["ok"]
 
 
-@pytest.mark.parametrize("command", [["presets", "list"], ["validate", "--json", "PROMPTS"],
+@pytest.mark.parametrize("command", [["presets", "list"], ["presets"], ["validate", "--json", "PROMPTS"],
                                      ["render", "PROMPTS", "-o", "OUT", "--dry-run", "--json"]])
 def test_every_command_ends_quietly_with_141_when_its_reader_is_gone(prompts_file, tmp_path, command):
     """`h3gen ... | head -0`: 141 as SIGPIPE would end it, not Click's exit 1, and no "Broken pipe" on stderr."""
