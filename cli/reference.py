@@ -52,8 +52,10 @@ PROMPTS_FILE = [
                  "request.duration."),
     ("width, height", "integers: pixels, multiples of 32 (at least 32), width over height between 1:4 and 4:1. "
                       "Default: the preset's request.width and request.height; with keyframes, give both or "
-                      "neither: without them the first keyframe's (else the last's) aspect ratio sets the size, at "
-                      "the preset's short edge and area. A size whose estimated peak device memory is more than "
+                      "neither: without them the first keyframe's (else the last's) aspect ratio sets the size: "
+                      "the preset's short edge, scaled down to at most the preset's area, each side rounded to a "
+                      "multiple of 32 (a 2:1 keyframe on 1344x768 gives 1440x704). A size whose estimated peak "
+                      "device memory is more than "
                       f"{MAX_CLIP_BYTES // 2**30} GiB (8 GPUs of 288 GiB) is refused."),
     ("first_frame, last_frame", "strings: fl2va, the image the video starts from, ends on, or both: a file PIL "
                                 "reads (PNG, JPEG, WebP), its EXIF orientation applied, its aspect ratio between "
@@ -138,7 +140,8 @@ EXIT_STATUS = [
           "failed, a worker failed, or h3gen hit a bug; a file is not valid (validate); a matched pair of clips in two "
           "folders could not be compared, the others were (compare)."),
     ("2", "A usage error: bad options, prompts file, preset, model directory or output directory; a file to "
-          "validate that does not exist; clips to compare that are not MP4s of the same shape."),
+          "validate that does not exist; clips to compare that are not MP4s of the same shape, or two folders with "
+          "no clip in common."),
     ("130, 143, 129", "Stopped by SIGINT, SIGTERM or SIGHUP: the clip in flight is discarded, the clips written "
                       "are kept, and the same command resumes. A second signal ends the process at once."),
     ("141", "stdout's reader has gone (h3gen render ... --json | head -1): the run ends at the next clip (or at "

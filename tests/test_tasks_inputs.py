@@ -82,6 +82,14 @@ def test_keyframe_canvas_on_h3_base_is_diffusers_canvas_rule(image):
     assert keyframe_canvas(image, 1344, 768) == (width, height)
 
 
+def test_the_documented_keyframe_canvas_example_holds():
+    """README and man page: a 2:1 keyframe on 1344x768 gets the short edge scaled down to fit the area, 1440x704."""
+    from h3gen.inputs.media import keyframe_canvas
+
+    assert keyframe_canvas((640, 320), 1344, 768) == (1440, 704)
+    assert keyframe_canvas((64, 32), 32, 32) == (32, 32)
+
+
 @pytest.mark.parametrize("line, message", [
     ({"first_frame": "../missing.png"}, r"first_frame .*missing.png does not exist"),
     ({"last_frame": ".."}, "is a directory"),
