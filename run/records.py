@@ -11,6 +11,9 @@ from h3gen.inputs.request import Request
 
 @dataclasses.dataclass
 class ClipResult:
+    """What became of one clip of a run: written, failed, or left as it was (skipped, busy, a conflict), and the
+    times and memory of one rendered."""
+
     request: Request
     path: Path
     ok: bool
@@ -41,7 +44,6 @@ class ClipResult:
     @property
     def rtf(self) -> float | None:
         return self.end_to_end / self.request.duration if self.rendered else None
-
 
 
 def request_fields(path, request, preset: str) -> dict:
