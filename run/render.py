@@ -423,7 +423,7 @@ def debugging() -> bool:
     return os.environ.get("H3GEN_DEBUG", "") not in ("", "0")
 
 
-OOM_HINT = ("out of GPU memory (try --vram with less than the GPU has so DiT blocks stream, an FP8 preset, fewer frames "
-            "or a smaller size)")
+OOM_HINT = ("out of GPU memory (try --vram with less than the GPU has so DiT blocks stream, an FP8 preset, fewer "
+            "frames or a smaller size)")
 HOST_OOM_HINT = ("out of host memory (try fewer frames or a smaller size, or leave it more memory: other programs, "
                  "fewer --cpu-workers)")
