@@ -103,6 +103,7 @@ def _checked(stage, origin: str):
     from h3gen.config.stage_config import config_problem
     from h3gen.stages.base import STAGE_KINDS, Stage
     from h3gen.stages.clip import PIPELINE
+    from h3gen.stages.quant import QuantStage
 
     if not (isinstance(stage, type) and issubclass(stage, Stage)):
         raise TypeError(f"register() takes a Stage subclass, not {stage!r}")
@@ -113,6 +114,9 @@ def _checked(stage, origin: str):
                         "as `use = \"name\"` names it)")
     if stage.kind in PIPELINE and stage.run is Stage.run:  # the kinds a clip passes through
         raise TypeError(f"{stage.kind} stage '{stage.name}' has no run(clip)")
+    if stage.kind == "quant" and not issubclass(stage, QuantStage):  # the loaders call its transform
+        raise TypeError(f"quant stage '{stage.name}' is not built on h3gen.stages.quant.QuantStage (subclass it and "
+                        "implement quantize)")
     problem = config_problem(stage.Config)
     if problem:
         raise TypeError(f"{stage.kind} stage '{stage.name}': {problem}")

@@ -34,14 +34,30 @@ class Runtime:
 
     def quantize(self, role: str, module):
         """`module` as the preset's quant stage transforms it for `role`; as loaded for a stage built without one."""
-        return self.quant.transform(role, module) if self.quant is not None else module
+        if self.quant is None:
+            return module
+        return self.quant_stage_did(lambda: self.quant.transform(role, module), f"quantizing the {role}")
 
     def quantize_part(self, role: str, module, prefix: str):
         """A part of a model still loading (a block at `prefix`), quantized now when the quant stage takes parts;
         `quantize` on the whole model follows either way."""
         if self.quant is None or not self.quant.quantizes_parts:
             return module
-        return self.quant.quantize(role, module, prefix)
+        return self.quant_stage_did(lambda: self.quant.quantize(role, module, prefix), f"quantizing {role} {prefix}")
+
+    def quant_stage_did(self, work, what: str):
+        """The quant stage's answer; its failure, or no module, is named as the quant stage's, not the loader's."""
+        from h3gen.stages.base import raised
+
+        try:
+            module = work()
+        except H3genError:
+            raise
+        except Exception as e:
+            raise self.quant.failed(f"raised {raised(e)} {what}", self.quant.broke_fix()) from e
+        if module is None:
+            raise self.quant.failed(f"returned None {what}", "quantize(role, module, prefix) returns the module to run")
+        return module
 
 
 def pick_device(wanted: str) -> str:

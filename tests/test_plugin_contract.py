@@ -264,6 +264,14 @@ def test_a_model_check_s_refusal_says_where_the_value_came_from(faulty, prompts_
                                               "this model (pick another fault)")
 
 
+def test_a_wrapper_s_own_config_check_leaves_the_wrapped_stage_s_check_in_place(faulty, prompts_file, tmp_path):
+    """Faulty overrides check_config without calling super(): the decode it wraps is checked all the same."""
+    result = h3gen("render", prompts_file(PROMPTS), "-o", tmp_path / "out", "--set", "vae.use=fast", "--set",
+                   "vae.use=faulty", "--set", "vae.wraps.attention=bogus", "--dry-run", env=faulty)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "bogus" in result.stderr.splitlines()[-1] and not (tmp_path / "out").exists()
+
+
 def test_a_config_check_that_raises_something_else_is_the_stage_s_failure_named(faulty, prompts_file, tmp_path):
     result = render(faulty, prompts_file, tmp_path, "check-other", "--dry-run")
     assert result.returncode == 1
@@ -445,3 +453,96 @@ def test_a_wrapped_stage_s_run_only_keys_leave_the_clip_s_fingerprint_alone(tmp_
     changed = h3gen("render", prompts, "-o", out, "--set", "mux.use=sidecar", "--set", "mux.wraps.crf=20",
                     "--dry-run", env=env)
     assert "mux.wraps.crf: 18 -> 20" in changed.stdout + changed.stderr, changed.stderr
+
+
+QUANT = '''
+from h3gen.plugins.hookspecs import hookimpl
+from h3gen.stages.base import Stage
+from h3gen.stages.quant import QuantStage
+
+
+class Bare(Stage):
+    kind, name = "quant", "bare"
+
+    def quantize(self, role, module, prefix=""):
+        return module
+
+
+class Broken(QuantStage):
+    kind, name = "quant", "broken"
+
+    def quantize(self, role, module, prefix=""):
+        {body}
+
+
+@hookimpl
+def h3gen_register_stages(register):
+    register({registered})
+'''
+
+
+def test_a_quant_stage_not_built_on_quantstage_is_refused_at_registration(tmp_path):
+    env = install(tmp_path / "site", "q", QUANT.format(body="return module", registered="Bare"))
+    result = h3gen("plugins", env=env, check_code=0)
+    assert ("h3gen: plugin 'q' failed during registration: quant stage 'bare' is not built on "
+            "h3gen.stages.quant.QuantStage (subclass it and implement quantize) (skipped)") in result.stderr
+
+
+@pytest.mark.parametrize("body, what", [("raise ValueError('no scales')", "raised ValueError: no scales quantizing the"),
+                                        ("return None", "returned None quantizing the")])
+def test_a_quant_stage_that_fails_is_named_not_the_stage_that_loads(tmp_path, prompts_file, body, what):
+    env = install(tmp_path / "site", "q", QUANT.format(body=body, registered="Broken"))
+    result = h3gen("render", prompts_file(PROMPTS), "-o", tmp_path / "out", "--set", "quant.use=broken", env=env)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.splitlines()[-1].startswith(f"h3gen: error: quant stage 'broken' (from plugin 'q') {what}")
+    assert not list((tmp_path / "out").glob("*.mp4"))
+
+
+INVERT = '''
+import dataclasses
+from h3gen.plugins.hookspecs import hookimpl
+from h3gen.stages.base import Wrapped, Wrapper
+
+
+@dataclasses.dataclass
+class InvertConfig:
+    wraps: Wrapped = dataclasses.field(default_factory=Wrapped)
+
+
+class Invert(Wrapper):
+    kind, name = "vae", "invert"
+    Config = InvertConfig
+
+    def run(self, clip):
+        clip = self.inner.run(clip)
+        clip.frames = 255 - clip.frames
+        return clip
+
+
+@hookimpl
+def h3gen_register_stages(register):
+    register(Invert)
+'''
+
+
+@pytest.mark.parametrize("workers", [2, 0])
+def test_a_vae_wrapper_that_edits_the_finished_frames_gets_them_from_a_decode_that_hands_frames_over(
+        tmp_path, prompts_file, workers):
+    """`fast` hands its frames to a background mux as they decode; under a plain wrapper it sets clip.frames instead,
+    so what the wrapper does to them is what the clip holds."""
+    import av
+    import numpy as np
+
+    env = install(tmp_path / "site", "invert", INVERT)
+    prompts = prompts_file('{"id": "a", "prompt": "a fox"}\n')
+    common = ["--set", "vae.use=fast", "--set", f"mux.workers={workers}"]
+    h3gen("render", prompts, "-o", tmp_path / "plain", *common, env=env, check_code=0)
+    h3gen("render", prompts, "-o", tmp_path / "inverted", *common, "--set", "vae.use=invert", env=env, check_code=0)
+
+    def frames(path):
+        with av.open(str(path)) as container:
+            return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]).astype(float)
+
+    plain, inverted = frames(tmp_path / "plain/a.mp4"), frames(tmp_path / "inverted/a.mp4")
+    # H.264 rounds both: the inverted clip is near 255 minus the plain one, and far from it
+    assert np.abs(inverted - (255 - plain)).mean() < 8 < np.abs(inverted - plain).mean()
