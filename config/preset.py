@@ -412,23 +412,23 @@ def check_stage_configs(preset, registry, repo=None) -> None:
     """Each stage's own check of its section (`Stage.check_config`), and with `repo` of the model (`check_model`); a
     refusal that names a key of the section says where the value came from, a --set or a preset (not a stage's
     default); a check that raises anything else is the stage's failure, named."""
-    for kind, (name, config) in preset.stages.items():
-        stage = registry.stage(kind, name)
-        try:
-            stage.check_config(config)
-            if repo is not None:
-                stage.check_model(config, repo)
-        except UsageError as e:
-            blamed = _blamed(preset, kind, e)
-            if blamed is e:
-                raise
-            raise blamed from e
-        except H3genError:
-            raise
-        except Exception as e:
-            from h3gen.stages.base import raised
+    from h3gen.stages.base import raised, wrapped_chain
 
-            raise stage.failed(f"raised {raised(e)} while checking its settings", stage.broke_fix()) from e
+    for kind, (name, config) in preset.stages.items():
+        for stage, stage_config in wrapped_chain(registry.stage(kind, name), config):  # a wrapper's and the wrapped's
+            try:
+                stage.check_config(stage_config)
+                if repo is not None:
+                    stage.check_model(stage_config, repo)
+            except UsageError as e:
+                blamed = _blamed(preset, kind, e)
+                if blamed is e:
+                    raise
+                raise blamed from e
+            except H3genError:
+                raise
+            except Exception as e:
+                raise stage.failed(f"raised {raised(e)} while checking its settings", stage.broke_fix()) from e
 
 
 def _blamed(preset, kind: str, error: UsageError) -> UsageError:

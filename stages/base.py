@@ -186,7 +186,9 @@ class Wrapper(Stage):
     has a `wraps: Wrapped` field, which the preset fills with the stage the section named before (`--set
     vae.use=grayscale` on h3-base wraps h3-base's `fast` decode, with its knobs), or with a `[vae.wraps]` table.
 
-    The inner stage is loaded, parallelized and unloaded with the wrapper, and its capabilities are the wrapper's;
+    The inner stage is loaded, parallelized and unloaded with the wrapper, and its capabilities are the wrapper's
+    (`hands_over_frames` only where the wrapper's class also declares it: it then filters `clip.arriving` itself);
+    its `check_config` and `check_model` are called besides the wrapper's own (`wrapped_chain`);
     a subclass overrides `run`, calling `self.inner.run(clip)` where the wrapped stage's work belongs (a wrapped
     background mux runs the wrapper's `run` on its threads)."""
 
@@ -197,20 +199,11 @@ class Wrapper(Stage):
             raise StageFailed(f"{self.kind} stage '{self.name}' wraps no stage",
                               f"name the stage it wraps: [{self.kind}.wraps] use = \"...\"")
         self.inner = wrapped.stage(wrapped.config, runtime)
-        self.splits_clip, self.hands_over_frames = self.inner.splits_clip, self.inner.hands_over_frames
+        # A vae wrapper that edits clip.frames after the inner decode would edit frames already handed to the mux: the
+        # inner stage hands its frames over only under a wrapper class that says it takes them so (FrameFilter).
+        self.splits_clip = self.inner.splits_clip
+        self.hands_over_frames = self.inner.hands_over_frames and type(self).hands_over_frames
         self.background, self.on_host = self.inner.background, self.inner.on_host
-
-    @classmethod
-    def check_config(cls, config) -> None:
-        wrapped = config.wraps
-        if wrapped.stage is not None:
-            wrapped.stage.check_config(wrapped.config)
-
-    @classmethod
-    def check_model(cls, config, repo) -> None:
-        wrapped = config.wraps
-        if wrapped.stage is not None:
-            wrapped.stage.check_model(wrapped.config, repo)
 
     @classmethod
     def refuses_split(cls, config) -> str:
@@ -240,3 +233,13 @@ class Wrapper(Stage):
 
     def unload(self) -> None:
         self.inner.unload()
+
+
+def wrapped_chain(stage, config):
+    """(stage class, config) of a section's stage, then of each stage it wraps, innermost last."""
+    while True:
+        yield stage, config
+        wrapped = getattr(config, "wraps", None)
+        if not isinstance(wrapped, Wrapped) or wrapped.stage is None:
+            return
+        stage, config = wrapped.stage, wrapped.config

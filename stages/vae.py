@@ -297,6 +297,7 @@ class FrameFilter(Wrapper):
     decode, or the chunks a decode hands a background mux as they land (h3gen.run.arriving)."""
 
     kind = "vae"
+    hands_over_frames = True  # the inner decode's, where it has it: `run` filters the chunks as they land
 
     def change(self, frames) -> None:
         raise NotImplementedError
