@@ -34,23 +34,19 @@ def plain(value):
 def run_fields(preset, registry, repo) -> dict:
     """The fields every clip of a run shares: h3gen's render version, the model, the preset and its stages."""
     from h3gen.config.preset import describe
+    from h3gen.stages.base import wrapped_chain
 
     fields = {"h3gen": RENDER_VERSION, "model": model_identity(str(repo.root))}  # the preset by its values, not name
     for key, value, _ in describe(preset):
         if not key.replace(".wraps.", ".").startswith(NOT_IN_OUTPUT):  # a wrapped stage's keys as its own
             fields[key] = plain(value)
     for kind, (name, config) in preset.stages.items():
-        stage, section = registry.stage(kind, name), kind
-        fields[f"{kind}.use"] = f"{name} {stage_version(stage)}"
-        while True:
+        for depth, (stage, _) in enumerate(wrapped_chain(registry.stage(kind, name), config)):
+            section = kind + ".wraps" * depth
+            fields[f"{section}.use"] = f"{stage.name} {stage_version(stage)}"
             # A stage may declare config keys that change how it runs, never what it writes (`output_neutral`).
             for key in getattr(stage, "output_neutral", ()):
                 fields.pop(f"{section}.{key}", None)
-            wrapped = getattr(config, "wraps", None)
-            if getattr(wrapped, "stage", None) is None:
-                break
-            stage, config, section = wrapped.stage, wrapped.config, f"{section}.wraps"
-            fields[f"{section}.use"] = f"{stage.name} {stage_version(stage)}"
     for index, path in enumerate(adapter_files(preset, repo.root)):
         fields[f"adapter.file{index}"] = file_digest(path)
     return fields

@@ -347,8 +347,11 @@ def build(stage_class, config, runtime):
     """A stage of the preset; one that fails to construct with anything but an h3gen error ends the run, named."""
     try:
         return stage_class(config, runtime)
-    except H3genError:
-        raise
+    except H3genError as e:
+        named = stage_class.named(e)
+        if named is e:
+            raise
+        raise named from e
     except Exception as e:
         raise stage_class.failed(f"failed to start: {type(e).__name__}: {e}", "rerun with --traceback for where; "
                                  "fix the stage, or pick another in the preset") from e
@@ -358,8 +361,11 @@ def load(stage, repo) -> None:
     """A stage's weights; a stage failing with anything but an h3gen error ends the run, named."""
     try:
         stage.load(repo)
-    except H3genError:
-        raise
+    except H3genError as e:
+        named = stage.named(e)
+        if named is e:
+            raise
+        raise named from e
     except Exception as e:
         raise stage.failed(f"failed to load: {type(e).__name__}: {e}", stage.broke_fix()) from e
 

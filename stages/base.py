@@ -11,7 +11,7 @@ import dataclasses
 import signal
 from typing import Any, ClassVar
 
-from h3gen.errors import ClipError, H3genError
+from h3gen.errors import H3genError
 
 STAGE_KINDS = ("encode", "sampler", "vae", "quant", "mux", "cache")
 BUILTIN = "h3gen (built-in)"
@@ -101,13 +101,11 @@ class Stage:
         try:
             with self.runtime.timer.measure(clip, self.kind, report=report, host=self.on_host):
                 result = self.run(clip)
-        except ClipError as e:
-            if self.origin == BUILTIN:
+        except H3genError as e:
+            named = self.named(e)
+            if named is e:
                 raise
-            # A plugin's refusal of a clip names the plugin, so a user with several can tell which refused.
-            raise ClipError(f"{self.label()}: {e.problem}", e.fix) from e
-        except H3genError:
-            raise
+            raise named from e
         except (Exception, SystemExit, KeyboardInterrupt) as e:  # a faulty stage costs its clip, named
             if isinstance(e, KeyboardInterrupt) and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
                 raise  # Ctrl-C itself, where no h3gen handler turns it into a stop (h3gen.run.loop)
@@ -138,6 +136,17 @@ class Stage:
     def label(cls) -> str:
         """This stage as errors name it: its kind, its name and its plugin."""
         return f"{cls.kind} stage '{cls.name}' ({cls.source()})"
+
+    @classmethod
+    def named(cls, error: H3genError) -> H3genError:
+        """A plugin's own error (a refused clip, config or model) with the stage named first, so a user with several
+        plugins can tell which refused; h3gen's stages' errors, and one that names the stage already, as they are."""
+        if cls.origin == BUILTIN or isinstance(error, StageFailed):
+            return error
+        try:
+            return type(error)(f"{cls.label()}: {error.problem}", error.fix)
+        except TypeError:  # a subclass of the plugin's that takes other arguments
+            return error
 
     @classmethod
     def failed(cls, what: str, fix: str = "") -> StageFailed:

@@ -41,6 +41,8 @@ class Faulty(FrameFilter):
     def __init__(self, config, runtime):
         if config.fault == "init":
             raise KeyError("no such knob")
+        if config.fault == "init-usage":
+            raise UsageError("vae.fault = init-usage cannot start", "pick another fault")
         super().__init__(config, runtime)
 
     def load(self, repo):
@@ -120,8 +122,8 @@ def test_a_model_error_from_run_ends_the_run(faulty, prompts_file, tmp_path):
     """docs/plugins.md: a model directory that cannot serve any clip ends the run, exit 2, rather than failing each."""
     result = render(faulty, prompts_file, tmp_path, "model")
     assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.splitlines()[-1] == ("h3gen: error: the model has no weights for faulty (use a model with "
-                                              "them)")
+    assert result.stderr.splitlines()[-1] == ("h3gen: error: vae stage 'faulty' (from plugin 'faulty'): the model has "
+                                              "no weights for faulty (use a model with them)")
     assert "good" not in result.stderr and not list(tmp_path.glob("out/*.mp4"))
 
 
@@ -246,6 +248,13 @@ def test_a_stage_that_fails_to_start_or_load_ends_the_run_in_one_line(faulty, pr
     assert "Traceback" not in result.stderr and not list((tmp_path / "out").glob("*.mp4"))
     traced = render(faulty, prompts_file, tmp_path, fault, "--traceback")
     assert "Traceback (most recent call last)" in traced.stderr and "faulty.py" in traced.stderr
+
+
+def test_a_plugin_s_own_error_as_it_starts_names_the_stage(faulty, prompts_file, tmp_path):
+    result = render(faulty, prompts_file, tmp_path, "init-usage")
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == ("h3gen: error: vae stage 'faulty' (from plugin 'faulty'): vae.fault = "
+                                              "init-usage cannot start (pick another fault)")
 
 
 def test_a_refused_config_is_one_line_and_its_origin_only_with_traceback(faulty, prompts_file, tmp_path):
