@@ -415,13 +415,14 @@ def check_stage_configs(preset, registry, repo=None) -> None:
     from h3gen.stages.base import raised, wrapped_chain
 
     for kind, (name, config) in preset.stages.items():
-        for stage, stage_config in wrapped_chain(registry.stage(kind, name), config):  # a wrapper's and the wrapped's
+        chain = wrapped_chain(registry.stage(kind, name), config)  # a wrapper's checks, then the wrapped stage's
+        for depth, (stage, stage_config) in enumerate(chain):
             try:
                 stage.check_config(stage_config)
                 if repo is not None:
                     stage.check_model(stage_config, repo)
             except UsageError as e:
-                blamed = _blamed(preset, kind, e)
+                blamed = _blamed(preset, kind, e, kind + ".wraps" * depth)
                 if blamed is e:
                     raise
                 raise blamed from e
@@ -431,13 +432,16 @@ def check_stage_configs(preset, registry, repo=None) -> None:
                 raise stage.failed(f"raised {raised(e)} while checking its settings", stage.broke_fix()) from e
 
 
-def _blamed(preset, kind: str, error: UsageError) -> UsageError:
+def _blamed(preset, kind: str, error: UsageError, section: str = "") -> UsageError:
     """`error` prefixed with where the first key of the section it names came from, when a --set or a preset gave it;
-    for an error that names no key, where the section's values were set, each place once."""
+    for an error that names no key, where the section's values were set, each place once. A wrapped stage names its
+    keys as its own (`mux.crf`): they are set in its `section` (`mux.wraps.crf`)."""
     import re
 
-    named = [k for k in re.findall(rf"\b{kind}\.[a-z0-9_.]*[a-z0-9_]", f"{error.problem} {error.fix}")
-             if k in preset.sources]
+    section = section or kind
+    named = [section + k[len(kind):] for k in re.findall(rf"\b{kind}\.[a-z0-9_.]*[a-z0-9_]",
+                                                          f"{error.problem} {error.fix}")]
+    named = [k for k in named if k in preset.sources]
     # The first key it names; a check of several keys together names none: where the section's values were set.
     keys = named[:1] or [k for k in preset.sources if k.startswith(f"{kind}.") and not k.endswith(".use")]
     given = dict.fromkeys(f"--set {k}" if preset.sources[k] == "--set" else f"{preset.sources[k]} [{kind}]"

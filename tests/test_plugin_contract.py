@@ -276,8 +276,11 @@ def test_a_model_check_s_refusal_says_where_the_value_came_from(faulty, prompts_
 def test_a_wrapper_s_own_config_check_leaves_the_wrapped_stage_s_check_in_place(faulty, prompts_file, tmp_path):
     """Faulty overrides check_config without calling super(): the decode it wraps is checked all the same."""
     result = h3gen("render", prompts_file(PROMPTS), "-o", tmp_path / "out", "--set", "vae.use=fast", "--set",
-                   "vae.use=faulty", "--set", "vae.wraps.attention=bogus", "--dry-run", env=faulty)
+                   "vae.use=faulty", "--set", "vae.wraps.tile_batch=2", "--set", "vae.wraps.attention=bogus",
+                   "--dry-run", env=faulty)
     assert result.returncode == 2, result.stderr[-2000:]
+    # the wrapped decode names its key as its own, vae.attention: the line says where it was set, vae.wraps.attention
+    assert result.stderr.splitlines()[-1].startswith("h3gen: error: --set vae.wraps.attention: ")
     assert "bogus" in result.stderr.splitlines()[-1] and not (tmp_path / "out").exists()
 
 
