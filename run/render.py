@@ -348,10 +348,7 @@ def build(stage_class, config, runtime):
     try:
         return stage_class(config, runtime)
     except H3genError as e:
-        named = stage_class.named(e)
-        if named is e:
-            raise
-        raise named from e
+        stage_class.raise_named(e)
     except Exception as e:
         raise stage_class.failed(f"failed to start: {type(e).__name__}: {e}", "rerun with --traceback for where; "
                                  "fix the stage, or pick another in the preset") from e
@@ -362,10 +359,7 @@ def load(stage, repo) -> None:
     try:
         stage.load(repo)
     except H3genError as e:
-        named = stage.named(e)
-        if named is e:
-            raise
-        raise named from e
+        stage.raise_named(e)
     except Exception as e:
         raise stage.failed(f"failed to load: {type(e).__name__}: {e}", stage.broke_fix()) from e
 

@@ -102,10 +102,7 @@ class Stage:
             with self.runtime.timer.measure(clip, self.kind, report=report, host=self.on_host):
                 result = self.run(clip)
         except H3genError as e:
-            named = self.named(e)
-            if named is e:
-                raise
-            raise named from e
+            self.raise_named(e)
         except (Exception, SystemExit, KeyboardInterrupt) as e:  # a faulty stage costs its clip, named
             if isinstance(e, KeyboardInterrupt) and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
                 raise  # Ctrl-C itself, where no h3gen handler turns it into a stop (h3gen.run.loop)
@@ -138,15 +135,19 @@ class Stage:
         return f"{cls.kind} stage '{cls.name}' ({cls.source()})"
 
     @classmethod
-    def named(cls, error: H3genError) -> H3genError:
-        """A plugin's own error (a refused clip, config or model) with the stage named first, so a user with several
-        plugins can tell which refused; h3gen's stages' errors, and one that names the stage already, as they are."""
-        if cls.origin == BUILTIN or isinstance(error, StageFailed):
-            return error
-        try:
-            return type(error)(f"{cls.label()}: {error.problem}", error.fix)
-        except TypeError:  # a subclass of the plugin's that takes other arguments
-            return error
+    def raise_named(cls, error: H3genError):
+        """Raise a plugin's own error (a refused clip, config or model) with the stage named first, so a user with
+        several plugins can tell which refused; h3gen's stages' errors, and one that names the stage already, as they
+        are."""
+        named = error
+        if cls.origin != BUILTIN and not isinstance(error, StageFailed):
+            try:
+                named = type(error)(f"{cls.label()}: {error.problem}", error.fix)
+            except TypeError:  # a subclass of the plugin's that takes other arguments
+                pass
+        if named is error:
+            raise error
+        raise named from error
 
     @classmethod
     def failed(cls, what: str, fix: str = "") -> StageFailed:
