@@ -233,4 +233,4 @@ def latents_path(path: Path) -> Path:
 
 def write_latents(clip: Clip) -> None:
     save_tensors({"video": clip.video_latents.float().cpu().contiguous(),
-                          "audio": clip.audio_latents.float().cpu().contiguous()}, latents_path(clip.path))
+                  "audio": clip.audio_latents.float().cpu().contiguous()}, latents_path(clip.path))
