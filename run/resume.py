@@ -30,8 +30,9 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
                  run_fields: dict, redo: str = "") -> ClipResult | None:
     """What a run does with a clip whose file may be there: None when it is not (render it); skipped when it was
     rendered with the same fingerprint and validates for this request, so a rerun resumes; a conflict (left alone)
-    when it was rendered with other settings or is a whole MP4 h3gen did not stamp; damaged (rendered again, see
-    `to_render`) when it does not validate and is h3gen's or cut short. `redo` (RunSettings.redo): "all" renders
+    when it was rendered with other settings, is a whole MP4 h3gen did not stamp, is not an MP4 at all, or is a
+    link to a missing file; damaged (rendered again, see `to_render`) when it does not validate and is h3gen's or
+    cut short. `redo` (RunSettings.redo): "all" renders
     every clip again (None), "conflicts" those h3gen stamped with other settings (a file it did not stamp stays)."""
     from h3gen.run.validate import box_problem, validate_clip
 
@@ -40,8 +41,15 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
     if path.exists() and not path.is_file():  # no clip can be written there, --force or not
         return conflict(request, path, wanted, ["a directory" if path.is_dir() else "a special file"], "not a file",
                         "move it away, or -o elsewhere")
-    if redo == "all" or not path.is_file():
+    if redo == "all":
         return None
+    if path.is_symlink() and not path.exists():
+        return conflict(request, path, wanted, [f"a link to {path.readlink()}, which is missing"], "not a file",
+                        "restore what it points to, --force to replace the link, or -o elsewhere")
+    if not path.is_file():
+        return None
+    if not_an_mp4(path):  # h3gen writes a clip whole and renames it into place: this file is someone else's
+        return conflict(request, path, wanted, ["it does not start with an ftyp box"], "a file that is not an MP4")
     stored = fingerprint.read_stamp(path)
     settings = fingerprint.differences(stored, wanted)
     if stored is not None and settings:  # a changed duration too: not a clip of the wrong length to replace
@@ -58,6 +66,14 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
     if stored is None:  # whole, but without h3gen's stamp: another tool's file, or an older h3gen's
         return conflict(request, path, wanted, ["no h3gen stamp in its metadata"], "a whole MP4 h3gen did not stamp")
     return ClipResult(request, path, True, {}, 0.0, skipped=True, fingerprint=fingerprint.digest(wanted))
+
+
+def not_an_mp4(path: Path) -> bool:
+    """Whether the file holds bytes that do not begin as an MP4 does (an ftyp box); an empty file is a clip cut
+    short, not another program's file."""
+    with path.open("rb") as f:
+        head = f.read(8)
+    return bool(head) and head[4:8] != b"ftyp"
 
 
 def latents_problems(path: Path) -> list[str]:

@@ -108,6 +108,33 @@ def test_a_whole_mp4_h3gen_did_not_write_is_left_alone(prompts_file, tmp_path):
     assert "a whole MP4 h3gen did not stamp" in kept.stderr and (out / "drums.mp4").read_bytes() == before
 
 
+def test_a_file_that_is_not_an_mp4_is_never_rendered_over_but_by_force(prompts_file, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    theirs = {"film": b"\x1aE\xdf\xa3" + bytes(range(256)) * 40,  # a Matroska file's first bytes
+              "notes": b"my notes\n", "noise": bytes(range(7, 256)) * 200}
+    for name, data in theirs.items():
+        (out / f"{name}.mp4").write_bytes(data)
+    (out / "gone.mp4").symlink_to(tmp_path / "unmounted" / "gone.mp4")
+    (out / "empty.mp4").write_bytes(b"")  # a copy that stopped before its first byte: rendered again
+    prompts = prompts_file("".join(f'{{"id": "{name}", "prompt": "{name}"}}\n'
+                                   for name in (*theirs, "gone", "empty")))
+    planned = h3gen("render", prompts, "-o", out, "--dry-run", check_code=1).stdout.splitlines()
+    for name in theirs:
+        assert any(re.match(rf"conflict +\S+{name}\.mp4: exists, a file that is not an MP4 \(it does not start "
+                            r"with an ftyp box\); --force to redo", line) for line in planned), planned
+    assert any(re.match(r"conflict +\S+gone\.mp4: exists, not a file \(a link to \S+gone\.mp4, which is missing\); "
+                        r"restore what it points to, --force to replace the link", line) for line in planned), planned
+    assert any(re.match(r"render +\S+empty\.mp4", line) for line in planned), planned
+    for redo in ("--redo-conflicts", None):
+        h3gen("render", prompts, "-o", out, *([redo] if redo else []), check_code=1)
+        assert {name: (out / f"{name}.mp4").read_bytes() for name in theirs} == theirs
+        assert (out / "gone.mp4").is_symlink() and (out / "empty.mp4").stat().st_size > 0
+    h3gen("render", prompts, "-o", out, "--force", check_code=0)
+    assert all((out / f"{name}.mp4").read_bytes()[4:8] == b"ftyp" for name in (*theirs, "gone"))
+    assert not (out / "gone.mp4").is_symlink()
+
+
 def test_a_valid_clip_without_the_stamp_is_not_said_to_be_from_other_settings(prompts_file, tmp_path):
     import av
 
