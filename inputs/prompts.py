@@ -54,6 +54,10 @@ def read_prompts(path: Path, base_seed: int, defaults: dict) -> list[Request]:
     except UnicodeDecodeError as e:
         line = prompts_bytes(path)[: e.start].count(b"\n") + 1
         raise UsageError(f"{path}:{line}: not UTF-8 text", "save the prompts file as UTF-8") from None
+    if "\0" in text:  # valid UTF-8, but text has none: UTF-16 without its byte-order mark, or a binary file
+        line = text[:text.index("\0")].count("\n") + 1
+        raise UsageError(f"{path}:{line}: a NUL byte, so not UTF-8 text (UTF-16, or not text at all)",
+                         "save the prompts file as UTF-8")
     if path.suffix.lower() == ".toml":  # a preset in the prompts file's place would render its lines as prompts
         raise UsageError(f"prompts file {path} is a TOML file, which is how presets are written",
                          f"pass it as --preset {path}, and a prompts file (text or JSON Lines) first")
