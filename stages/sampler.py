@@ -48,16 +48,38 @@ class EulerConfig:
 
 def sigma_schedule(config: EulerConfig, shift: float):
     """The sigma grid one modality walks: `steps` points of linspace(1, 0), or the explicit positions, shifted."""
-    import torch
     from diffusers import MiniMaxH3Scheduler
 
     scheduler = MiniMaxH3Scheduler(shift=shift)
     if config.sigma_positions:
-        base = torch.tensor(config.sigma_positions, dtype=torch.float32)
-        scheduler.set_timesteps(sigmas=shift * base / (1 + (shift - 1) * base))
+        scheduler.set_timesteps(sigmas=shifted_grid(config, shift))
     else:
         scheduler.set_timesteps(config.steps)
     return scheduler
+
+
+def shifted_grid(config: EulerConfig, shift: float):
+    """The sigma grid before the scheduler collapses float32 collisions: the positions (or `steps` points of
+    linspace(1, 0)) through H3's shift, sigma' = shift * sigma / (1 + (shift - 1) * sigma), in float32."""
+    import torch
+
+    base = (torch.tensor(config.sigma_positions, dtype=torch.float32) if config.sigma_positions
+            else torch.linspace(1.0, 0.0, config.steps, dtype=torch.float32))
+    return shift * base / (1 + (shift - 1) * base)
+
+
+def grid_problem(config: EulerConfig, shift: float) -> str:
+    """Why the shifted grid cannot drive one forward per point but the last ('' when it can): a value that is not
+    finite, or two points (or their timesteps, 1 - sigma) that float32 cannot tell apart."""
+    import torch
+
+    sigmas = shifted_grid(config, shift)
+    if not torch.isfinite(sigmas).all():
+        return "gives sigmas that are not finite"
+    timesteps = 1 - sigmas[:-1]
+    if (sigmas[1:] >= sigmas[:-1]).any() or (timesteps[1:] <= timesteps[:-1]).any():
+        return f"gives {len(sigmas)} points that float32 cannot all tell apart"
+    return ""
 
 
 def forwards(config) -> int:
@@ -121,6 +143,11 @@ class EulerSampler(Stage):
             if not 0 < getattr(config, key) < math.inf:  # nan fails this too
                 raise UsageError(f"sampler.{key} is {getattr(config, key)}, and a sigma shift must be above 0 and finite",
                                  f"set sampler.{key} to a positive number (H3: video 12, audio 3)")
+            problem = grid_problem(config, getattr(config, key))
+            if problem:
+                raise UsageError(f"sampler.{key} = {getattr(config, key)} {problem}, so the sampler would run fewer "
+                                 f"forwards than its {forwards(config)}",
+                                 f"set sampler.{key} nearer 1 (H3: video 12, audio 3), or take fewer steps")
         if config.dit not in ("h3gen", "diffusers"):
             raise UsageError(f"unknown sampler.dit '{config.dit}'", "choose diffusers or h3gen")
         if config.stream_blocks and config.dit != "h3gen":

@@ -1,5 +1,6 @@
 """h3gen's reference path against diffusers' own MiniMax-H3 modular pipeline, on the same tiny weights."""
 
+import pytest
 import torch
 from diffusers import ModularPipeline
 
@@ -44,6 +45,24 @@ def test_explicit_sigma_positions_are_shifted_per_modality():
     expected = torch.tensor([12 * p / (1 + 11 * p) for p in (0.999, 0.749, 0.5, 0.25, 0.0)])
     torch.testing.assert_close(video.sigmas.cpu(), expected, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(audio.sigmas[1].item(), 3 * 0.749 / (1 + 2 * 0.749), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("steps, positions", [(50, []), (5, []), (1000, []), (50, [0.999, 0.75, 0.5, 0.25, 0.0])])
+def test_a_grid_refused_at_validation_is_exactly_one_the_scheduler_would_shorten_or_break(steps, positions):
+    """`grid_problem` checks the shift without diffusers (a dry run does not import it); here it answers as
+    diffusers' scheduler does: a full count of finite, distinct, increasing timesteps that it can look up."""
+    from h3gen.stages.sampler import EulerConfig, forwards, grid_problem, sigma_schedule
+
+    config = EulerConfig(steps=steps, sigma_positions=positions)
+    for shift in (1e-12, 1e-10, 1e-7, 1e-5, 1e-3, 0.1, 1.0, 3.0, 12.0, 1e3, 1e5, 1e6, 1e7, 1e8, 1e30, 1e300):
+        try:
+            schedule = sigma_schedule(config, shift)
+            t = schedule.timesteps
+            whole = (len(t) == forwards(config) and bool(torch.isfinite(t).all()) and bool((t[1:] > t[:-1]).all())
+                     and [schedule.index_for_timestep(x) for x in t] == list(range(len(t))))
+        except ValueError:
+            whole = False
+        assert whole == (grid_problem(config, shift) == ""), (steps, positions, shift)
 
 
 def test_reference_preset_writes_the_same_mp4_as_the_diffusers_baseline(tiny_model, prompts_file, tmp_path):
