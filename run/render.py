@@ -213,6 +213,7 @@ class Renderer:
         try:
             check_disk(self.out_dir, clip.request, self.bytes_per_pixel)
             clip = self.stages["sampler"](clip)
+            check_latents(clip, self.stages["sampler"])
             if self.save_latents:
                 write_latents(clip)
             if self.stages["vae"].hands_over_frames and mux.background:
@@ -362,6 +363,18 @@ def load(stage, repo) -> None:
         stage.raise_named(e)
     except Exception as e:
         raise stage.failed(f"failed to load: {type(e).__name__}: {e}", stage.broke_fix()) from e
+
+
+def check_latents(clip: Clip, sampler) -> None:
+    """Latents with a NaN or an infinity would decode to noise and a soundtrack no encoder takes: the clip fails
+    here, naming the sampler, not the mux that trips on it."""
+    import torch
+
+    broken = [name for name in ("video", "audio") if isinstance(latents := getattr(clip, f"{name}_latents"),
+                                                                 torch.Tensor) and not torch.isfinite(latents).all()]
+    if broken:
+        raise ReturnedRefused(f"{sampler.label()} returned {' and '.join(broken)} latents holding NaN or infinite "
+                              f"values", "download the model again if its weights are damaged, or try a preset without FP8")
 
 
 def check_media(clip: Clip, vae) -> None:

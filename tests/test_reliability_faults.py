@@ -521,7 +521,7 @@ def test_signal_discards_the_clip_in_flight_and_a_rerun_resumes(faults, prompts_
     env, preset = faults
     out, marker = tmp_path / "out", tmp_path / "muxing-b"
     out.mkdir()
-    (out / "c.mp4").write_bytes(b"left by a crashed run")  # does not validate: rendered again, never skipped
+    (out / "c.mp4").write_bytes(b"\0\0\0\x20ftypisom" + bytes(8))  # an MP4 cut short: rendered again, not skipped
     render = ["render", prompts_file(TWO_CLIPS + '{"id": "c", "prompt": "rain"}\n'), "-o", out, "--preset", preset]
     # Muxing in line: with background muxing, how far the next clip got before the signal depends on timing.
     process = start_render(render[1:] + ["--set", 'mux.slow_id="b"', "--set", f'mux.marker="{marker}"',
@@ -1011,3 +1011,25 @@ def test_json_lines_on_a_full_disk_are_named_as_standard_output(prompts_file, tm
         "h3gen: error: cannot write the --json lines to standard output (No space left on device) (give standard "
         "output somewhere with room; a rerun resumes, keeping the clips written)")
     assert [p.name for p in out.glob("*.mp4")] and not list(out.glob(".*"))  # the clip itself is whole
+
+
+def test_a_dit_whose_weights_hold_a_nan_fails_its_clips_naming_the_weights(prompts_file, tmp_path, tiny_model):
+    """A NaN in a weight gives latents no decode or mux can use: the clip fails at the sampler, not in the AAC
+    encoder, and no file is left."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    weights = model / "transformer" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(str(weights))
+    name = next(k for k in tensors if k.endswith("norm_out.linear.weight") or k.startswith("proj_out."))
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    out = tmp_path / "out"
+    result = h3gen("render", prompts_file('{"id": "nan", "prompt": "x"}\n'), "-o", out, "--model", model,
+                   "--preset", "tiny", check_code=1)
+    assert re.search(r"sampler stage 'euler' \(built into h3gen\) returned video and audio latents holding NaN or "
+                     r"infinite values \(download the model again if its weights are damaged, or try a preset "
+                     r"without FP8\)", result.stderr), result.stderr
+    assert "h3gen bug" not in result.stderr and not (out / "nan.mp4").exists()
