@@ -40,9 +40,9 @@ class AdapterConfig:
     def __post_init__(self):
         unknown = [t for t in self.tasks if t not in TASKS]
         if unknown:
-            raise UsageError(f"[adapter] tasks: unknown task '{unknown[0]}'", f"tasks are {', '.join(TASKS)}")
+            raise UsageError(f"unknown task '{unknown[0]}' in tasks", f"tasks are {', '.join(TASKS)}")
         if self.scales and len(self.scales) != len(self.paths):
-            raise UsageError(f"[adapter] has {len(self.paths)} paths but {len(self.scales)} scales",
+            raise UsageError(f"{len(self.scales)} scales for {len(self.paths)} paths",
                              "give one scale per path, or none")
 
     def scale_of(self, index: int) -> float:
@@ -188,7 +188,9 @@ def check_cache(preset, registry) -> None:
     sampler_name, sampler_config = preset.stages["sampler"]
     refusal = registry.stage("sampler", sampler_name).refuses_cache(sampler_config)
     if refusal:
-        raise UsageError(f"preset {preset.name}: cache '{cache_name}': {refusal}", "set cache.use=none")
+        given = (f"--set cache.use={cache_name}" if preset.sources.get("cache.use") == "--set"
+                 else f"preset {preset.name}: cache '{cache_name}'")
+        raise UsageError(f"{given}: {refusal}", "set cache.use=none")
     check_cache_steps(preset, cache_config, sampler_config)
     if preset.adapter.paths and not preset.adapter.cache:
         raise UsageError(f"preset {preset.name}: cache '{cache_name}' with adapters {', '.join(preset.adapter.paths)}, "

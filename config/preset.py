@@ -184,6 +184,9 @@ def resolve(name_or_file: str, registry, overrides: list[str] = ()) -> Preset:
     version = data.get("version")
     if version is None:
         raise UsageError(f"{where} has no version", f"add version = {KNOWN_VERSIONS[-1]} at its top")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise UsageError(f"{origin_of(sources, 'version', where)} has version {version!r}, which is not a whole number",
+                         f"write version = {KNOWN_VERSIONS[-1]}, without quotes")
     if version not in KNOWN_VERSIONS:
         raise UsageError(f"{where} has version {version!r}, which this h3gen does not know",
                          f"supported versions: {', '.join(map(str, KNOWN_VERSIONS))}; upgrade h3gen or fix the preset")
@@ -347,8 +350,10 @@ def _adapter(data: dict, quant: tuple[str, Any], registry, where: str, sources: 
     """The [adapter] section. Adapters are fused by the quant stage in its load-time pass, so it gets them too."""
     from h3gen.stages.quant import QuantStage
 
-    section = dict(_table(data.get("adapter", {}), "adapter", where))
-    adapter = build_config(AdapterConfig, dict(section), f"{where} [adapter]")
+    section = dict(_table(data.get("adapter", {}), "adapter", origin_of(sources, "adapter", where)))
+    set_as = {k: f"adapter.{k}" for k in section if sources.get(f"adapter.{k}") == "--set"}
+    held = {k: f"{origin_of(sources, f'adapter.{k}', where)} [adapter]" for k in section}
+    adapter = build_config(AdapterConfig, dict(section), f"{where} [adapter]", set_as, held)
     for field in dataclasses.fields(adapter):
         sources.setdefault(f"adapter.{field.name}", where if field.name in section else "default")
     name, config = quant

@@ -9,6 +9,7 @@ h3gen.stages.base.Wrapper). Unknown keys and wrong types in a preset are errors 
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from typing import Any
 
@@ -61,7 +62,14 @@ def build_config(config_cls: type, values: dict[str, Any], where: str, set_as: d
         values[key] = _coerce(value, hints[key], f"--set {set_as[key]}" if key in set_as else
                               f"{held.get(key, where)}.{key}",
                               "fix the value after the =" if key in set_as else "fix the value in the preset or --set")
-    return config_cls(**values)
+    try:
+        return config_cls(**values)
+    except UsageError as e:  # the config's own check (__post_init__): said where the first value it names was set
+        key = next((k for k in values if re.search(rf"\b{k}\b", e.problem)), None)
+        if key is None:
+            raise
+        raise UsageError(f"{f'--set {set_as[key]}' if key in set_as else held.get(key, where)}: {e.problem}",
+                         e.fix) from None
 
 
 def _coerce(value, hint, where: str, fix: str):

@@ -251,20 +251,26 @@ def check_model_kind(preset, repo, embedded: bool, baseline: bool = False, bench
     needs, has = preset.model["needs"], repo.kind()
     if needs in ("any", has):
         return
-    anyway = f"or --set model.needs=any to run preset {preset.name} on it anyway"
     if needs == "MiniMax-H3":
         given = ("no --model was given, so the embedded tiny model stands in" if embedded
                  else f"{repo.root} holds a tiny model")
-        instead = "--baseline none" if baseline else "--preset tiny"
-        if bench:
-            from h3gen.run.render import pick_device
+    else:
+        given = f"{repo.root} is a MiniMax-H3 repository"
+    if preset.sources.get("model.needs") == "--set":  # the run's own --set asks for the other kind of model
+        raise UsageError(f"--set model.needs={needs}, and {given}",
+                         "leave out --set model.needs, or pass --model DIR with the model it names")
+    anyway = f"or --set model.needs=any to run preset {preset.name} on it anyway"
+    if needs != "MiniMax-H3":
+        raise UsageError(f"preset {preset.name} is made for the tiny smoke-test model, and {given}",
+                         f"leave out --preset (h3-base), pick one from `h3gen presets list`, {anyway}")
+    instead = "--baseline none" if baseline else "--preset tiny"
+    if bench:
+        from h3gen.run.render import pick_device
 
-            gpu = pick_device(preset.runtime["device"]).startswith("cuda")
-            instead = f"--random-weights full{'' if gpu else ' on a GPU'} (its architecture, random weights), {instead}"
-        raise UsageError(f"preset {preset.name} needs a MiniMax-H3 repository, and {given}",
-                         f"pass --model DIR (or H3GEN_MODEL) with the MiniMax-H3 repository, {instead}, {anyway}")
-    raise UsageError(f"preset {preset.name} is made for the tiny smoke-test model, and {repo.root} is a MiniMax-H3 "
-                     "repository", f"leave out --preset (h3-base), pick one from `h3gen presets list`, {anyway}")
+        gpu = pick_device(preset.runtime["device"]).startswith("cuda")
+        instead = f"--random-weights full{'' if gpu else ' on a GPU'} (its architecture, random weights), {instead}"
+    raise UsageError(f"preset {preset.name} needs a MiniMax-H3 repository, and {given}",
+                     f"pass --model DIR (or H3GEN_MODEL) with the MiniMax-H3 repository, {instead}, {anyway}")
 
 
 def model_repo(model, reporter):

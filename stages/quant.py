@@ -40,7 +40,7 @@ class QuantConfig:
     def __post_init__(self):
         unknown = [role for role in self.roles if role not in ROLES]
         if unknown:
-            raise UsageError(f"[quant] roles: unknown role '{unknown[0]}'", f"roles are {', '.join(ROLES)}")
+            raise UsageError(f"unknown role '{unknown[0]}' in roles", f"roles are {', '.join(ROLES)}")
 
 
 @dataclasses.dataclass
@@ -54,7 +54,7 @@ class FP8RowwiseConfig(QuantConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.matmul not in MATMULS:
-            raise UsageError(f"[quant] matmul: unknown '{self.matmul}'", f"choose {', '.join(MATMULS)}")
+            raise UsageError(f"unknown matmul '{self.matmul}'", f"choose {', '.join(MATMULS)}")
 
 
 class QuantStage(Stage):

@@ -189,7 +189,7 @@ def test_text_encoder_language_layers_are_quantized_and_the_rest_kept(tiny_model
 
 @pytest.mark.parametrize("override, message", [
     ('quant.roles=["audio_vae"]', "unknown role 'audio_vae'"),
-    ("quant.matmul=fast", "unknown 'fast'"),
+    ("quant.matmul=fast", "--set quant.matmul: unknown matmul 'fast'"),
 ])
 def test_bad_quant_knobs(override, message):
     with pytest.raises(UsageError, match=message):

@@ -42,6 +42,8 @@ def refused(result, message):
     ('{"prompt": "x", "id": "%s"}\n' % ("a" * 129), "characters at most"),
     ('{"prompt": "same", "seed": 3}\n{"prompt": "same", "seed": 3}\n', "prompts.txt:2: writes h3-"),
     (b"ok\n\xff\xfe\n", "prompts.txt:2: not UTF-8 text"),
+    ("ok\nA red fox\n".encode("utf-16-le"), "prompts.txt:1: a NUL byte, so not UTF-8 text (UTF-16, or not text"),
+    (b"a fox\n" + bytes(300), "prompts.txt:2: a NUL byte, so not UTF-8 text"),
     ('["a", "b"]\n', "prompts.txt:1: a JSON line must be an object"),
     ('{"prompt": "\\ud800"}\n', "prompts.txt:1: field 'prompt' holds a lone UTF-16 surrogate"),
     ('{"id": "sur", "prompt": "x\\udfff y"}\n', "prompts.txt:1: field 'prompt' holds a lone UTF-16 surrogate"),
@@ -61,6 +63,9 @@ def test_bad_prompts_file_is_refused_before_anything_loads(tmp_path, text, messa
     (["sampler.video_shift=0"], "sampler.video_shift is 0.0, and a sigma shift must be above 0 and finite"),
     (["sampler.audio_shift=-3"], "sampler.audio_shift is -3.0, and a sigma shift must be above 0 and finite"),
     (["sampler.video_shift=inf"], "sampler.video_shift is inf, and a sigma shift must be above 0 and finite"),
+    (["sampler.audio_shift=1e-10"], "sampler.audio_shift = 1e-10 gives sigmas that are not finite, so the sampler "
+                                    "would run fewer forwards than its "),
+    (["sampler.video_shift=1e8"], "sampler.video_shift = 100000000.0 gives "),
     (["sampler.steps=1000000000"], "the sigma grid has 1000000000 points, more than h3gen runs (1000)"),
     (["sampler.sigma_positions=[0.5, 0.9, 0]"], "sampler.sigma_positions [0.5, 0.9, 0.0] is not a decreasing grid"),
     (["sampler.sigma_positions=[1.5, 0.5, 0]"], "sampler.sigma_positions [1.5, 0.5, 0.0] is not a decreasing grid"),
@@ -183,6 +188,10 @@ def test_a_preset_in_the_prompts_files_place_is_named_as_one(tmp_path):
     (lambda t: t.replace('use = "euler"', 'use = "fancy"'), "unknown sampler stage 'fancy' (registered sampler stages:"),
     (lambda t: t.replace("steps = 4", "steps = 4.5"), "preset bad [sampler].steps must be int, got 4.5"),
     (lambda t: t.replace("version = 1", "version = 2"), "preset bad has version 2, which this h3gen does not know"),
+    (lambda t: t.replace("version = 1", 'version = "1"'), "preset bad has version '1', which is not a whole number "
+                                                        "(write version = 1, without quotes)"),
+    (lambda t: t.replace('[quant]\nuse = "none"', '[quant]\nuse = "fp8-rowwise"\nroles = ["dit", "bogus"]'),
+     "preset bad [quant]: unknown role 'bogus' in roles (roles are dit, text_encoder, vae)"),
     (lambda t: t.replace("version = 1\n", ""), "preset bad has no version (add version = 1 at its top)"),
     (lambda t: t.replace('dtype = "float32"', 'dtype = "float64"'),
      "preset bad [runtime] dtype 'float64' is not a supported dtype"),
@@ -207,6 +216,11 @@ def test_bad_preset_file_is_refused(prompts_file, tmp_path, change, message):
     ("mux.x264_threads=0", "--set mux.x264_threads: mux.x264_threads = 0: the encoder takes a fixed count of threads "
                            "(give 1 or more: x264's own 0 picks by the machine"),  # a key with a digit in it
     ("sampler.steps=1", "--set sampler.steps: the sigma grid needs at least 2 points"),
+    ("adapter.scale=abc", "--set adapter.scale must be float, got 'abc' (fix the value after the =)"),
+    ('adapter.tasks=["t2v"]', "--set adapter.tasks: unknown task 't2v' in tasks (tasks are t2va, fl2va, ref2va)"),
+    ("cache.use=residual", '--set cache.use=residual: the step cache runs on sampler.dit = "h3gen"'),
+    ("model.needs=MiniMax-H3", "--set model.needs=MiniMax-H3, and no --model was given, so the embedded tiny model "
+                               "stands in (leave out --set model.needs, or pass --model DIR with the model it names)"),
 ])
 def test_a_bad_set_value_is_said_as_the_set(prompts_file, tmp_path, setting, message):
     """The --set gave it, not the preset: the error says so."""
