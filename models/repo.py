@@ -145,7 +145,7 @@ def load_component(name: str, loader, *args, **kwargs):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "meta tensor" in first:  # a module the config declares and the weights never filled
             first = "the weights lack tensors its config declares"
-        first = first.split(" If you want to instead overwrite")[0]  # diffusers' advice to load them anyway
+        first = " ".join(first.split(" If you want to instead overwrite")[0].split())  # not diffusers' advice
         folder = Path(args[0]) if args and isinstance(args[0], (str, Path)) else None
         if folder is not None and folder.is_dir():  # a file of it that is not JSON is the likeliest cause: named
             for path in sorted(folder.glob("*.json")):
