@@ -138,7 +138,7 @@ def _parse_line(line: str, where: str) -> dict:
                              "without its pair), which is not text",
                              "write the character itself, or both halves of its surrogate pair")
         if not isinstance(value, FIELDS[key]) or isinstance(value, bool):
-            raise UsageError(f"{where}: field '{key}' has the wrong type ({_short(value)})",
+            raise UsageError(f"{where}: field '{key}' has the wrong type ({_short(value, as_json=True)})",
                              f"give {KINDS[FIELDS[key]]}; the README's prompts file table lists each field's type")
     if not str(fields.get("prompt", "")).strip():
         raise UsageError(f"{where}: missing or empty 'prompt'", 'every JSON line needs {"prompt": "..."}')
@@ -254,9 +254,9 @@ def check_fits(request: Request, where: str) -> None:
                          "use a size near H3's 1344x768")
 
 
-def _short(value) -> str:
-    """A value for an error message: one line, not too long."""
-    text = repr(value)
+def _short(value, as_json: bool = False) -> str:
+    """A value for an error message: one line, not too long; `as_json`: as the line wrote it (null, true, "10")."""
+    text = json.dumps(value, ensure_ascii=False) if as_json else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 

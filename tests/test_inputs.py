@@ -55,7 +55,7 @@ def test_bad_prompts_files(tmp_path, text, message):
 def test_wrong_type_names_the_type_it_takes(tmp_path):
     with pytest.raises(UsageError) as refused:
         parse(tmp_path, '{"prompt": "x", "duration": "10"}\n')
-    assert "field 'duration' has the wrong type ('10')" in str(refused.value)
+    assert "field 'duration' has the wrong type (\"10\")" in str(refused.value)
     assert "give a number, unquoted" in refused.value.fix
 
 
