@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import signal
 import tempfile
 from pathlib import Path
@@ -186,7 +187,10 @@ def check_writable(directory: Path) -> None:
             pass
     except OSError as e:
         what = "cannot be created" if not directory.is_dir() else "is not writable"
-        raise UsageError(f"output directory {directory} {what} ({e.strerror or e})",
+        why = e.strerror or str(e)
+        if directory.is_dir() and e.errno == errno.ENOENT:  # /proc: there, yet no file can be made in it
+            why = "no file can be created in it"
+        raise UsageError(f"output directory {directory} {what} ({why})",
                          "pass -o with a directory you can write to") from None
     try:
         outputs.check_manifest(directory)

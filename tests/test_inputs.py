@@ -172,3 +172,10 @@ def test_the_disk_check_shows_sizes_that_differ(tmp_path, monkeypatch):
     assert sizes_that_differ(300 * 2**10, 600 * 2**10) == ("300 KiB", "600 KiB")
     assert sizes_that_differ(512, 100 * 2**10) == ("0 KiB", "100 KiB")
     assert sizes_that_differ(3 * 2**30, 2**20) == ("3 GiB", "0 GiB")
+
+
+def test_an_output_directory_where_no_file_can_be_made_says_so(prompts_file):
+    """/proc is there and a directory, yet creating a file in it fails as if a path were missing."""
+    result = h3gen("render", prompts_file("x\n"), "-o", "/proc", "--dry-run", check_code=2)
+    assert result.stderr.strip() == ("h3gen: error: output directory /proc is not writable (no file can be created in "
+                                     "it) (pass -o with a directory you can write to)")
