@@ -370,11 +370,12 @@ def check_latents(clip: Clip, sampler) -> None:
     here, naming the sampler, not the mux that trips on it."""
     import torch
 
-    broken = [name for name in ("video", "audio") if isinstance(latents := getattr(clip, f"{name}_latents"),
-                                                                 torch.Tensor) and not torch.isfinite(latents).all()]
+    latents = {"video": clip.video_latents, "audio": clip.audio_latents}
+    broken = [name for name, x in latents.items() if isinstance(x, torch.Tensor) and not torch.isfinite(x).all()]
     if broken:
         raise ReturnedRefused(f"{sampler.label()} returned {' and '.join(broken)} latents holding NaN or infinite "
-                              f"values", "download the model again if its weights are damaged, or try a preset without FP8")
+                              "values", "download the model again if its weights are damaged, or try a preset "
+                              "without FP8")
 
 
 def check_media(clip: Clip, vae) -> None:

@@ -32,8 +32,8 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
     rendered with the same fingerprint and validates for this request, so a rerun resumes; a conflict (left alone)
     when it was rendered with other settings, is a whole MP4 h3gen did not stamp, is not an MP4 at all, or is a
     link to a missing file; damaged (rendered again, see `to_render`) when it does not validate and is h3gen's or
-    cut short. `redo` (RunSettings.redo): "all" renders
-    every clip again (None), "conflicts" those h3gen stamped with other settings (a file it did not stamp stays)."""
+    cut short. `redo` (RunSettings.redo): "all" renders every clip again (None), "conflicts" those h3gen stamped
+    with other settings (a file it did not stamp stays)."""
     from h3gen.run.validate import box_problem, validate_clip
 
     path = out_dir / clip_name(request, preset)
