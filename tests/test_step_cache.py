@@ -105,7 +105,7 @@ def test_a_cache_is_refused_by_diffusers_dit_and_by_adapters_that_do_not_allow_i
 
     result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--set", "cache.use=residual",
                    check_code=2)
-    assert result.stderr.endswith('cache \'residual\': the step cache runs on sampler.dit = "h3gen" (--set '
+    assert result.stderr.endswith('--set cache.use=residual: the step cache runs on sampler.dit = "h3gen" (--set '
                                   'sampler.dit=h3gen), and this preset has "diffusers" (set cache.use=none)\n')
     found = registry()
     with pytest.raises(UsageError, match="whose contract does not allow a step cache"):
