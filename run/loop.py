@@ -109,8 +109,8 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
         check_device(preset.runtime["device"])
         if not settings.dry_run:  # a dry run changes nothing in the output directory
             clear_leftovers(requests, settings.output, preset.name)
-            if requests:
-                check_room(settings.output)
+        if requests:  # a dry run too: it says what the run would do
+            check_room(settings.output)
         # Clips are numbered by their place in the whole file, so [i/n] means the same in every shard.
         reporter = make_reporter(len(every), settings.json_out, preset.name)
         if settings.shard and not requests:

@@ -192,17 +192,22 @@ def save_tensors(tensors: dict, path: Path) -> None:
             pass
 
 
-def check_disk(out_dir: Path, request: Request, bytes_per_pixel: float = 0.0) -> None:
+def check_disk(out_dir: Path, request: Request, bytes_per_pixel: float = 0.0, writing: list[Request] = ()) -> None:
     """Fail a clip before it spends GPU time when its MP4 cannot fit on the disk: less is free than any MP4 takes, or
-    than the clip would take at `bytes_per_pixel`, the least this run's written clips took. Short of that the clip is
-    rendered, and a disk that fills while it is written fails the clip with nothing partial left (the atomic write)."""
-    pixels = request.frames * request.width * request.height
-    need = max(MP4_FLOOR_BYTES, int(pixels * bytes_per_pixel))
+    than the clip would take at `bytes_per_pixel`, the least this run's written clips took, beside what the clips
+    still `writing` (muxed in the background) will take at that rate. Short of that the clip is rendered, and a disk
+    that fills while it is written fails the clip with nothing partial left (the atomic write)."""
+    def size(r: Request) -> int:
+        return int(r.frames * r.width * r.height * bytes_per_pixel)
+
+    need, pending = max(MP4_FLOOR_BYTES, size(request)), sum(map(size, writing))
     free = shutil.disk_usage(out_dir).free
-    if free < need:
+    if free < need + pending:
         free_text, need_text = sizes_that_differ(free, need)
-        size = f"at least {need_text}" if need == MP4_FLOOR_BYTES else f"about {need_text} as this run's clips do"
-        raise ClipError(f"only {free_text} free in {out_dir}, the clip needs {size}",
+        what = f"at least {need_text}" if need == MP4_FLOOR_BYTES else f"about {need_text} as this run's clips do"
+        if pending:
+            what += f", beside about {sizes_that_differ(free, pending)[1]} for the clips still being written"
+        raise ClipError(f"only {free_text} free in {out_dir}, the clip needs {what}",
                         "free disk space; a rerun redoes only the clips that are missing")
 
 

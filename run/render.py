@@ -211,7 +211,7 @@ class Renderer:
         error, mux, job = "", self.stages["mux"], None
         before = file_state(clip.path)  # a mux that fails after writing the file takes it back
         try:
-            check_disk(self.out_dir, clip.request, self.bytes_per_pixel)
+            check_disk(self.out_dir, clip.request, self.bytes_per_pixel, [c.request for c, *_ in self.muxing])
             clip = self.stages["sampler"](clip)
             check_latents(clip, self.stages["sampler"])
             if self.save_latents:

@@ -484,6 +484,11 @@ def test_a_clip_that_cannot_fit_on_the_disk_fails_before_it_renders(tmp_path, mo
     check_disk(tmp_path, clip)
     with pytest.raises(ClipError, match=f"only 1 MiB free in {tmp_path}, the clip needs about 12 MiB as this run's"):
         check_disk(tmp_path, clip, bytes_per_pixel=0.05)
+    free = 20 * 2**20  # room for this clip, but not beside the one still muxed in the background
+    check_disk(tmp_path, clip, bytes_per_pixel=0.05)
+    with pytest.raises(ClipError, match=f"only 20 MiB free in {tmp_path}, the clip needs about 12 MiB as this run's "
+                                        "clips do, beside about 12 MiB for the clips still being written"):
+        check_disk(tmp_path, clip, bytes_per_pixel=0.05, writing=[clip])
 
 
 def test_a_run_learns_the_least_its_clips_take_per_pixel(tmp_path):
@@ -637,13 +642,15 @@ def full_disk(tmp_path):
 def test_a_full_output_disk_is_refused_before_any_weight_loads(full_disk, prompts_file, tiny_model):
     """No space for even the smallest MP4: one line and exit 1 before the weights load, nothing written. (A disk
     that fills once clips render fails each clip that no longer fits: the patched tests below.)"""
-    result = h3gen("render", prompts_file("a fox\nwaves\n"), "-o", full_disk, "--json", "--save-latents",
-                   "--model", tiny_model, "--preset", "tiny")
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert re.fullmatch(rf"h3gen: error: only \d+ KiB free in {re.escape(str(full_disk))}, and a clip takes at least "
-                        r"64 KiB \(free disk space there, or pass -o on another disk\)", result.stderr.splitlines()[-1])
-    assert "loaded" not in result.stderr and result.stdout == ""
-    assert sorted(p.name for p in full_disk.iterdir()) == ["filler"]
+    for dry in ([], ["--dry-run"]):  # the dry run says what the run would
+        result = h3gen("render", prompts_file("a fox\nwaves\n"), "-o", full_disk, "--json", "--save-latents",
+                       "--model", tiny_model, "--preset", "tiny", *dry)
+        assert result.returncode == 1, result.stderr[-3000:]
+        assert re.fullmatch(rf"h3gen: error: only \d+ KiB free in {re.escape(str(full_disk))}, and a clip takes at "
+                            r"least 64 KiB \(free disk space there, or pass -o on another disk\)",
+                            result.stderr.splitlines()[-1])
+        assert "loaded" not in result.stderr and result.stdout == ""
+        assert sorted(p.name for p in full_disk.iterdir()) == ["filler"]
 
 
 def test_a_full_cache_disk_costs_only_the_cache(full_disk, prompts_file, tiny_model, tmp_path):
