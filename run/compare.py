@@ -73,7 +73,11 @@ def read_clip(path: Path):
     import av
     import numpy as np
 
+    from h3gen.run.validate import QUICKTIME, box_problem, is_quicktime
+
     try:
+        if is_quicktime(path):
+            raise UsageError(f"{path} is {QUICKTIME}", "compare the MP4s h3gen writes")
         with av.open(str(path)) as container:
             if "mp4" not in container.format.name or not container.streams.video:
                 raise UsageError(f"{path} is not an MP4 with a video stream", "compare the MP4s h3gen writes")
@@ -84,8 +88,6 @@ def read_clip(path: Path):
                 rate = container.streams.audio[0].rate
                 audio = [f.to_ndarray().reshape(-1, f.samples) for f in container.decode(audio=0)]
     except (av.FFmpegError, OSError, ValueError) as e:
-        from h3gen.run.validate import box_problem
-
         try:  # a file cut short is said as such; else what the decoder said, without its error number
             why = box_problem(path) or getattr(e, "strerror", None) or str(e)
         except OSError:

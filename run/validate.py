@@ -69,9 +69,8 @@ def validate_clip(
         truncated = box_problem(Path(path))
         if truncated:
             return [truncated]
-        with open(path, "rb") as f:
-            if f.read(12)[8:] == b"qt  ":  # the ftyp box's major brand
-                return ["a QuickTime movie (brand 'qt  '), not an MP4"]
+        if is_quicktime(path):
+            return [QUICKTIME]
         info = probe_clip(path)
     except (av.FFmpegError, OSError) as error:
         return [f"cannot read {path}: {error}"]
@@ -80,6 +79,15 @@ def validate_clip(
         + _audio_problems(info, sample_rate)
         + _sync_problems(info)
     )
+
+
+QUICKTIME = "a QuickTime movie (brand 'qt  '), not an MP4"
+
+
+def is_quicktime(path: Path) -> bool:
+    """Whether the ftyp box's major brand is QuickTime's: the same boxes as an MP4, another format."""
+    with open(path, "rb") as f:
+        return f.read(12)[8:] == b"qt  "
 
 
 REQUIRED_BOXES = (b"ftyp", b"moov", b"mdat")

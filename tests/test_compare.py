@@ -106,6 +106,17 @@ def test_a_file_that_is_not_an_mp4_is_refused(tmp_path):
     assert result.stderr.count("\n") == 1 and "cannot read" in result.stderr and "as an MP4" in result.stderr
 
 
+def test_a_quicktime_movie_is_refused_as_validate_refuses_it(tmp_path):
+    a = clip(tmp_path / "a.mp4", 1)
+    movie = tmp_path / "movie.mp4"
+    data = bytearray(a.read_bytes())
+    data[8:12] = b"qt  "  # the ftyp box's major brand: QuickTime's
+    movie.write_bytes(bytes(data))
+    result = h3gen("compare", movie, a, check_code=2)
+    assert result.stderr == (f"h3gen: error: {movie} is a QuickTime movie (brand 'qt  '), not an MP4 (compare the MP4s "
+                             "h3gen writes)\n")
+
+
 def test_a_clip_without_sound_and_a_cut_short_one_are_said_as_such(tmp_path):
     import av
 
