@@ -296,6 +296,12 @@ def set_key(sources: dict, name: str) -> str:
                 "")
 
 
+def _origins(section: dict, key: str, sources: dict, where: str) -> tuple[dict, dict]:
+    """For `build_config`: the keys of section `key` a --set gave (as set_as), and the section holding each."""
+    set_as = {k: set_key(sources, f"{key}.{k}") for k in section if set_key(sources, f"{key}.{k}")}
+    return set_as, {k: f"{origin_of(sources, f'{key}.{k}', where)} [{key}]" for k in section}
+
+
 def origin_of(sources: dict, name: str, where: str) -> str:
     """The preset that holds `name` ("sampler.steps", or a section: any key under it), as errors name presets: an
     extended preset where the key came from there; `where` (the preset asked for) otherwise."""
@@ -327,9 +333,7 @@ def _stage(kind: str, data: dict, registry, where: str, sources: dict, key: str 
             raise UsageError(f"unknown key '{unknown}' in {where} [{key}]: {kind} stage '{name}' wraps "
                              f"'{wraps.get('use')}', which may take it",
                              f"set the wrapped stage's keys under [{key}.wraps], or --set {key}.wraps.{unknown}=...")
-    set_as = {k: set_key(sources, f"{key}.{k}") for k in section if set_key(sources, f"{key}.{k}")}
-    held = {k: f"{origin_of(sources, f'{key}.{k}', where)} [{key}]" for k in section}
-    config = build_config(stage.Config, section, f"{where} [{key}]", set_as, held)
+    config = build_config(stage.Config, section, f"{where} [{key}]", *_origins(section, key, sources, where))
     if wrapping:
         from h3gen.stages.base import Wrapped
 
@@ -351,9 +355,8 @@ def _adapter(data: dict, quant: tuple[str, Any], registry, where: str, sources: 
     from h3gen.stages.quant import QuantStage
 
     section = dict(_table(data.get("adapter", {}), "adapter", origin_of(sources, "adapter", where)))
-    set_as = {k: f"adapter.{k}" for k in section if sources.get(f"adapter.{k}") == "--set"}
-    held = {k: f"{origin_of(sources, f'adapter.{k}', where)} [adapter]" for k in section}
-    adapter = build_config(AdapterConfig, dict(section), f"{where} [adapter]", set_as, held)
+    adapter = build_config(AdapterConfig, dict(section), f"{where} [adapter]",
+                           *_origins(section, "adapter", sources, where))
     for field in dataclasses.fields(adapter):
         sources.setdefault(f"adapter.{field.name}", where if field.name in section else "default")
     name, config = quant

@@ -34,7 +34,7 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
     link to a missing file; damaged (rendered again, see `to_render`) when it does not validate and is h3gen's or
     cut short. `redo` (RunSettings.redo): "all" renders every clip again (None), "conflicts" those h3gen stamped
     with other settings (a file it did not stamp stays)."""
-    from h3gen.run.validate import box_problem, validate_clip
+    from h3gen.run.validate import box_problem, not_an_mp4, validate_clip
 
     path = out_dir / clip_name(request, preset)
     wanted = fingerprint.clip_fields(run_fields, request)
@@ -66,14 +66,6 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
     if stored is None:  # whole, but without h3gen's stamp: another tool's file, or an older h3gen's
         return conflict(request, path, wanted, ["no h3gen stamp in its metadata"], "a whole MP4 h3gen did not stamp")
     return ClipResult(request, path, True, {}, 0.0, skipped=True, fingerprint=fingerprint.digest(wanted))
-
-
-def not_an_mp4(path: Path) -> bool:
-    """Whether the file holds bytes that do not begin as an MP4 does (an ftyp box); an empty file is a clip cut
-    short, not another program's file."""
-    with path.open("rb") as f:
-        head = f.read(8)
-    return bool(head) and head[4:8] != b"ftyp"
 
 
 def latents_problems(path: Path) -> list[str]:

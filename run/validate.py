@@ -84,6 +84,14 @@ def validate_clip(
 QUICKTIME = "a QuickTime movie (brand 'qt  '), not an MP4"
 
 
+def not_an_mp4(path: Path) -> bool:
+    """Whether the file holds bytes that do not begin as an MP4 does (an ftyp box); an empty file is a clip cut
+    short, not another program's file."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    return bool(head) and head[4:8] != b"ftyp"
+
+
 def is_quicktime(path: Path) -> bool:
     """Whether the ftyp box's major brand is QuickTime's: the same boxes as an MP4, another format."""
     with open(path, "rb") as f:

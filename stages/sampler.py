@@ -140,12 +140,13 @@ class EulerSampler(Stage):
             raise UsageError(f"sampler.sigma_positions {positions} is not a decreasing grid within 0 to 1",
                              "list the positions from the highest to 0, each one below the last, e.g. [0.999, 0.5, 0]")
         for key in ("video_shift", "audio_shift"):
-            if not 0 < getattr(config, key) < math.inf:  # nan fails this too
-                raise UsageError(f"sampler.{key} is {getattr(config, key)}, and a sigma shift must be above 0 and finite",
+            shift = getattr(config, key)
+            if not 0 < shift < math.inf:  # nan fails this too
+                raise UsageError(f"sampler.{key} is {shift}, and a sigma shift must be above 0 and finite",
                                  f"set sampler.{key} to a positive number (H3: video 12, audio 3)")
-            problem = grid_problem(config, getattr(config, key))
+            problem = grid_problem(config, shift)
             if problem:
-                raise UsageError(f"sampler.{key} = {getattr(config, key)} {problem}, so the sampler would run fewer "
+                raise UsageError(f"sampler.{key} = {shift} {problem}, so the sampler would run fewer "
                                  f"forwards than its {forwards(config)}",
                                  f"set sampler.{key} nearer 1 (H3: video 12, audio 3), or take fewer steps")
         if config.dit not in ("h3gen", "diffusers"):
