@@ -17,7 +17,7 @@ from typing import Any
 
 from h3gen.config.contract import AdapterConfig
 from h3gen.errors import H3genError, UsageError
-from h3gen.config.stage_config import build_config, type_fix
+from h3gen.config.stage_config import build_config, shown, type_fix
 from h3gen.stages.base import STAGE_KINDS
 
 KNOWN_VERSIONS = (1,)
@@ -275,9 +275,9 @@ def _section(data: dict, section: str, defaults: dict, where: str, sources: dict
         widened = isinstance(defaults[key], float) and isinstance(value, int)  # 5 where 5.0 is meant
         if not isinstance(value, type(defaults[key])) and not widened:
             label = f"--set {section}.{key}" if given else f"{held} [{section}] {key}"
-            raise UsageError(f"{label} must be {type(defaults[key]).__name__}, got {value!r}",
+            raise UsageError(f"{label} must be {type(defaults[key]).__name__}, got {shown(value)}",
                              type_fix(type(defaults[key]), "fix the value after the =" if given
-                                      else "fix the value in the preset or --set"))
+                                      else "fix the value in the preset or --set", value))
         sources.setdefault(f"{section}.{key}", where)
     for key, value in defaults.items():
         values.setdefault(key, value)

@@ -83,9 +83,22 @@ def _coerce(value, hint, where: str, fix: str):
         return origin(_coerce(v, item, where, fix) for v in value)
     if origin is object or isinstance(value, origin) and not (origin is int and isinstance(value, bool)):
         return value
-    raise UsageError(f"{where} must be {getattr(origin, '__name__', origin)}, got {value!r}", type_fix(origin, fix))
+    raise UsageError(f"{where} must be {getattr(origin, '__name__', origin)}, got {shown(value)}",
+                     type_fix(origin, fix, value))
 
 
-def type_fix(kind, fix: str) -> str:
-    """The fix for a value of the wrong type; for a bool, how TOML writes one (`yes`, `1` or `"true"` are not)."""
-    return f"write true or false, lowercase and unquoted; {fix}" if kind is bool else fix
+def shown(value) -> str:
+    """A preset value as TOML writes it where it differs from Python (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def type_fix(kind, fix: str, value=None) -> str:
+    """The fix for a value of the wrong type; for a bool, how TOML writes one (`yes`, `1` or `"true"` are not); for a
+    string, the quotes that keep a word TOML reads as a number or a bool (`nan`, `inf`, `1`, `true`) a string."""
+    if kind is bool:
+        return f"write true or false, lowercase and unquoted; {fix}"
+    if kind is str and isinstance(value, (bool, int, float)):
+        word = shown(value)
+        what = "a boolean" if isinstance(value, bool) else "a number"
+        return f"{word} is read as {what}; quote it: \"{word}\" in a preset, '\"{word}\"' on the command line"
+    return fix

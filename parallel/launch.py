@@ -152,7 +152,9 @@ def run(config, job: dict, entry: str, say) -> int:
 
     quiet_agent()
     try:
-        elastic_launch(config, sys.executable)("-m", entry, json.dumps(job))
+        # -P: the working directory stays off the workers' sys.path, as it is off the command's, so a folder there
+        # named as a package (kernels/, a plugin's source) does not shadow the installed one.
+        elastic_launch(config, sys.executable)("-P", "-m", entry, json.dumps(job))
         return 0
     except ChildFailedError as failed:
         raise root_cause(failed, job["device"]) from None

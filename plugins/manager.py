@@ -83,7 +83,7 @@ def _plugin_manager() -> tuple[pluggy.PluginManager, list[tuple[str, str]], list
         try:
             pm.register(ep.load(), name=ep.name)
         except (Exception, SystemExit) as e:  # a broken plugin is reported and skipped, never fatal to the run
-            failed.append((ep.name, f"failed to load: {_reason(e)}"))
+            failed.append((ep.name, f"failed to load: {type(e).__name__}: {_reason(e)}"))
     return pm, failed, left_out
 
 

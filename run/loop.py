@@ -340,7 +340,8 @@ def render_batch(settings: RunSettings, preset, found, make_reporter) -> int:
             reporter.say(f"h3gen: {len(pending)} clip(s) to render, preset {preset.name}, model {batch.repo.root}")
             try:
                 results += render_pending(pending, settings, preset, found, batch.repo, reporter,
-                                          memory_plan=batch.memory_plan)
+                                          memory_plan=batch.memory_plan,
+                                          there=[result for result in results if result.status == "skipped"])
             except Interrupted as stop:
                 results += stop.results
                 stopped = stop
@@ -375,8 +376,9 @@ def stopped_line(signal_name: str, discarded: int | None) -> str:
 
 
 def render_pending(requests, settings: RunSettings, preset, found, repo, reporter, group=None, leader=0,
-                   memory_plan=None) -> list:
+                   memory_plan=None, there=()) -> list:
     """Load the stages once and render every request; on a signal, `Interrupted.results` holds the finished ones.
+    `there`: results of valid clips the run found written, whose sizes tell what the next clips will take.
 
     With `group` (a process group of two or more ranks rendering each clip together; `leader` is its first rank)
     this rank renders its share of every clip, and only the leader gets results."""
@@ -390,6 +392,8 @@ def render_pending(requests, settings: RunSettings, preset, found, repo, reporte
         from h3gen.parallel.group_render import GroupRenderer
 
         renderer = GroupRenderer(preset, found, repo, reporter, group, leader, memory_plan)
+    for result in there:
+        renderer.learn_size(result)
     notes = "".join(f", {note}" for note in (stage.load_note() for stage in renderer.stages.values()) if note)
     reporter.say(f"h3gen: loaded on {renderer.runtime.device} ({preset.runtime['dtype']}){notes}")
     from h3gen.run.memory import cuda_fit_warning, host_fit_warning

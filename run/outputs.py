@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import shutil
 import time
@@ -166,11 +167,32 @@ def write_error(path: Path, error: OSError) -> str:
     text = f"cannot write {path}: {error.strerror or error}"
     if error.errno == errno.EFBIG:
         text += " (a file size limit stops it: raise `ulimit -f`; a rerun redoes only the clips that are missing)"
+    elif error.errno in (errno.ENOSPC, errno.EDQUOT) and no_inodes(path.parent):
+        text += (" (its file system has no free inodes, however much space it has: delete files there or pass -o "
+                 "on another disk; a rerun redoes only the clips that are missing)")
     elif error.errno in (errno.ENOSPC, errno.EDQUOT):
         text += f" (free space in {path.parent}; a rerun redoes only the clips that are missing)"
     elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         text += " (make it writable; a rerun redoes only the clips that are missing)"
     return text
+
+
+def no_inodes(directory: Path) -> bool:
+    """Whether the file system holding `directory` can create no more files (it counts inodes, and none is free)."""
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return False
+    return stats.f_files > 0 and stats.f_favail == 0
+
+
+def full_disk(error: BaseException) -> bool:
+    """Whether `error` (or what it was raised from) is a write that found no space left."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        error = error.__cause__
+    return False
 
 
 def save_tensors(tensors: dict, path: Path) -> None:
@@ -192,23 +214,31 @@ def save_tensors(tensors: dict, path: Path) -> None:
             pass
 
 
-def check_disk(out_dir: Path, request: Request, bytes_per_pixel: float = 0.0, writing: list[Request] = ()) -> None:
+def check_disk(out_dir: Path, request: Request, bytes_per_pixel: float = 0.0, writing: list[Request] = (),
+               unfit_per_pixel: float = 0.0) -> None:
     """Fail a clip before it spends GPU time when its MP4 cannot fit on the disk: less is free than any MP4 takes, or
-    than the clip would take at `bytes_per_pixel`, the least this run's written clips took, beside what the clips
-    still `writing` (muxed in the background) will take at that rate. Short of that the clip is rendered, and a disk
-    that fills while it is written fails the clip with nothing partial left (the atomic write)."""
-    def size(r: Request) -> int:
-        return int(r.frames * r.width * r.height * bytes_per_pixel)
+    than the clip would take at `bytes_per_pixel`, the least this run's clips took (written, or found valid), beside
+    what the clips still `writing` (muxed in the background) will take at that rate; or no more is free than a clip
+    of this run found when its MP4 did not fit (`unfit_per_pixel`, that free space over its pixels). Short of that
+    the clip is rendered, and a disk that fills while it is written fails the clip with nothing partial left (the
+    atomic write)."""
+    def size(r: Request, rate: float) -> int:
+        return math.ceil(r.frames * r.width * r.height * rate)
 
-    need, pending = max(MP4_FLOOR_BYTES, size(request)), sum(map(size, writing))
+    need, pending = max(MP4_FLOOR_BYTES, size(request, bytes_per_pixel)), sum(size(r, bytes_per_pixel) for r in writing)
     free = shutil.disk_usage(out_dir).free
     if free < need + pending:
         free_text, need_text = sizes_that_differ(free, need)
         what = f"at least {need_text}" if need == MP4_FLOOR_BYTES else f"about {need_text} as this run's clips do"
         if pending:
             what += f", beside about {sizes_that_differ(free, pending)[1]} for the clips still being written"
-        raise ClipError(f"only {free_text} free in {out_dir}, the clip needs {what}",
-                        "free disk space; a rerun redoes only the clips that are missing")
+        problem = f"only {free_text} free in {out_dir}, the clip needs {what}"
+    elif free <= size(request, unfit_per_pixel):
+        problem = (f"only {sizes_that_differ(free, 0)[0]} free in {out_dir}, no more than when a clip of this run "
+                   "did not fit")
+    else:
+        return
+    raise ClipError(problem, "free disk space; a rerun redoes only the clips that are missing")
 
 
 def check_room(out_dir: Path) -> None:

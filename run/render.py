@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -19,8 +20,10 @@ from h3gen.run.records import ClipResult
 from h3gen.run.resume import already_done, clip_name, to_render
 from h3gen.run.loop import signals_held
 from h3gen.run.timing import StageTimer
-from h3gen.stages.base import ReturnedRefused, StageFailed
-from h3gen.stages.clip import PIPELINE, Clip, media_problem
+from h3gen.stages.base import BUILTIN, ReturnedRefused, StageFailed
+from h3gen.stages.clip import PIPELINE, Clip, described, media_problem
+
+RAW_BYTES_PER_PIXEL = 3  # uint8 RGB frames: more than any MP4 of them takes
 
 
 @dataclasses.dataclass
@@ -109,6 +112,7 @@ class Renderer:
         self.results = []  # every clip this renderer finished, in the order their manifest lines were written
         self.unrecorded = ""  # why the manifest could not take a clip's line: the clips after it are not rendered
         self.bytes_per_pixel = 0.0  # the least an MP4 of this run took per pixel of its frames (check_disk)
+        self.unfit_per_pixel = 0.0  # the free space a clip's MP4 did not fit in, per pixel of its frames
 
     def render(self, requests: list[Request], out_dir: Path, save_latents: bool = False,
                redo: str = "") -> Iterator[ClipResult]:
@@ -211,7 +215,8 @@ class Renderer:
         error, mux, job = "", self.stages["mux"], None
         before = file_state(clip.path)  # a mux that fails after writing the file takes it back
         try:
-            check_disk(self.out_dir, clip.request, self.bytes_per_pixel, [c.request for c, *_ in self.muxing])
+            check_disk(self.out_dir, clip.request, self.bytes_per_pixel, [c.request for c, *_ in self.muxing],
+                       self.unfit_per_pixel)
             clip = self.stages["sampler"](clip)
             check_latents(clip, self.stages["sampler"])
             if self.save_latents:
@@ -242,6 +247,7 @@ class Renderer:
             if not isinstance(e, Exception) or isinstance(e, ModelError):  # a model no clip can use ends the run
                 raise
             self.check_fatal(clip, e)
+            self.learn_unfit(clip, e)
             error = clip_error(clip, e, self.memory_plan,
                                ran_out=memory.refused_allocations(self.runtime.device) > refused)
         self.done.append(self.finish(clip, error, claim=claim))
@@ -271,6 +277,7 @@ class Renderer:
                 job.result()
             except Exception as e:
                 remove_if_written(clip.path, before)
+                self.learn_unfit(clip, e)
                 error = clip_error(clip, e, self.memory_plan)
             self.muxing.pop(0)
             if not error:
@@ -307,13 +314,25 @@ class Renderer:
         self.reporter.clip_done(result)
         return result
 
-    def learn_size(self, clip: Clip) -> None:
+    def learn_size(self, clip) -> None:
+        """The least an MP4 takes per pixel, from a clip (or a clip's result) whose file is whole at `path`."""
         request = clip.request
         try:
             size = clip.path.stat().st_size / (request.frames * request.width * request.height)
         except OSError:
             return
         self.bytes_per_pixel = min(self.bytes_per_pixel, size) if self.bytes_per_pixel else size
+
+    def learn_unfit(self, clip: Clip, error: BaseException) -> None:
+        """A clip whose MP4 found the disk full: the space free now (its partial file gone) is less than a clip of
+        its size takes, so the next clips fail before their GPU time until more is freed. Not where more is free
+        than the clip's raw frames take, which no MP4 outgrows: that write failed for another reason (a quota, no
+        inodes)."""
+        if outputs.full_disk(error):
+            request = clip.request
+            per_pixel = shutil.disk_usage(self.out_dir).free / (request.frames * request.width * request.height)
+            if per_pixel < RAW_BYTES_PER_PIXEL:
+                self.unfit_per_pixel = max(self.unfit_per_pixel, per_pixel)
 
     def close(self, discard: bool = False) -> list[ClipResult]:
         """Wait for background muxes, or with `discard` (a signal) stop them; the results of the clips that were
@@ -366,16 +385,25 @@ def load(stage, repo) -> None:
 
 
 def check_latents(clip: Clip, sampler) -> None:
-    """Latents with a NaN or an infinity would decode to noise and a soundtrack no encoder takes: the clip fails
-    here, naming the sampler, not the mux that trips on it."""
+    """What the sampler hands the decode is the clip asked for: floating latents of the request's shapes, every value
+    finite (a NaN or an infinity would decode to noise and a soundtrack no encoder takes). A sampler that breaks this
+    is named here, not the decode or the mux that trips on it."""
     import torch
 
-    latents = {"video": clip.video_latents, "audio": clip.audio_latents}
-    broken = [name for name, x in latents.items() if isinstance(x, torch.Tensor) and not torch.isfinite(x).all()]
+    request = clip.request
+    wanted = {"video": request.video_latent_shape, "audio": request.audio_latent_shape}
+    for name, shape in wanted.items():
+        latents = getattr(clip, f"{name}_latents")
+        if not isinstance(latents, torch.Tensor) or not latents.is_floating_point() or tuple(latents.shape) != shape:
+            raise ReturnedRefused(f"{sampler.label()} returned clip.{name}_latents is {described(latents)}, not "
+                                  f"float {shape}", "a sampler's run(clip) sets clip.video_latents and clip.audio_latents "
+                                  "as the request's shapes say: docs/plugins.md")
+    broken = [name for name in wanted if not torch.isfinite(getattr(clip, f"{name}_latents")).all()]
     if broken:
+        fix = ("a sampler's latents must be finite: docs/plugins.md" if sampler.origin != BUILTIN
+               else "download the model again if its weights are damaged, or try a preset without FP8")
         raise ReturnedRefused(f"{sampler.label()} returned {' and '.join(broken)} latents holding NaN or infinite "
-                              "values", "download the model again if its weights are damaged, or try a preset "
-                              "without FP8")
+                              "values", fix)
 
 
 def check_media(clip: Clip, vae) -> None:

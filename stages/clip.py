@@ -80,10 +80,10 @@ def media_problem(request: Request, frames, audio, sample_rate) -> str:
 
     wanted = (request.frames, request.height, request.width, 3)
     if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8 or frames.shape != wanted:
-        return f"clip.frames is {_described(frames)}, not uint8 {wanted}"
+        return f"clip.frames is {described(frames)}, not uint8 {wanted}"
     if not (isinstance(audio, np.ndarray) and np.issubdtype(audio.dtype, np.floating) and audio.ndim == 2
             and audio.shape[0] == AUDIO_CHANNELS):
-        return f"clip.audio is {_described(audio)}, not float ({AUDIO_CHANNELS}, N)"
+        return f"clip.audio is {described(audio)}, not float ({AUDIO_CHANNELS}, N)"
     if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or sample_rate <= 0:
         return f"clip.sample_rate is {sample_rate!r}, not samples a second"
     seconds, video = audio.shape[1] / sample_rate, request.frames / FPS
@@ -92,7 +92,7 @@ def media_problem(request: Request, frames, audio, sample_rate) -> str:
     return ""
 
 
-def _described(value) -> str:
+def described(value) -> str:
     shape = getattr(value, "shape", None)
     return f"{value.dtype} {tuple(shape)}" if shape is not None and hasattr(value, "dtype") else type(value).__name__
 

@@ -48,3 +48,14 @@ def test_ulysses_with_a_sampler_that_cannot_split_is_refused_before_any_worker(p
     result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--cpu-workers", 2, "--ulysses", 2,
                    "--set", "sampler.dit=diffusers", env=ENV, check_code=2)
     assert 'needs sampler.dit = "h3gen"' in result.stderr and "layout" not in result.stderr
+
+
+def test_workers_import_the_installed_packages_not_folders_of_the_working_directory(prompts_file, tmp_path):
+    """`python -m` puts the working directory first on sys.path: a folder there named as a package (torch/, a
+    plugin's source tree) would shadow the installed one in the workers, and not in the command."""
+    here = tmp_path / "here"
+    (here / "torch").mkdir(parents=True)
+    (here / "torch" / "__init__.py").write_text("raise ImportError('the working directory shadows torch')\n")
+    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--cpu-workers", 2, env=ENV, cwd=here)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(list((tmp_path / "out").glob("*.mp4"))) == 1

@@ -188,7 +188,7 @@ from h3gen.stages.base import Stage
 
 @dataclasses.dataclass
 class NoWriteConfig:
-    write: str = ""  # "", unstamped or stamped
+    write: str = ""  # "", unstamped, stamped or text
 
 
 class NoWrite(Stage):
@@ -199,7 +199,9 @@ class NoWrite(Stage):
         from h3gen.run.fingerprint import stamp
         from h3gen.stages.mux import write_mp4
 
-        if self.config.write:
+        if self.config.write == "text":
+            clip.path.write_text("not a movie")
+        elif self.config.write:
             write_mp4(clip.path, clip.frames, clip.audio, clip.sample_rate,
                       comment=stamp(clip.fingerprint) if self.config.write == "stamped" else "")
         return clip
@@ -235,6 +237,74 @@ def test_a_mux_that_writes_without_the_stamp_fails_its_clip_and_one_with_it_is_s
     stamped = ("render", prompts, "-o", out, "--set", "mux.use=nowrite", "--set", "mux.write=stamped")
     assert "2 of 2 clips written" in h3gen(*stamped, env=env, check_code=0).stderr
     assert "2 already there and valid (skipped)" in h3gen(*stamped, env=env, check_code=0).stderr
+
+
+def test_a_mux_that_writes_something_other_than_an_mp4_is_told_so(tmp_path, prompts_file):
+    env = install(tmp_path / "site", "nowrite", NO_WRITE)
+    out = tmp_path / "out"
+    result = h3gen("render", prompts_file(PROMPTS), "-o", out, "--set", "mux.use=nowrite", "--set", "mux.write=text",
+                   env=env, check_code=1)
+    assert ("failed bad.mp4 (line 1): mux stage 'nowrite' (from plugin 'nowrite') wrote bad.mp4, which is not an MP4 "
+            "(write it with h3gen.stages.mux.write_mp4, or wrap the pyav mux: docs/plugins.md)") in result.stderr
+    assert not list(out.glob("*.mp4"))
+
+
+LATENTS = '''
+import dataclasses
+import torch
+from h3gen.plugins.hookspecs import hookimpl
+from h3gen.stages.base import Wrapped, Wrapper
+
+
+@dataclasses.dataclass
+class LatentsConfig:
+    fault: str = ""  # shape, none, int, not-finite
+    wraps: Wrapped = dataclasses.field(default_factory=Wrapped)
+
+
+class Latents(Wrapper):
+    kind, name = "sampler", "latents"
+    Config = LatentsConfig
+
+    def run(self, clip):
+        clip = self.inner.run(clip)
+        if clip.request.id == "bad":
+            if self.config.fault == "shape":
+                clip.video_latents = clip.video_latents[..., :1]
+            if self.config.fault == "none":
+                clip.audio_latents = None
+            if self.config.fault == "int":
+                clip.video_latents = clip.video_latents.long()
+            if self.config.fault == "not-finite":
+                clip.audio_latents = torch.full_like(clip.audio_latents, float("nan"))
+        return clip
+
+
+@hookimpl
+def h3gen_register_stages(register):
+    register(Latents)
+'''
+
+
+@pytest.mark.parametrize("fault, problem", [
+    ("shape", "returned clip.video_latents is torch.float32 (1, 24, 37, 2, 1), not float (1, 24, 37, 2, 2) (a "
+              "sampler's run(clip) sets clip.video_latents and clip.audio_latents as the request's shapes say"),
+    ("none", "returned clip.audio_latents is NoneType, not float (2, 32, 207)"),
+    ("int", "returned clip.video_latents is torch.int64 (1, 24, 37, 2, 2), not float"),
+    ("not-finite", "returned audio latents holding NaN or infinite values (a sampler's latents must be finite: "
+            "docs/plugins.md)"),
+])
+def test_a_sampler_that_returns_latents_the_decode_cannot_take_is_named_not_the_decode(
+        tmp_path, prompts_file, fault, problem):
+    """Latents of another shape or type, or not finite, are the sampler's failure: its own line, not the decode's
+    error blamed on h3gen."""
+    env = install(tmp_path / "site", "latents", LATENTS)
+    out = tmp_path / "out"
+    result = h3gen("render", prompts_file(PROMPTS), "-o", out, "--set", "sampler.use=latents",
+                   "--set", "sampler.fault=" + fault, env=env, check_code=1)
+    assert f"failed bad.mp4 (line 1): sampler stage 'latents' (from plugin 'latents') {problem}" in result.stderr
+    assert "h3gen bug" not in result.stderr and "vae stage" not in result.stderr
+    assert sorted(p.name for p in out.glob("*.mp4")) == ["good.mp4"]
 
 
 @pytest.mark.parametrize("fault, what", [("init", "failed to start: KeyError: 'no such knob'"),

@@ -127,7 +127,7 @@ def test_broken_plugin_is_reported_and_skipped(tmp_path):
     env = install_plugin(site)
     (site / "h3gen_sidecar.py").write_text("raise ImportError('no such dependency')\n")
     result = h3gen("plugins", env=env, check_code=0)
-    assert "plugin 'sidecar' failed to load: no such dependency" in result.stderr
+    assert "plugin 'sidecar' failed to load: ImportError: no such dependency" in result.stderr
     assert "euler" in result.stdout
 
 

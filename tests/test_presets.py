@@ -70,7 +70,11 @@ def test_set_overrides_and_records_where_values_came_from(tmp_path):
     (BASE, ["video.x=1"], "unknown section 'video'"),
     (BASE.replace("version = 1\n", 'version = 1\nextends = "nosuch"\n'), [],
      r"custom.toml: extends = 'nosuch': unknown preset 'nosuch' \(available: "),
-    (BASE, ["runtime.dtype=1"], r"^--set runtime.dtype must be str, got 1 \(fix the value after the =\)"),
+    # A word TOML reads as a number or a bool, given for a string: said how to quote it.
+    (BASE, ["runtime.dtype=1"], r"^--set runtime.dtype must be str, got 1 \(1 is read as a number; quote it: \"1\" "
+                                r"in a preset, '\"1\"' on the command line\)"),
+    (BASE, ["mux.x264_preset=nan"], r"^--set mux.x264_preset must be str, got nan \(nan is read as a number; quote "),
+    (BASE, ["mux.x264_preset=true"], r"^--set mux.x264_preset must be str, got true \(true is read as a boolean; "),
     # A value a --set gave is blamed on the --set, not on the preset that never held it.
     (BASE, ["sampler.steps=abc"], r"^--set sampler.steps must be int, got 'abc' \(fix the value after the =\)"),
     (BASE, ["sampler.stepz=4"], r"^--set sampler.stepz: unknown key 'stepz' in preset custom \[sampler\]"),

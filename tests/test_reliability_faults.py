@@ -491,6 +491,66 @@ def test_a_clip_that_cannot_fit_on_the_disk_fails_before_it_renders(tmp_path, mo
         check_disk(tmp_path, clip, bytes_per_pixel=0.05, writing=[clip])
 
 
+FREE_SPACE = '''
+import os, shutil
+
+_free = int(os.environ["H3GEN_TEST_FREE_BYTES"])
+shutil.disk_usage = lambda path: shutil._ntuple_diskusage(10**12, 10**12 - _free, _free)
+'''
+
+
+def with_free_space(tmp_path, free: int) -> dict:
+    """An environment whose h3gen sees `free` bytes free on every disk (a sitecustomize on its path)."""
+    site = tmp_path / f"free-{free}"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FREE_SPACE)
+    return {"PYTHONPATH": str(site), "H3GEN_TEST_FREE_BYTES": str(free), "H3GEN_LOAD_PLUGINS": "none"}
+
+
+def test_a_rerun_sizes_its_clips_by_the_valid_ones_it_skips(prompts_file, tmp_path):
+    """A clip already there tells what the next ones take: on a disk with less free, they fail before rendering
+    rather than after, each with its sampler and decode spent."""
+    out = tmp_path / "out"
+    size = ("--set", "request.width=256", "--set", "request.height=256")
+    h3gen("render", prompts_file('{"id": "a", "prompt": "a fox"}\n'), "-o", out, *size, check_code=0)
+    written = (out / "a.mp4").stat().st_size
+    assert written > 2 * 2**17  # the test needs room under the clip's size above the smallest MP4 (64 KiB)
+    prompts = prompts_file('{"id": "a", "prompt": "a fox"}\n{"id": "b", "prompt": "waves"}\n')
+    result = h3gen("render", prompts, "-o", out, "--json", *size, env=with_free_space(tmp_path, written // 2),
+                   check_code=1)
+    clip = records(result)["b"]
+    assert re.match(rf"only [\d.]+ MiB free in {re.escape(str(out))}, the clip needs about [\d.]+ MiB as this run's "
+                    r"clips do \(free disk space", clip["error"]), clip
+    assert "sampler" not in clip["seconds"]
+    assert records(result)["a"]["status"] == "skipped"
+
+
+def test_after_a_clip_finds_the_disk_full_the_next_fail_before_rendering_until_space_is_freed(tmp_path, monkeypatch):
+    import errno
+    from types import SimpleNamespace
+
+    from h3gen.errors import ClipError
+    from h3gen.inputs.request import Request
+    from h3gen.run.outputs import check_disk
+    from h3gen.run.render import Renderer
+
+    clip = SimpleNamespace(request=Request(index=0, prompt="x", seed=0, width=256, height=256, frames=124))
+    pixels = 124 * 256 * 256
+    renderer = SimpleNamespace(unfit_per_pixel=0.0, out_dir=tmp_path)
+    full = RuntimeError("the mux stage raised")  # a stage's failure, raised from the write's
+    full.__cause__ = OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - free, free))
+    for free, learned in ((10**12, 0.0), (2**20, 2**20 / pixels)):  # no lesson where more is free than raw frames
+        Renderer.learn_unfit(renderer, clip, RuntimeError("not a full disk"))
+        Renderer.learn_unfit(renderer, clip, full)
+        assert renderer.unfit_per_pixel == learned
+    with pytest.raises(ClipError, match=f"^only 1 MiB free in {tmp_path}, no more than when a clip of this run did "
+                                        "not fit \\(free disk space"):
+        check_disk(tmp_path, clip.request, unfit_per_pixel=renderer.unfit_per_pixel)
+    free = 2**20 + 2**16  # space freed since: the clip is tried
+    check_disk(tmp_path, clip.request, unfit_per_pixel=renderer.unfit_per_pixel)
+
+
 def test_a_run_learns_the_least_its_clips_take_per_pixel(tmp_path):
     from types import SimpleNamespace
 
@@ -691,6 +751,22 @@ def test_a_manifest_line_that_cannot_be_written_fails_its_clip(tmp_path, monkeyp
     assert outputs.write_error(Path(error.filename), error) == (
         f"cannot write {tmp_path / 'manifest.jsonl'}: No space left on device (free space in {tmp_path}; a rerun "
         "redoes only the clips that are missing)")
+
+
+def test_a_file_system_out_of_inodes_is_named_as_such_not_as_out_of_space(tmp_path, monkeypatch):
+    """`df -h` shows room: the hint to free space would mislead."""
+    import errno
+    from types import SimpleNamespace
+
+    from h3gen.run import outputs
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(outputs.os, "statvfs", lambda path: SimpleNamespace(f_files=5, f_favail=0))
+    assert outputs.write_error(tmp_path / "a.mp4", full) == (
+        f"cannot write {tmp_path / 'a.mp4'}: No space left on device (its file system has no free inodes, however much "
+        "space it has: delete files there or pass -o on another disk; a rerun redoes only the clips that are missing)")
+    monkeypatch.setattr(outputs.os, "statvfs", lambda path: SimpleNamespace(f_files=5, f_favail=1))
+    assert "(free space in" in outputs.write_error(tmp_path / "a.mp4", full)
 
 
 def test_a_run_whose_output_disk_cannot_take_a_clip_is_refused_before_any_weight_loads(tmp_path, monkeypatch,

@@ -2,7 +2,7 @@
 
     pip install ./examples/plugin
     h3gen render prompts.txt -o out/ --preset grayscale                      # tiny, its reference decode wrapped
-    h3gen render prompts.txt -o out/ --preset h3-base --set vae.use=grayscale  # h3-base's fast decode wrapped
+    h3gen render prompts.txt -o out/ --model DIR --preset h3-base --set vae.use=grayscale  # its fast decode wrapped
 """
 
 import dataclasses
