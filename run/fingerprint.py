@@ -90,7 +90,13 @@ def differences(old: dict | None, new: dict) -> list[str]:
         return ["fingerprint: none -> " + digest(new)]
     keys = sorted(new, key=lambda key: (not key.endswith(".use"), key))
     return [f"{key}: {shown(old.get(key))} -> {shown(new[key])}{in_seconds(key, old.get(key), new[key])}"
-            for key in keys if old.get(key) != new[key]]
+            for key in keys if old.get(key) != new[key] and not same_model(key, old.get(key), new[key])]
+
+
+def same_model(key: str, old, new) -> bool:
+    """A clip stamped with the model's identity counted over every file, documentation too, when the repository is
+    as it was."""
+    return key == "model" and old is not None and COUNTING_EVERY_FILE.get(new) == old
 
 
 def in_seconds(key: str, old, new) -> str:
@@ -133,12 +139,13 @@ def adapter_files(preset, model_root) -> list[Path]:
 
 @cache
 def model_identity(root: str) -> str:
-    """The repository's weights and configs without reading every weight: each file's path and size, and what
-    `file_summary` reads of it. The repository's own path, which a saved modular_model_index.json records for each
-    component, counts as ".", and so does any other absolute path recorded there (the folder copied or moved since):
-    the same model written in another cache folder is the same model, and so is one named by a relative path, through
-    a link, or copied elsewhere."""
-    hashed = hashlib.sha256()
+    """The repository's weights, configs and tokenizer files without reading every weight: each file's path and size,
+    and what `file_summary` reads of it; not its documentation (`DOCUMENTATION`: a model card edited or re-downloaded
+    changes no clip). The repository's own path, which a saved modular_model_index.json records for each component,
+    counts as ".", and so does any other absolute path recorded there (the folder copied or moved since): the same
+    model written in another cache folder is the same model, and so is one named by a relative path, through a link,
+    or copied elsewhere."""
+    hashed, every_file = hashlib.sha256(), hashlib.sha256()
     base = Path(root)
     owns = sorted({json.dumps(str(form))[1:-1].encode() for form in (base.absolute(), base.resolve())}, key=len,
                   reverse=True)  # the longer first: one path may hold the other
@@ -151,9 +158,24 @@ def model_identity(root: str) -> str:
         if path.suffix == ".json" and path.stat().st_size <= WHOLE_BYTES:  # where a folder copied or moved was saved
             summary = SAVED_AT.sub(rb'\1"."', summary)
             size = len(summary)
-        hashed.update(f"{path.relative_to(base)}\0{size}\0".encode())
-        hashed.update(summary)
-    return hashed.hexdigest()[:16]
+        for digest_of in (every_file,) if documentation(path) else (every_file, hashed):
+            digest_of.update(f"{path.relative_to(base)}\0{size}\0".encode())
+            digest_of.update(summary)
+    identity = hashed.hexdigest()[:16]
+    COUNTING_EVERY_FILE[identity] = every_file.hexdigest()[:16]
+    return identity
+
+
+# Files of a model repository that no loader reads: by suffix, and by name (README.txt, LICENSE, NOTICE, ...).
+DOCUMENTATION = ({".md", ".markdown", ".rst", ".html", ".pdf", ".png", ".jpg", ".jpeg", ".gif", ".webp", ".svg",
+                  ".mp4", ".webm", ".mov"}, ("README", "LICENSE", "LICENCE", "NOTICE", "COPYING", "CITATION"))
+# A model's identity as clips stamped before documentation was left out recorded it: every file counted.
+COUNTING_EVERY_FILE: dict[str, str] = {}
+
+
+def documentation(path: Path) -> bool:
+    suffixes, names = DOCUMENTATION
+    return path.suffix.lower() in suffixes or path.name.upper().startswith(names)
 
 
 WHOLE_BYTES = 2**26  # a file up to this size is read whole

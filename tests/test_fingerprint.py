@@ -231,6 +231,29 @@ def test_the_same_model_in_another_cache_folder_is_the_same_model(tmp_path, tiny
     assert fingerprint.model_identity(str(elsewhere)) != fingerprint.model_identity(str(tiny_model))
 
 
+def test_a_model_card_edited_or_added_changes_no_clip(tmp_path, tiny_model):
+    """A re-downloaded repository whose README, license or figures changed renders the same clips; a clip stamped
+    when every file counted is still the same model's while the repository is as it was."""
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model, copy)
+    fingerprint.model_identity.cache_clear()
+    identity = fingerprint.model_identity(str(copy))
+    stamped_before = fingerprint.COUNTING_EVERY_FILE[identity]  # the tiny model has a README.md
+    assert stamped_before != identity
+    assert fingerprint.differences({"model": stamped_before}, {"model": identity}) == []
+    (copy / "README.md").write_text("# MiniMax-H3\n\nan edited model card\n")
+    (copy / "LICENSE").write_text("terms\n")
+    (copy / "figures").mkdir()
+    (copy / "figures" / "teaser.png").write_bytes(b"\x89PNG")
+    fingerprint.model_identity.cache_clear()
+    assert fingerprint.model_identity(str(copy)) == identity
+    assert fingerprint.differences({"model": stamped_before}, {"model": identity}) == [
+        f"model: {stamped_before} -> {identity}"]  # stamped over the card as it was: its change shows there
+    (copy / "processor" / "chat_template.jinja").write_text("{{ messages }}")  # what a loader reads counts
+    fingerprint.model_identity.cache_clear()
+    assert fingerprint.model_identity(str(copy)) != identity
+
+
 def test_weights_retrained_at_the_same_shapes_are_another_model(tmp_path, tiny_model):
     """One byte of one tensor changed, 50 bytes before the file's end: same sizes, same headers, another model."""
     copy = tmp_path / "flip"
