@@ -235,6 +235,12 @@ def render(
     prompts = Path("/dev/stdin") if str(prompts) == "-" else prompts
     try:
         check_threads()
+        if json_out and "stdout" in CLOSED_STREAMS:
+            raise UsageError("--json with standard output closed: its lines would go nowhere",
+                             "give standard output a file or a pipe, or leave out --json")
+        if str(prompts) == "/dev/stdin" and "stdin" in CLOSED_STREAMS:
+            raise UsageError("prompts from standard input (-), which is closed",
+                             "pipe the prompts in, or give the prompts file's path")
         if preset is not None and not preset.strip():
             raise UsageError("--preset is empty", "give a preset name or file, or leave --preset out")
         if force and redo_conflicts:
@@ -559,7 +565,28 @@ def tiny(directory: Annotated[Optional[Path], typer.Argument(metavar="DIR", help
     typer.echo(f"note: {TINY_NOTICE}", err=True)
 
 
+CLOSED_STREAMS: set[str] = set()  # "stdin", "stdout", "stderr": closed when h3gen started, /dev/null since
+
+
+def reopen_closed_streams() -> None:
+    """Standard streams the shell closed (`2>&-`, `>&-`) get /dev/null: a file h3gen opens later would otherwise take
+    their descriptor, and a line meant for the terminal would land in it (an MP4 being written). `--json` then
+    refuses to run with nowhere to put its lines, and `-` with no prompts to read."""
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False, encoding="utf-8",
+                                    errors="backslashreplace"))
+            CLOSED_STREAMS.add(name)
+
+
 def main():
+    reopen_closed_streams()
     # MKL's matrix products otherwise round differently with the memory layout a process happens to have (an
     # encoder that ran before the DiT changes it): conditional numerical reproducibility keeps one seed one clip.
     os.environ.setdefault("MKL_CBWR", "AUTO")

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import ROOT, h3gen
+from h3gen.run.validate import validate_clip
 
 
 def test_help_does_not_import_torch():
@@ -484,3 +485,24 @@ def test_an_allocator_setting_of_another_form_is_refused_only_when_torch_cannot_
     else:
         with pytest.raises(UsageError, match="PYTORCH_CUDA_ALLOC_CONF is '\\[odd\\]', which torch cannot read"):
             environment.check_allocator_config()
+
+
+def test_a_run_with_standard_error_closed_renders_and_keeps_its_files_its_own(prompts_file, tmp_path):
+    """`2>&-` in a script: the lines go nowhere, and no file the run opens takes descriptor 2 and gets them."""
+    out = tmp_path / "out"
+    result = h3gen("render", prompts_file("a fox\n"), "-o", out, preexec_fn=lambda: os.close(2))
+    assert result.returncode == 0
+    assert [p.name for p in out.glob("*.mp4")] and validate_clip(next(out.glob("*.mp4"))) == []
+
+
+@pytest.mark.parametrize("closed, args, problem", [
+    (1, ["--json"], "--json with standard output closed: its lines would go nowhere (give standard output a file or "
+                    "a pipe, or leave out --json)"),
+    (0, [], "prompts from standard input (-), which is closed (pipe the prompts in, or give the prompts file's path)"),
+])
+def test_json_lines_or_prompts_on_a_closed_standard_stream_are_refused(prompts_file, tmp_path, closed, args, problem):
+    prompts = "-" if closed == 0 else prompts_file("a fox\n")
+    result = h3gen("render", prompts, "-o", tmp_path / "out", *args, preexec_fn=lambda: os.close(closed))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == f"h3gen: error: {problem}"
+    assert not (tmp_path / "out").exists()
