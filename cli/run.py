@@ -72,14 +72,16 @@ def dry_run(batch, settings: RunSettings) -> int:
     from h3gen.run.loop import plan
     from h3gen.run.outputs import held_elsewhere
     from h3gen.run.records import request_fields
-    from h3gen.run.resume import to_render
+    from h3gen.run import fingerprint
+    from h3gen.run.resume import held_with_other_settings, to_render
 
     conflicts = 0
     for request, path, found in plan(batch, settings):
         action = "render" if to_render(found) else "skip" if found.status == "skipped" else "conflict"
         why = found.error if found is not None and found.error else None
         if action == "render" and held_elsewhere(path):
-            action, why = "busy", "another h3gen run is rendering it"
+            other = held_with_other_settings(path, fingerprint.clip_fields(batch.run_fields, request))
+            action, why = ("conflict", other) if other else ("busy", "another h3gen run is rendering it")
         conflicts += action == "conflict"
         if settings.json_out:
             print(json.dumps({**request_fields(path, request, batch.preset.name), "action": action, "error": why,

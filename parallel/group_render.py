@@ -9,8 +9,7 @@ sent to the others before the clip starts, so the ranks never disagree about whi
 from __future__ import annotations
 
 from h3gen.errors import ClipError, H3genError
-from h3gen.run.outputs import check_disk
-from h3gen.run.render import Renderer, clip_error
+from h3gen.run.render import Renderer, check_latents, clip_error
 from h3gen.stages.base import ReturnedRefused, StageFailed
 from h3gen.stages.clip import CLIP_DEVICE_STAGES, DEVICE_STAGES
 
@@ -36,7 +35,7 @@ class GroupRenderer(Renderer):
             status, claim, error = super().admit(clip, redo)
             if claim is not None:
                 try:  # here rather than in render_one: the others must hear of it before the sampler starts
-                    check_disk(self.out_dir, clip.request)
+                    super().room_for(clip)
                 except ClipError as e:
                     claim.release()
                     claim, error = None, str(e)
@@ -47,12 +46,17 @@ class GroupRenderer(Renderer):
             return status, claim, error
         return ("", None, "") if int(word) == GO else ("followed", None, "")
 
+    def room_for(self, clip) -> None:
+        """Checked in `admit`, where every rank of the group hears the outcome before the sampler starts."""
+
     def render_one(self, clip, claim) -> None:
         if self.leads:
             return super().render_one(clip, claim)
         try:
             for kind in CLIP_DEVICE_STAGES:
                 clip = self.stages[kind](clip)
+                if kind == "sampler":  # the latents every rank holds alike: refused here as on the first rank
+                    check_latents(clip, self.stages[kind])
         except Exception as e:  # the first rank meets the same error and reports the clip; this rank only lent a share
             self.check_fatal(clip, e)
         clip.drop_tensors()

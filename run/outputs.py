@@ -39,9 +39,10 @@ class ClipClaim:
         self.lock_path = path.with_name(f".{path.name}.lock")
         self.fd = None
 
-    def acquire(self) -> bool:
+    def acquire(self, fields: dict | None = None) -> bool:
         """True when this process now holds the clip; False when another does. Raises OSError when the lock file
-        cannot be created."""
+        cannot be created. `fields`, the clip's fingerprint, go into the lock file, where another run asking for
+        the clip reads what this one renders (`holder_fields`)."""
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -49,6 +50,12 @@ class ClipClaim:
             os.close(fd)
             return False
         self.fd = fd
+        if fields is not None:
+            try:
+                os.ftruncate(fd, 0)
+                os.write(fd, json.dumps(fields, sort_keys=True).encode())
+            except OSError:  # a full disk: the claim holds all the same, and its settings are not known elsewhere
+                pass
         return True
 
     def release(self) -> None:
@@ -74,6 +81,15 @@ def held_elsewhere(path: Path) -> bool:
     finally:
         os.close(fd)  # a shared lock taken here goes with the descriptor
     return False
+
+
+def holder_fields(path: Path) -> dict | None:
+    """The fingerprint fields the run holding the clip at `path` wrote into its lock file (None: not known)."""
+    try:
+        fields = json.loads(path.with_name(f".{path.name}.lock").read_bytes())
+    except (OSError, ValueError):
+        return None
+    return fields if isinstance(fields, dict) else None
 
 
 def leftovers(path: Path) -> list[Path]:

@@ -17,7 +17,7 @@ from h3gen.run import budget, fingerprint, memory, outputs
 from h3gen.run.arriving import ArrivingMedia
 from h3gen.run.outputs import check_disk, write_latents
 from h3gen.run.records import ClipResult
-from h3gen.run.resume import already_done, clip_name, to_render
+from h3gen.run.resume import already_done, clip_name, held_with_other_settings, to_render
 from h3gen.run.loop import signals_held
 from h3gen.run.timing import StageTimer
 from h3gen.stages.base import BUILTIN, ReturnedRefused, StageFailed
@@ -153,13 +153,15 @@ class Renderer:
 
     def admit(self, clip: Clip, redo: str) -> tuple[str, object, str]:
         """(status, claim, error): the claim when this run renders the clip; status "busy" when another run holds
-        it, "skipped" when an overlapping run finished it after this one started."""
+        it, "conflict" when that run renders it with other settings, "skipped" when an overlapping run finished it
+        after this one started."""
         if self.unrecorded:  # every clip would be written and then counted failed: spend no device time on them
             return "", None, f"not rendered: {self.unrecorded}"
         claim = outputs.ClipClaim(clip.path)
         try:
-            if not claim.acquire():
-                return "busy", None, ""
+            if not claim.acquire(clip.fingerprint):
+                other = held_with_other_settings(clip.path, clip.fingerprint)
+                return ("conflict", None, other) if other else ("busy", None, "")
         except OSError as e:
             return "", None, outputs.write_error(claim.lock_path, e)
         self.claim_on_device = claim  # from here a signal can land (the check below decodes): close() releases it
@@ -215,8 +217,7 @@ class Renderer:
         error, mux, job = "", self.stages["mux"], None
         before = file_state(clip.path)  # a mux that fails after writing the file takes it back
         try:
-            check_disk(self.out_dir, clip.request, self.bytes_per_pixel, [c.request for c, *_ in self.muxing],
-                       self.unfit_per_pixel)
+            self.room_for(clip)
             clip = self.stages["sampler"](clip)
             check_latents(clip, self.stages["sampler"])
             if self.save_latents:
@@ -251,6 +252,12 @@ class Renderer:
             error = clip_error(clip, e, self.memory_plan,
                                ran_out=memory.refused_allocations(self.runtime.device) > refused)
         self.done.append(self.finish(clip, error, claim=claim))
+
+    def room_for(self, clip: Clip) -> None:
+        """Raise ClipError when the clip's MP4 cannot fit on the output disk (check_disk, with what this run learned
+        of its clips' sizes), before it spends device time."""
+        check_disk(self.out_dir, clip.request, self.bytes_per_pixel, [c.request for c, *_ in self.muxing],
+                   self.unfit_per_pixel)
 
     def check_fatal(self, clip: Clip, error: Exception) -> None:
         """Raise to end the run rather than fail the clip; on one device a clip's error never ends the run."""

@@ -84,6 +84,20 @@ def latents_problems(path: Path) -> list[str]:
 REDO_HINT = "--redo-conflicts to render these again, --force every clip, or -o elsewhere"
 
 
+def held_with_other_settings(path: Path, wanted: dict) -> str:
+    """Why the clip at `path`, which another run holds, is not the one `wanted` asks for: that run renders it with
+    other settings ('' when the same, or when its settings are not known)."""
+    from h3gen.run.outputs import holder_fields
+
+    held = holder_fields(path)
+    reasons = fingerprint.differences(held, wanted) if held else []
+    if not reasons:
+        return ""
+    more = f", and {len(reasons) - 3} more" if len(reasons) > 3 else ""
+    return (f"another h3gen run is rendering it with other settings ({'; '.join(reasons[:3])}{more}); when that run "
+            "ends, --redo-conflicts renders this one over it; or give the prompt another id, or -o elsewhere")
+
+
 def conflict(request: Request, path: Path, wanted: dict, reasons: list[str], what: str,
              hint: str = "--force to redo, or -o elsewhere") -> ClipResult:
     more = f", and {len(reasons) - 3} more" if len(reasons) > 3 else ""

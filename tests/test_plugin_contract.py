@@ -307,6 +307,20 @@ def test_a_sampler_that_returns_latents_the_decode_cannot_take_is_named_not_the_
     assert sorted(p.name for p in out.glob("*.mp4")) == ["good.mp4"]
 
 
+def test_in_a_group_a_sampler_s_refused_latents_cost_their_clip_alone(tmp_path, prompts_file):
+    """Every rank holds the same latents and refuses them alike, before the decode the ranks share."""
+    env = install(tmp_path / "site", "latents", LATENTS)
+    out = tmp_path / "out"
+    result = h3gen("render", prompts_file(PROMPTS), "-o", out, "--set", "sampler.use=latents", "--set",
+                   "sampler.fault=not-finite", "--set", "sampler.wraps.dit=h3gen", "--set", "vae.use=fast", "--cpu-workers", "2", "--ulysses",
+                   "2", env=env, timeout=600)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert ("failed bad.mp4 (line 1): sampler stage 'latents' (from plugin 'latents') returned audio latents holding "
+            "NaN") in result.stderr
+    assert "1 of 2 clips written" in result.stderr and "rank " not in result.stderr
+    assert sorted(p.name for p in out.glob("*.mp4")) == ["good.mp4"]
+
+
 @pytest.mark.parametrize("fault, what", [("init", "failed to start: KeyError: 'no such knob'"),
                                          ("load", "failed to load: RuntimeError: no weights here")])
 def test_a_stage_that_fails_to_start_or_load_ends_the_run_in_one_line(faulty, prompts_file, tmp_path, fault, what):
