@@ -149,6 +149,34 @@ def test_a_dry_run_changes_nothing_and_says_busy_for_a_clip_a_live_run_holds(pro
     assert not any(path.exists() for path in left)
 
 
+def test_a_clip_another_run_renders_with_other_settings_is_a_conflict_not_busy(prompts_file, tmp_path):
+    """Two runs ask for one file name (an id) with different seeds: the second does not count the first's clip as its
+    own, in its dry run nor in its run."""
+    from h3gen.run import fingerprint
+    from h3gen.run.outputs import ClipClaim
+
+    out, prompts = tmp_path / "out", prompts_file('{"id": "clash", "prompt": "a fox", "seed": 6}\n')
+    h3gen("render", prompts, "-o", out, check_code=0)
+    fields = fingerprint.read_stamp(out / "clash.mp4")
+    (out / "clash.mp4").unlink()
+    live = ClipClaim(out / "clash.mp4")
+    for seed, action, code in ((5, "conflict", 1), (6, "busy", 0)):
+        assert live.acquire({**fields, "request.seed": seed})
+        try:
+            planned = json.loads(h3gen("render", prompts, "-o", out, "--dry-run", "--json", check_code=code).stdout)
+            result = h3gen("render", prompts, "-o", out, "--json", check_code=code)
+        finally:
+            live.release()
+        assert planned["action"] == action
+        record = json.loads(result.stdout)
+        assert (record["status"], record["ok"]) == (action, action == "busy")
+        if action == "conflict":
+            why = ("another h3gen run is rendering it with other settings (request.seed: 5 -> 6); when that run ends, "
+                   "--redo-conflicts renders this one over it; or give the prompt another id, or -o elsewhere")
+            assert planned["error"] == why and record["error"] == why
+    assert not (out / "clash.mp4").exists()
+
+
 def test_unreadable_prompts_file(tmp_path, monkeypatch):
     """As root every file is readable, so the refusal of the operating system is simulated in process."""
     from pathlib import Path
