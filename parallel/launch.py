@@ -157,7 +157,13 @@ def run(config, job: dict, entry: str, say) -> int:
         elastic_launch(config, sys.executable)("-P", "-m", entry, json.dumps(job))
         return 0
     except ChildFailedError as failed:
-        raise root_cause(failed, job["device"]) from None
+        stop = stopped_itself(failed, job)
+        if stop is None:
+            raise root_cause(failed, job["device"]) from None
+        from h3gen.run.loop import stopped_line
+
+        say(stopped_line(stop.name, discarded_by_workers(job)))
+        return 128 + stop
     except SignalException as stop:
         # The agent passed the signal on to the workers, whose rank 0 printed the summary. Only this process knows
         # the signal came from outside: rank 0 is also stopped by the agent when another worker dies.
@@ -165,6 +171,15 @@ def run(config, job: dict, entry: str, say) -> int:
 
         say(stopped_line(signal.Signals(int(stop.sigval)).name, discarded_by_workers(job)))
         return 128 + int(stop.sigval)
+
+
+def stopped_itself(failed, job: dict) -> signal.Signals | None:
+    """The signal rank 0 stopped the run by, when it did so itself and reported it (SIGPIPE: stdout's reader gone),
+    dying by the signal as every stopped worker does; None for a worker that failed."""
+    failure, status = failed.failures.get(0), worker_status(job)
+    if failure is None or failure.exitcode >= 0 or status is None or status[0] != 128 - failure.exitcode:
+        return None
+    return signal.Signals(-failure.exitcode)
 
 
 def worker_status(job: dict) -> tuple[int, int] | None:

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 from conftest import h3gen
+from h3gen.run.validate import validate_clip
 
 PROMPTS = 'a fox in the snow\n{"id": "waves", "prompt": "waves on rocks", "seed": 5}\n'
 TIMINGS = ("seconds", "end_to_end_s", "rtf")
@@ -63,6 +64,21 @@ def test_a_closed_stdout_ends_the_run_as_sigpipe_does(prompts_file, tmp_path):
     assert "1 of 2 clips written" in stderr and "stopped by SIGPIPE" in stderr
     assert len(list(out.glob("*.mp4"))) == 1 and not list(out.glob(".*"))
     assert [json.loads(line)["status"] for line in (out / "manifest.jsonl").read_text().splitlines()] == ["ok"]
+
+
+def test_with_workers_a_closed_stdout_ends_the_run_as_sigpipe_does_too(prompts_file, tmp_path):
+    """Rank 0 writes the records: its reader gone, it stops the run and dies by SIGPIPE as a stopped worker does,
+    and the launcher ends with 141 as the one-process run, not as if a worker had crashed."""
+    out = tmp_path / "out"
+    prompts = prompts_file("".join(f"prompt {i}\n" for i in range(8)))  # rank 0 starts a clip after a record
+    run = subprocess.Popen([sys.executable, "-m", "h3gen.cli.main", "render", str(prompts), "-o", str(out), "--json",
+                            "--cpu-workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env={**os.environ, **ENV, "OMP_NUM_THREADS": "1"})
+    run.stdout.close()
+    stderr = run.stderr.read()
+    assert run.wait(timeout=600) == 141, stderr[-2000:]
+    assert "stopped by SIGPIPE" in stderr and "killed by" not in stderr and "Traceback" not in stderr
+    assert all(validate_clip(path) == [] for path in out.glob("*.mp4")) and not list(out.glob(".*"))
 
 
 @pytest.mark.parametrize("command", [["presets", "list"], ["presets"], ["validate", "--json", "PROMPTS"],
