@@ -39,7 +39,7 @@ PROMPTS_FILE = [
     "or another type, stops the run.",
     ("prompt", "string, required: the text, trimmed of the whitespace around it, not empty. A JSON string can hold "
                "any character, line breaks and control characters included, written as JSON escapes."),
-    ("id", "string: the clip's file name, ID.mp4 (ID itself when it ends in .mp4): letters, digits, '.', '_' and "
+    ("id", "string: the clip's file name, ID.mp4 (ID itself when it ends in .mp4): ASCII letters, digits, '.', '_' and "
            "'-', starting with a letter or digit, at most 128 characters, each id once in the file. Without one, "
            "the name is h3-HASH.mp4, HASH 12 hex digits of a SHA-256 of the preset's name, the seed, the prompt and "
            "the media files' content: a rerun finds the same file, from another folder too."),
@@ -137,8 +137,9 @@ EXIT_STATUS = [
     ("0", "Every clip was written, or was already there (render); every file is valid (validate)."),
     ("1", "Some clips failed or are in conflict with a file there (from other settings, or not h3gen's), the "
           "others written, the summary listing each with its reason (render); a write the run cannot do without "
-          "failed, a worker failed, or h3gen hit a bug; a file is not valid (validate); a matched pair of clips in two "
-          "folders could not be compared, the others were (compare)."),
+          "failed (an output disk too full for any MP4 among them), a worker failed, or h3gen hit a bug; a file is "
+          "not valid (validate); a matched pair of clips in two folders could not be compared, the others were "
+          "(compare)."),
     ("2", "A usage error: bad options, prompts file, preset, model directory or output directory; a file to "
           "validate that does not exist; clips to compare that are not MP4s of the same shape, or two folders with "
           "no clip in common."),

@@ -168,7 +168,7 @@ def _request(fields: dict, index: int, line: int, base_seed: int, defaults: dict
     clip_id = fields.get("id")
     if clip_id is not None and not SAFE_ID.match(clip_id):
         raise UsageError(f"{where}: id {_short(clip_id)} is not a plain file name",
-                         "start it with a letter or digit, then letters, digits, '.', '_' and '-' only, 128 "
+                         "start it with an ASCII letter or digit, then ASCII letters, digits, '.', '_' and '-' only, 128 "
                          "characters at most")
     seed = int(fields.get("seed", base_seed + index))
     if seed not in SEEDS:

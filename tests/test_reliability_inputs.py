@@ -38,7 +38,7 @@ def refused(result, message):
     ('{"prompt": "x", "id": "/tmp/x"}\n', "id '/tmp/x' is not a plain file name"),
     ('{"prompt": "x", "id": ".hidden"}\n', "id '.hidden' is not a plain file name"),
     ('{"prompt": "x", "id": "a\\nb"}\n', "id 'a\\nb' is not a plain file name"),
-    ('{"prompt": "x", "id": "-x"}\n', "id '-x' is not a plain file name (start it with a letter or digit, then "),
+    ('{"prompt": "x", "id": "-x"}\n', "id '-x' is not a plain file name (start it with an ASCII letter or digit, then "),
     ('{"prompt": "x", "id": "%s"}\n' % ("a" * 129), "characters at most"),
     ('{"prompt": "same", "seed": 3}\n{"prompt": "same", "seed": 3}\n', "prompts.txt:2: writes h3-"),
     (b"ok\n\xff\xfe\n", "prompts.txt:2: not UTF-8 text"),
