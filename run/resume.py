@@ -9,7 +9,7 @@ from pathlib import Path
 from h3gen.errors import ModelError
 from h3gen.inputs.request import Request
 from h3gen.run import fingerprint
-from h3gen.run.outputs import latents_path
+from h3gen.run.outputs import holder_fields, latents_path
 from h3gen.run.records import ClipResult
 
 
@@ -87,8 +87,6 @@ REDO_HINT = "--redo-conflicts to render these again, --force every clip, or -o e
 def held_with_other_settings(path: Path, wanted: dict) -> str:
     """Why the clip at `path`, which another run holds, is not the one `wanted` asks for: that run renders it with
     other settings ('' when the same, or when its settings are not known)."""
-    from h3gen.run.outputs import holder_fields
-
     held = holder_fields(path)
     reasons = fingerprint.differences(held, wanted) if held else []
     if not reasons:
