@@ -174,12 +174,13 @@ def run(config, job: dict, entry: str, say) -> int:
 
 
 def stopped_itself(failed, job: dict) -> signal.Signals | None:
-    """The signal rank 0 stopped the run by, when it did so itself and reported it (SIGPIPE: stdout's reader gone),
-    dying by the signal as every stopped worker does; None for a worker that failed."""
+    """SIGPIPE when rank 0 stopped the run itself, its stdout's reader gone, and reported it, dying by the signal as
+    every stopped worker does; None for a worker that failed. (The other stops come from outside, through this
+    process; and the agent ends the other workers with SIGTERM when one fails.)"""
     failure, status = failed.failures.get(0), worker_status(job)
-    if failure is None or failure.exitcode >= 0 or status is None or status[0] != 128 - failure.exitcode:
+    if failure is None or failure.exitcode != -signal.SIGPIPE or status is None or status[0] != 128 + signal.SIGPIPE:
         return None
-    return signal.Signals(-failure.exitcode)
+    return signal.SIGPIPE
 
 
 def worker_status(job: dict) -> tuple[int, int] | None:
