@@ -91,17 +91,21 @@ def held_with_other_settings(path: Path, wanted: dict) -> str:
     reasons = fingerprint.differences(held, wanted) if held else []
     if not reasons:
         return ""
-    more = f", and {len(reasons) - 3} more" if len(reasons) > 3 else ""
-    return (f"another h3gen run is rendering it with other settings ({'; '.join(reasons[:3])}{more}); when that run "
-            "ends, --redo-conflicts renders this one over it; or give the prompt another id, or -o elsewhere")
+    return (f"another h3gen run is rendering it with other settings ({first_reasons(reasons)}); when that run ends, "
+            "--redo-conflicts renders this one over it; or give the prompt another id, or -o elsewhere")
 
 
 def conflict(request: Request, path: Path, wanted: dict, reasons: list[str], what: str,
              hint: str = "--force to redo, or -o elsewhere") -> ClipResult:
-    more = f", and {len(reasons) - 3} more" if len(reasons) > 3 else ""
     return ClipResult(request, path, False, {}, 0.0, skipped=True, status="conflict",
-                      error=f"exists, {what} ({'; '.join(reasons[:3])}{more}); {hint}",
+                      error=f"exists, {what} ({first_reasons(reasons)}); {hint}",
                       fingerprint=fingerprint.digest(wanted))
+
+
+def first_reasons(reasons: list[str]) -> str:
+    """The first three reasons, and how many more there are."""
+    more = f", and {len(reasons) - 3} more" if len(reasons) > 3 else ""
+    return "; ".join(reasons[:3]) + more
 
 
 def to_render(found: ClipResult | None) -> bool:
