@@ -206,12 +206,17 @@ class PlainReporter(SilentReporter):
 
     def print_table(self, rows: list[tuple]) -> None:
         """Plain aligned text with full names, for a log."""
-        rows = [SUMMARY_COLUMNS] + rows
-        widths = [max(len(row[i]) for row in rows) for i in range(len(SUMMARY_COLUMNS))]
         self.say("h3gen render summary")
-        for row in rows:
-            self.say("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
-                               for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
+        for line in aligned(SUMMARY_COLUMNS, rows, left=2):
+            self.say(line)
+
+
+def aligned(header: tuple, rows: list, left: int) -> list[str]:
+    """A table as plain lines for a log: every cell whole, the first `left` columns flush left, the rest right."""
+    rows = [header, *rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return ["  ".join(cell.ljust(w) if i < left else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+            .rstrip() for row in rows]
 
 
 SUMMARY_COLUMNS = ("clip", "status", *STAGE_ORDER, "end to end", "RTF")
@@ -319,12 +324,17 @@ def compared_names(record) -> str:
     return a if a == b else f"{a} ({b})"
 
 
-def compare_table(records) -> None:
-    """`h3gen compare`'s table, on stderr: a row a clip, or where that is wider than the terminal, a row a measure.
-    A clip's name is never cut (one wider than the terminal folds onto the next line), nor a number."""
-    console, title = Console(stderr=True, highlight=False), "h3gen compare (A against B)"
+def compare_table(records, console: Console | None = None) -> None:
+    """`h3gen compare`'s table, on stderr: on a terminal a row a clip, or where that is wider than the terminal, a
+    row a measure, a clip's name never cut (one wider than the terminal folds onto the next line), nor a number; in
+    a log, plain aligned lines with the names whole."""
+    console, title = console or Console(stderr=True, highlight=False), "h3gen compare (A against B)"
     rows = [(compared_names(record), ["-" if record[key] is None else fmt.format(record[key])
                                       for key, _, fmt in COMPARE_COLUMNS]) for record in records]
+    if not console.is_terminal:
+        header = ("clip", *(heading for _, heading, _ in COMPARE_COLUMNS))
+        console.file.write("".join(f"{line}\n" for line in [title, *aligned(header, [(shown(n), *c) for n, c in rows], 1)]))
+        return
     table = Table(title=title, title_justify="left")
     table.add_column("clip", no_wrap=True)
     for _, heading, _ in COMPARE_COLUMNS:

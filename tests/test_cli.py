@@ -225,7 +225,7 @@ def test_compare_s_table_keeps_clip_names_and_numbers_whole_in_a_narrow_terminal
     monkeypatch.setenv("COLUMNS", str(columns))
     name = "a-very-long-clip-name-from-a-prompt-id-0001.mp4"
     compare_table([{"a": f"out/{name}", "b": f"ref/{name}", "psnr_mean": 35.2, "psnr_worst": 30.0, "ssim_mean": 0.98,
-                    "ssim_worst": 0.95, "audio_snr_db": float("inf"), "log_mel_distance_db": 0.1}])
+                    "ssim_worst": 0.95, "audio_snr_db": float("inf"), "log_mel_distance_db": 0.1}], terminal())
     lines = capsys.readouterr().err.splitlines()
     assert max(map(len, lines)) <= columns
     assert "".join(line.split("│")[1].strip() for line in lines if line.startswith("│")) == name  # folded at most
@@ -242,10 +242,34 @@ def test_compare_s_table_cuts_no_number_at_any_width(monkeypatch, capsys):
               "log_mel_distance_db": -0.845}
     for columns in range(50, 141):
         monkeypatch.setenv("COLUMNS", str(columns))
-        compare_table([record])
+        compare_table([record], terminal())
         text = capsys.readouterr().err
         assert "…" not in text and max(map(len, text.splitlines())) <= columns, columns
         assert all(n in text for n in ("-0.84", "-12.34", "-0.8412", "0.1235", "-120.55", "-0.845")), columns
+
+
+def terminal():
+    """A console that draws as on a terminal, onto the stderr pytest captures."""
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, force_terminal=True, color_system=None)
+
+
+def test_compare_s_table_in_a_log_is_plain_aligned_lines_with_every_name_whole(monkeypatch, capsys):
+    from h3gen.cli.ui import compare_table
+
+    monkeypatch.setenv("COLUMNS", "40")
+    name = "a-very-long-clip-name-from-a-prompt-id-0001.mp4"
+    compare_table([{"a": f"out/{name}", "b": f"ref/{name}", "psnr_mean": 35.2, "psnr_worst": 30.0, "ssim_mean": 0.98,
+                    "ssim_worst": 0.95, "audio_snr_db": float("inf"), "log_mel_distance_db": 0.1},
+                   {"a": "out/b.mp4", "b": "ref/b.mp4", "psnr_mean": 9.5, "psnr_worst": 8.0, "ssim_mean": 0.5,
+                    "ssim_worst": 0.25, "audio_snr_db": None, "log_mel_distance_db": 1.0}])
+    title, header, first, second = capsys.readouterr().err.splitlines()
+    assert title == "h3gen compare (A against B)" and header.split()[:3] == ["clip", "PSNR", "dB"]
+    assert first.split() == [name, "35.20", "30.00", "0.9800", "0.9500", "inf", "0.100"]
+    assert second.split() == ["b.mp4", "9.50", "8.00", "0.5000", "0.2500", "-", "1.000"]
+    assert len({len(line) for line in (header, first, second)}) == 1  # numbers flush right under their headings
+    assert not any(c in title + header + first for c in "│┃━…")
 
 
 def test_every_command_has_an_example_and_plain_metavars():
