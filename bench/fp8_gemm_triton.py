@@ -77,8 +77,8 @@ def main():
         results["shapes"][f"{model} {name}"] = row
         print(model, name, json.dumps(row), flush=True)
         torch._dynamo.reset()
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "fp8_gemm_triton.json").write_text(json.dumps(results, indent=1))
+        OUT.mkdir(parents=True, exist_ok=True)  # after every shape: autotuning one takes minutes
+        (OUT / "fp8_gemm_triton.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
