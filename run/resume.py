@@ -55,7 +55,9 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
     if stored is not None and settings:  # a changed duration too: not a clip of the wrong length to replace
         return None if redo == "conflicts" else conflict(request, path, wanted, settings,
                                                          "rendered with different settings", REDO_HINT)
-    problems = validate_clip(path, expected_frames=request.frames)
+    # A clip this run would write the same is checked for damage, not decoded picture by picture: it was whole when
+    # renamed into place, and a rerun over thousands of clips must not cost a decode of each (`h3gen validate` does).
+    problems = validate_clip(path, expected_frames=request.frames, pictures=stored is None)
     if not problems and save_latents and stored is not None:
         problems = latents_problems(latents_path(path))
     if problems and stored is None and not box_problem(path):

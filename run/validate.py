@@ -23,7 +23,7 @@ class ClipInfo:
     width: int = 0
     height: int = 0
     fps: float | None = None
-    pixel_variance: float = 0.0
+    pixel_variance: float | None = 0.0  # None: not measured
     audio_codec: str | None = None
     audio_channels: int = 0
     sample_rate: int = 0
@@ -39,17 +39,24 @@ class ClipInfo:
         return self.audio_samples / self.sample_rate if self.sample_rate else 0.0
 
 
-def probe_clip(path: Path) -> ClipInfo:
-    """Decode the whole clip once; raises av.FFmpegError or OSError if unreadable."""
+def probe_clip(path: Path, pictures: bool = True) -> ClipInfo:
+    """Decode the whole clip once; raises av.FFmpegError or OSError if unreadable. Without `pictures` the video's
+    frames are counted from its packets, not decoded (nor their variance measured): what a rerun needs of a clip
+    it stamped, at a small part of the cost."""
     with av.open(str(path)) as container:
         video = next(iter(container.streams.video), None)
         audio = next(iter(container.streams.audio), None)
         pixels, sound = _PixelStats(), _SoundStats()
         streams = [stream for stream in (video, audio) if stream is not None]
         for packet in container.demux(streams) if streams else ():
+            if packet.stream.type == "video" and not pictures:
+                pixels.frames += packet.size > 0  # the demuxer's last packet per stream is an empty flush
+                continue
             stats = pixels if packet.stream.type == "video" else sound
             for frame in packet.decode():
                 stats.add(frame)
+        if not pictures:
+            pixels.measured = False
         return ClipInfo(
             video_streams=len(container.streams.video),
             audio_streams=len(container.streams.audio),
@@ -63,15 +70,17 @@ def validate_clip(
     expected_frames: int | None = None,
     fps: int = 24,
     sample_rate: int = 32000,
+    pictures: bool = True,
 ) -> list[str]:
-    """Human-readable problems with the clip at `path`; empty when it is valid."""
+    """Human-readable problems with the clip at `path`; empty when it is valid. Without `pictures`, everything but
+    the pictures themselves (see probe_clip): a blank video passes."""
     try:
         truncated = box_problem(Path(path))
         if truncated:
             return [truncated]
         if is_quicktime(path):
             return [QUICKTIME]
-        info = probe_clip(path)
+        info = probe_clip(path, pictures)
     except (av.FFmpegError, OSError) as error:
         return [f"cannot read {path}: {error}"]
     return (
@@ -137,6 +146,7 @@ class _PixelStats:
 
     def __init__(self) -> None:
         self.frames = self.count = 0
+        self.measured = True  # False: frames counted from packets, no pixel read
         self.total = np.zeros(3, np.int64)
         self.squares = np.zeros(3, np.int64)
 
@@ -147,7 +157,9 @@ class _PixelStats:
         self.total += pixels.sum(axis=0)
         self.squares += np.square(pixels).sum(axis=0)
 
-    def variance(self) -> float:
+    def variance(self) -> float | None:
+        if not self.measured:
+            return None
         n = self.count
         spread = sum(n * int(sq) - int(t) ** 2 for t, sq in zip(self.total, self.squares))
         return spread / n**2 if n else 0.0
@@ -208,7 +220,7 @@ def _video_problems(info: ClipInfo, expected_frames: int | None, fps: int) -> li
     elif expected_frames is None and (info.frames < FIRST_FRAMES or (info.frames - FIRST_FRAMES) % FRAMES_PER_LATENT):
         problems.append(f"video has {info.frames} frame{'s' if info.frames != 1 else ''}, not a count H3 renders "
                         f"({FRAMES_PER_LATENT}n+{FIRST_FRAMES})")
-    if info.pixel_variance == 0:
+    if info.pixel_variance == 0:  # None (not measured) is not 0
         problems.append("video is constant (zero pixel variance)")
     return problems
 

@@ -342,3 +342,23 @@ def test_a_clip_s_media_is_read_once_for_its_name_and_fingerprint_and_again_once
     os.utime(frame, ns=(os.stat(frame).st_atime_ns, os.stat(frame).st_mtime_ns + 1))
     assert clip_name(request, "tiny") != name and fingerprint.clip_fields({}, request) != fields
     assert len(reads) == 2
+
+
+def test_a_rerun_checks_a_clip_it_stamped_for_damage_without_decoding_its_pictures(tmp_path):
+    """Decoding every picture of every clip there would make a nightly rerun over a growing file cost hours: a clip
+    stamped with these settings is checked but for its pictures, so a grey one (which `h3gen validate` refuses) is
+    skipped; an unstamped one is decoded whole, as before."""
+    import numpy as np
+
+    from h3gen.inputs.request import Request
+    from h3gen.run.resume import already_done, clip_name
+    from h3gen.stages.mux import write_mp4
+
+    request = Request(index=0, prompt="p", seed=1, width=32, height=32, frames=22)
+    grey, sound = np.full((22, 32, 32, 3), 128, np.uint8), np.sin(np.arange(29334) / 9)[None].repeat(2, 0) * 0.5
+    path = tmp_path / clip_name(request, "tiny")
+    write_mp4(path, grey, sound, comment=fingerprint.stamp(fingerprint.clip_fields({}, request)))
+    assert already_done(request, tmp_path, "tiny", False, {}).status == "skipped"
+    write_mp4(path, grey, sound)
+    found = already_done(request, tmp_path, "tiny", False, {})
+    assert found.status == "conflict" and "video is constant" in found.error

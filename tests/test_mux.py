@@ -1,3 +1,4 @@
+import dataclasses
 import errno
 import sys
 
@@ -41,6 +42,19 @@ def test_valid_clip_has_no_problems(clip):
     assert (info.video_codec, info.audio_codec) == ("h264", "aac")
     assert (info.audio_channels, info.sample_rate) == (2, RATE)
     assert info.audio_duration == pytest.approx(info.video_duration, abs=0.1)
+
+
+def test_without_pictures_the_probe_counts_the_frames_and_measures_the_sound_as_a_full_decode_does(clip, tmp_path):
+    full, quick = probe_clip(clip), probe_clip(clip, pictures=False)
+    assert quick.pixel_variance is None and full.pixel_variance > 0
+    assert dataclasses.replace(quick, pixel_variance=full.pixel_variance) == full
+    grey = tmp_path / "grey.mp4"
+    write_mp4(grey, np.full((FRAMES, SIZE, SIZE, 3), 128, np.uint8), soundtrack())
+    assert validate_clip(grey, expected_frames=FRAMES, pictures=False) == []  # the pictures alone go unread
+    assert validate_clip(clip, expected_frames=100, pictures=False) == ["video has 124 frames, expected 100"]
+    cut = tmp_path / "cut.mp4"
+    cut.write_bytes(clip.read_bytes()[:-1000])
+    assert validate_clip(cut, pictures=False)[0].startswith("truncated")
 
 
 def test_only_the_finished_clip_is_left(clip):
