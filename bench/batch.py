@@ -38,7 +38,8 @@ class BatchReporter(SilentReporter):
     """Records the seconds every clip spent per stage; says only when a clip is done."""
 
     def __init__(self, say):
-        self.say, self.stages, self.started, self.decoded, self.finished = say, {}, {}, {}, {}
+        self.say = self.warn = say
+        self.stages, self.started, self.decoded, self.finished = {}, {}, {}, {}
         self.muxed = {}  # when each clip's mux returned, on whichever thread it ran
 
     def time_mux(self, mux) -> None:

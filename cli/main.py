@@ -176,6 +176,10 @@ def render(
                                                            autocompletion=set_keys,
                                                            help="Override a preset value.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per finished clip on stdout.")] = False,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="On stderr only what needs someone: warnings, clips "
+                                                              "failed or in conflict with the counts after them, a "
+                                                              "stop. A run that went well prints nothing there (for "
+                                                              "cron).")] = False,
     vram: Annotated[Optional[str], typer.Option("--vram", metavar="GIB", help=VRAM_HELP)] = None,
     save_latents: Annotated[bool, typer.Option("--save-latents", help="Also write each clip's final latents; a rerun "
                                                                       "with it renders again a clip whose latents are "
@@ -252,7 +256,7 @@ def render(
         settings = RunSettings(prompts, output, preset, model, seed, tuple(overrides), json_out, save_latents,
                                force, strict_plugins, parse_shard(shard) if shard is not None else None,
                                Parallel(gpus, cpu_workers, ulysses, nnodes, node_rank, rdzv_endpoint, rdzv_id),
-                               dry_run, redo_conflicts)
+                               dry_run, redo_conflicts, quiet)
         code = run_render(settings, began)
     except H3genError as e:
         fail(from_model_variable(ctx, model, e))
@@ -541,7 +545,7 @@ def report_failed_plugins(found, strict: bool) -> None:
     from h3gen.run.loop import check_plugins
 
     try:
-        check_plugins(found, strict, SimpleNamespace(say=lambda text: typer.echo(text, err=True)))
+        check_plugins(found, strict, SimpleNamespace(warn=lambda text: typer.echo(text, err=True)))
     except H3genError as e:
         fail(e)
 

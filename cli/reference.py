@@ -92,6 +92,8 @@ ENVIRONMENT = [
                           f"(default {HEARTBEAT_S:g}; 0: a line at every step; inf: none)."),
     ("H3GEN_COMMIT", "The commit h3gen bench writes into its results (default: git rev-parse HEAD in h3gen's "
                      "source folder)."),
+    ("TERM", "dumb: stderr gets a log's timestamped lines on a terminal too, not a live display drawn over itself."),
+    ("NO_COLOR", "Set: the live display draws without colours (read by rich)."),
     ("XDG_CACHE_HOME", "Where the user cache directory is (FILES)."),
     ("OMP_NUM_THREADS", "CPU threads per process. On the CPU a clip's bytes depend on it (MKL and ATen split their "
                         "sums by thread): one process with the same value renders the same clip. Unset, each "

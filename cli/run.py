@@ -28,7 +28,8 @@ def run_render(settings: RunSettings, began: float) -> int:
             raise WriteError(write_error(Path(e.filename or settings.output), e),
                              "a rerun resumes: clips already written are kept and skipped") from None
         except Interrupted as stop:
-            reporter_for(0, False, "").say(f"h3gen: stopped by {stop.signal_name}; run the same command again to resume")
+            reporter_for(0, False, "", quiet=settings.quiet).warn(
+                f"h3gen: stopped by {stop.signal_name}; run the same command again to resume")
             return stop.exit_code
 
 
@@ -51,7 +52,8 @@ def _run_render(settings: RunSettings, began: float) -> int:
     else:
         check_one_process(settings)
     if settings.dry_run:  # refused as the run would be
-        return dry_run(prepare(settings, preset, found, reporter_for, check_layout=layout), settings)
+        return dry_run(prepare(settings, preset, found, functools.partial(reporter_for, quiet=settings.quiet),
+                               check_layout=layout), settings)
     if layout is not None:
         from h3gen.run.loop import remove_if_empty
 
@@ -61,7 +63,7 @@ def _run_render(settings: RunSettings, began: float) -> int:
         finally:
             remove_if_empty(batch.created)  # workers that wrote nothing (they failed to load, say) leave no directory
     with results_only_on_stdout():  # a stage's own prints go to stderr
-        return render_batch(settings, preset, found, functools.partial(reporter_for, since=began))
+        return render_batch(settings, preset, found, functools.partial(reporter_for, since=began, quiet=settings.quiet))
 
 
 def dry_run(batch, settings: RunSettings) -> int:

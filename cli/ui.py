@@ -156,6 +156,9 @@ class PlainReporter(SilentReporter):
         except OSError:
             pass
 
+    def warn(self, text: str) -> None:
+        self.say(text)
+
     def clip_started(self, clip):
         self.check_stdout()
         request = clip.request
@@ -179,7 +182,7 @@ class PlainReporter(SilentReporter):
 
     def clip_done(self, result):
         if result.status == "conflict":
-            self.say(f"[{result.request.index + 1}/{self.total}] {result.path}: {result.error}")
+            self.warn(f"[{result.request.index + 1}/{self.total}] {result.path}: {result.error}")
         elif result.skipped:
             self.say(f"[{result.request.index + 1}/{self.total}] skipped {result.path}: "
                      + (result.note or "already there and valid (--force renders it again)"))
@@ -189,7 +192,7 @@ class PlainReporter(SilentReporter):
             self.say(f"[{result.request.index + 1}/{self.total}] wrote {result.path} in {result.end_to_end:.2f}s "
                      f"(RTF {result.rtf:.2f}{reused})")
         else:
-            self.say(f"[{result.request.index + 1}/{self.total}] FAILED {result.path.name}: {result.error}")
+            self.warn(f"[{result.request.index + 1}/{self.total}] FAILED {result.path.name}: {result.error}")
         if self.json_out and not print_result(json.dumps(clip_record(result, self.preset))):
             self.stdout_gone = self.reader_gone = True  # later lines go to /dev/null, and do not clear it
 
@@ -198,11 +201,11 @@ class PlainReporter(SilentReporter):
         with its reason."""
         if results:  # a run stopped before any clip finished has no table to show
             self.print_table([summary_row(r) for r in results])
-        self.say(f"{counts_line(results, len(results) if total is None else total)} "
-                 f"({duration_text(time.monotonic() - self.began)} in all)")
-        for r in results:
-            if not r.ok:
-                self.say(f"  {r.status} {r.path.name} (line {r.request.line}): {r.error}")
+        trouble = [r for r in results if not r.ok]
+        (self.warn if trouble else self.say)(f"{counts_line(results, len(results) if total is None else total)} "
+                                             f"({duration_text(time.monotonic() - self.began)} in all)")
+        for r in trouble:
+            self.warn(f"  {r.status} {r.path.name} (line {r.request.line}): {r.error}")
 
     def print_table(self, rows: list[tuple]) -> None:
         """Plain aligned text with full names, for a log."""
@@ -308,9 +311,22 @@ class LiveReporter(PlainReporter):
             self.say(f"    {seconds_text(result.seconds)}")
 
 
-def reporter_for(total: int, json_out: bool, preset: str, since: float | None = None):
-    live = sys.stderr.isatty()
-    return (LiveReporter if live else PlainReporter)(total, json_out, preset, since)
+class QuietReporter(PlainReporter):
+    """--quiet: only the lines that need someone (warnings, clips failed or in conflict, the counts after them, a
+    stop), so a cron job that went well prints nothing. --json's lines are printed as ever."""
+
+    def say(self, text: str) -> None:
+        pass
+
+    def warn(self, text: str) -> None:
+        super().say(text)
+
+
+def reporter_for(total: int, json_out: bool, preset: str, since: float | None = None, quiet: bool = False):
+    # TERM=dumb: a terminal that cannot move its cursor gets a log's lines, not a live display drawn over itself
+    live = sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
+    kind = QuietReporter if quiet else LiveReporter if live else PlainReporter
+    return kind(total, json_out, preset, since)
 
 
 COMPARE_COLUMNS = (("psnr_mean", "PSNR dB", "{:.2f}"), ("psnr_worst", "worst frame", "{:.2f}"),
@@ -333,7 +349,8 @@ def compare_table(records, console: Console | None = None) -> None:
                                       for key, _, fmt in COMPARE_COLUMNS]) for record in records]
     if not console.is_terminal:
         header = ("clip", *(heading for _, heading, _ in COMPARE_COLUMNS))
-        console.file.write("".join(f"{line}\n" for line in [title, *aligned(header, [(shown(n), *c) for n, c in rows], 1)]))
+        lines = [title, *aligned(header, [(shown(name), *cells) for name, cells in rows], left=1)]
+        console.file.write("".join(f"{line}\n" for line in lines))
         return
     table = Table(title=title, title_justify="left")
     table.add_column("clip", no_wrap=True)

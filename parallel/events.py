@@ -96,6 +96,9 @@ class RemoteReporter:
     def say(self, text: str) -> None:
         self.send({"say": f"{text} (group {self.group})"})
 
+    def warn(self, text: str) -> None:
+        self.send({"warn": f"{text} (group {self.group})"})
+
     def start(self):
         return self
 
@@ -198,6 +201,8 @@ class EventPump(threading.Thread):
     def replay(self, event: dict, group: int) -> None:
         if "say" in event:
             self.reporter.say(event["say"])
+        elif "warn" in event:
+            self.reporter.warn(event["warn"])
         elif "started" in event:
             clip = self.clip(event["started"], event["path"])
             self.reporter.clip_started(clip)

@@ -116,7 +116,7 @@ def launch_workers(batch, settings: RunSettings, entry: str, began: float) -> in
     calls h3gen.parallel.worker's `main` with the reporters to draw with, its `reporter_for`; this process's own
     lines are drawn with them too, so they read as rank 0's do). `began`: the time.time() the command began, which
     rank 0's wall time counts from."""
-    say = importlib.import_module(entry).reporter_for(0, False, "").say
+    reporter = importlib.import_module(entry).reporter_for(0, False, "", quiet=settings.quiet)
     parallel, heads, refusal = settings.parallel, dit_heads(batch.repo), split_refusal(batch.preset, batch.found)
     per_node = parallel.workers
     # On the CPU a clip depends on the intra-op thread count (MKL and ATen split their sums by thread): give each
@@ -132,20 +132,20 @@ def launch_workers(batch, settings: RunSettings, entry: str, began: float) -> in
         job = {"settings": settings.to_json(), "device": "gpu" if parallel.gpus else "cpu",
                "status_file": str(Path(scratch) / "status"), "heads": heads, "split_refusal": refusal, "began": began,
                "launcher": os.getpid()}
-        stopped = run(launch_config(parallel, per_node), job, entry, say)
+        stopped = run(launch_config(parallel, per_node), job, entry, reporter.warn)
         if stopped:
             return stopped
         status = worker_status(job)
         if status is not None:
             return status[0]
     # Rank 0 ran on another machine of the job and reported there.
-    say("h3gen: this machine's workers finished; the run is reported where rank 0 ran")
+    reporter.say("h3gen: this machine's workers finished; the run is reported where rank 0 ran")
     return 0
 
 
-def run(config, job: dict, entry: str, say) -> int:
+def run(config, job: dict, entry: str, warn) -> int:
     """Start the workers and wait for them; 128 + the signal number when this process was stopped by one (said with
-    `say`)."""
+    `warn`)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -162,14 +162,14 @@ def run(config, job: dict, entry: str, say) -> int:
             raise root_cause(failed, job["device"]) from None
         from h3gen.run.loop import stopped_line
 
-        say(stopped_line(stop.name, discarded_by_workers(job)))
+        warn(stopped_line(stop.name, discarded_by_workers(job)))
         return 128 + stop
     except SignalException as stop:
         # The agent passed the signal on to the workers, whose rank 0 printed the summary. Only this process knows
         # the signal came from outside: rank 0 is also stopped by the agent when another worker dies.
         from h3gen.run.loop import stopped_line
 
-        say(stopped_line(signal.Signals(int(stop.sigval)).name, discarded_by_workers(job)))
+        warn(stopped_line(signal.Signals(int(stop.sigval)).name, discarded_by_workers(job)))
         return 128 + int(stop.sigval)
 
 

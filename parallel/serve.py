@@ -53,7 +53,7 @@ class Worker:
         try:
             preset, found = self.preset()
             # rank 0 reports the run from the command's start, the launcher's and torchrun's time included
-            make_reporter = functools.partial(self.make_reporter, since=job["began"])
+            make_reporter = functools.partial(self.make_reporter, since=job["began"], quiet=settings.quiet)
             self.batch = prepare(settings, preset, found, make_reporter)
             self.batch.reporter = events.SharedReporter(self.batch.reporter)
             requests, reporter = self.batch.requests, self.batch.reporter

@@ -232,7 +232,7 @@ def check_plugins(found, strict: bool, reporter) -> None:
             also = f"; plugin(s) {', '.join(map(repr, others))} failed too (h3gen plugins says why)" if others else ""
             raise UsageError(f"plugin '{name}' {why}{also}",
                              f"{fix}, or run without --strict-plugins and H3GEN_STRICT_PLUGINS")
-        reporter.say(f"h3gen: plugin '{name}' {why} (skipped)")
+        reporter.warn(f"h3gen: plugin '{name}' {why} (skipped)")
 
 
 def check_unique_outputs(requests, preset_name: str, prompts: Path) -> None:
@@ -358,7 +358,7 @@ def report_end(reporter, results, total: int, stopped=None, say_stopped: bool = 
     reporter.summary(sorted(results, key=lambda r: r.request.index), total)
     if stopped:
         if say_stopped:
-            reporter.say(stopped_line(stopped.signal_name, stopped.discarded))
+            reporter.warn(stopped_line(stopped.signal_name, stopped.discarded))
         return stopped.exit_code
     signum = reporter.ended_by()
     if signum:
@@ -401,7 +401,7 @@ def render_pending(requests, settings: RunSettings, preset, found, repo, reporte
     fits = cuda_fit_warning if renderer.runtime.device.startswith("cuda") else host_fit_warning
     warning = fits(requests, repo.transformer_config(), renderer.runtime.dtype.itemsize)
     if warning:
-        reporter.say(f"h3gen: {warning}")
+        reporter.warn(f"h3gen: {warning}")
     interrupted = False
     reporter.start()
     try:

@@ -196,7 +196,7 @@ class Renderer:
                           f"{time.perf_counter() - began:.2f}s ({cached} from the embedding cache)")
         problem = getattr(getattr(encode, "cache", None), "problem", "")
         if problem and not self.cache_problem_said:
-            self.reporter.say(f"h3gen: note: {problem}")
+            self.reporter.warn(f"h3gen: note: {problem}")
             self.cache_problem_said = True
         if last or self.runtime.device.startswith("cuda"):
             self.unload(encode)
@@ -367,7 +367,7 @@ class Renderer:
         except Exception as e:
             if debugging():
                 traceback.print_exception(e, file=sys.stderr)
-            self.reporter.say(f"h3gen: warning: {stage.failed(f'failed to unload: {type(e).__name__}: {e}')}")
+            self.reporter.warn(f"h3gen: warning: {stage.failed(f'failed to unload: {type(e).__name__}: {e}')}")
 
 
 def build(stage_class, config, runtime):

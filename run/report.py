@@ -11,7 +11,10 @@ from typing import Protocol
 
 class Reporter(Protocol):
     def say(self, text: str) -> None:
-        """One line for the user (progress, notes, warnings)."""
+        """One line for the user (progress, notes)."""
+
+    def warn(self, text: str) -> None:
+        """One line the user must see even in a quiet run: a warning, a clip failed or in conflict, a stop."""
 
     def start(self) -> Reporter:
         """The render begins: a live display starts drawing."""
@@ -44,6 +47,9 @@ class SilentReporter:
     the bench, which records what it needs itself."""
 
     def say(self, text: str) -> None:
+        pass
+
+    def warn(self, text: str) -> None:
         pass
 
     def start(self):

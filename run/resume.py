@@ -98,7 +98,8 @@ def held_with_other_settings(path: Path, wanted: dict) -> str:
 
 
 def conflict(request: Request, path: Path, wanted: dict, reasons: list[str], what: str,
-             hint: str = "--force to redo, or -o elsewhere") -> ClipResult:
+             hint: str = "move it away to render this clip, --force to render every clip again, or -o "
+                         "elsewhere") -> ClipResult:
     return ClipResult(request, path, False, {}, 0.0, skipped=True, status="conflict",
                       error=f"exists, {what} ({first_reasons(reasons)}); {hint}",
                       fingerprint=fingerprint.digest(wanted))

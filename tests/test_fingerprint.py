@@ -99,8 +99,8 @@ def test_a_whole_mp4_h3gen_did_not_write_is_left_alone(prompts_file, tmp_path):
     before = (out / "drums.mp4").read_bytes()
     planned = h3gen("render", prompts_file('{"id": "drums", "prompt": "drums"}\n'), "-o", out, "--dry-run",
                     check_code=1)
-    assert re.match(r"conflict +\S+drums\.mp4: exists, a whole MP4 h3gen did not stamp \(.*\); --force to redo",
-                    planned.stdout.strip()), planned.stdout
+    assert re.match(r"conflict +\S+drums\.mp4: exists, a whole MP4 h3gen did not stamp \(.*\); move it away to "
+                    r"render this clip, --force", planned.stdout.strip()), planned.stdout
     assert (out / "drums.mp4").read_bytes() == before
     # --redo-conflicts renders again only the clips h3gen stamped: a file of the user's own stays
     kept = h3gen("render", prompts_file('{"id": "drums", "prompt": "drums"}\n'), "-o", out, "--redo-conflicts",
@@ -122,7 +122,8 @@ def test_a_file_that_is_not_an_mp4_is_never_rendered_over_but_by_force(prompts_f
     planned = h3gen("render", prompts, "-o", out, "--dry-run", check_code=1).stdout.splitlines()
     for name in theirs:
         assert any(re.match(rf"conflict +\S+{name}\.mp4: exists, a file that is not an MP4 \(it does not start "
-                            r"with an ftyp box\); --force to redo", line) for line in planned), planned
+                            r"with an ftyp box\); move it away to render this clip, --force", line)
+                   for line in planned), planned
     assert any(re.match(r"conflict +\S+gone\.mp4: exists, not a file \(a link to \S+gone\.mp4, which is missing\); "
                         r"restore what it points to, --force to replace the link", line) for line in planned), planned
     assert any(re.match(r"render +\S+empty\.mp4", line) for line in planned), planned
@@ -150,7 +151,7 @@ def test_a_valid_clip_without_the_stamp_is_not_said_to_be_from_other_settings(pr
     bare.replace(stamped)
     planned = h3gen("render", prompts, "-o", out, "--dry-run", check_code=1).stdout.strip()
     assert re.match(r"conflict +\S+drums\.mp4: exists, a whole MP4 h3gen did not stamp \(no h3gen stamp in its "
-                    r"metadata\); --force to redo", planned), planned
+                    r"metadata\); move it away to render this clip, --force", planned), planned
 
 
 def test_redo_conflicts_renders_only_the_clips_from_other_settings(tmp_path):

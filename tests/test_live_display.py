@@ -105,3 +105,16 @@ def test_the_summary_on_a_narrow_terminal_keeps_each_clip_s_whole_name(monkeypat
     ui.LiveReporter(1).summary([result])
     cells = "".join(line.split("│")[1].strip() for line in terminal.getvalue().splitlines() if line.startswith("│"))
     assert name in cells
+
+
+def test_a_dumb_terminal_and_a_quiet_run_get_no_live_display(monkeypatch):
+    import sys
+
+    from h3gen.cli.ui import LiveReporter, PlainReporter, QuietReporter, reporter_for
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    assert type(reporter_for(2, False, "tiny")) is LiveReporter
+    assert type(reporter_for(2, False, "tiny", quiet=True)) is QuietReporter
+    monkeypatch.setenv("TERM", "dumb")
+    assert type(reporter_for(2, False, "tiny")) is PlainReporter

@@ -253,6 +253,12 @@ def test_impossible_layouts_fail_before_any_worker_starts(args, message, prompts
     assert "layout" not in result.stderr and not (tmp_path / "out").exists() and not result.stdout
 
 
+def test_quiet_workers_print_nothing_when_the_run_goes_well(prompts_file, tmp_path):
+    result = h3gen("render", prompts_file(PROMPTS), "-o", tmp_path / "out", "--cpu-workers", "2", "-q", env=ENV,
+                   check_code=0)
+    assert result.stderr == "" and len(list((tmp_path / "out").glob("*.mp4"))) == 4
+
+
 def test_workers_render_prompts_piped_in(tmp_path):
     """/dev/stdin read by the launcher's checks: the workers render what the pipe held, as one process does."""
     out = tmp_path / "out"

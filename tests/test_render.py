@@ -45,6 +45,8 @@ def test_a_dash_reads_the_prompts_from_standard_input(prompts_file, tmp_path):
                   check_code=0).stdout
     assert piped == h3gen("render", prompts_file("a lighthouse at night\n"), "-o", tmp_path / "out", "--dry-run",
                           check_code=0).stdout
+    empty = h3gen("render", "-", "-o", tmp_path / "out", input="# nothing yet\n", check_code=2).stderr
+    assert empty.startswith("h3gen: error: standard input has no prompts"), empty
 
 
 def test_failed_clip_exits_1_and_the_others_are_written(prompts_file, tmp_path):
@@ -57,6 +59,20 @@ def test_failed_clip_exits_1_and_the_others_are_written(prompts_file, tmp_path):
     assert "over the encoder limit of 12" in second["error"]
     assert "1 failed" in result.stderr
     assert [p.name for p in (tmp_path / "out").glob("*.mp4")] == [first["path"].rsplit("/", 1)[1]]
+
+
+def test_quiet_says_only_what_needs_someone(prompts_file, tmp_path):
+    """--quiet, as cron runs it: a failed clip, the counts after it and its reason; --json as ever; a rerun with
+    nothing to do prints nothing at all on stderr."""
+    prompts = prompts_file("short\n" + "a very long prompt " * 20 + "\n")
+    result = h3gen("render", prompts, "-o", tmp_path / "out", "--json", "-q", "--set", "encode.max_tokens=12")
+    assert result.returncode == 1 and len(result.stdout.splitlines()) == 2
+    failed, counts, reason = (line.split(" ", 2)[2] for line in result.stderr.splitlines())
+    assert failed.startswith("[2/2] FAILED ") and "over the encoder limit of 12" in failed
+    assert counts.startswith("1 of 2 clips written, 1 failed (") and reason.startswith("  failed ")
+    again = h3gen("render", prompts_file("short\n"), "-o", tmp_path / "out", "--quiet", "--set",
+                  "encode.max_tokens=12", check_code=0)
+    assert again.stderr == "" and again.stdout == ""
 
 
 LONG = "a red fox trots through fresh snow at dawn while crows call from the bare trees of the valley"
