@@ -145,8 +145,9 @@ EXIT_STATUS = [
     ("2", "A usage error: bad options, prompts file, preset, model directory or output directory; a file to "
           "validate that does not exist; clips to compare that are not MP4s of the same shape, or two folders with "
           "no clip in common."),
-    ("130, 143, 129", "Stopped by SIGINT, SIGTERM or SIGHUP: the clip in flight is discarded, the clips written "
-                      "are kept, and the same command resumes. A second signal ends the process at once."),
+    ("130, 143, 129", "Stopped by SIGINT, SIGTERM or SIGHUP: the clip on the device is discarded, a clip already "
+                      "decoded has its background mux finished first, the clips written are kept, and the same "
+                      "command resumes. A second signal ends the process at once."),
     ("141", "stdout's reader has gone (h3gen render ... --json | head -1): the run ends at the next clip (or at "
             "the end, when the last clip had already started), as SIGPIPE ends other tools, with the clips written "
             "so far counted and nothing partial left."),

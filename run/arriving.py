@@ -136,3 +136,9 @@ class ArrivingMedia:
         self._wait(lambda: self._audio is not None or self._landed or self._done)
         with self._changed:
             return self._audio
+
+
+def decoded(clip) -> bool:
+    """Whether `clip`'s mux has every frame and the soundtrack it will get (or its decode failed): a clip that hands
+    over no media has its frames whole before its mux starts."""
+    return clip.arriving is None or clip.arriving.finished

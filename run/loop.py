@@ -21,8 +21,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: a close
 
 
 class Interrupted(BaseException):
-    """SIGINT, SIGTERM or SIGHUP (or stdout's reader gone, as SIGPIPE: h3gen.cli.ui): the clip in flight is
-    discarded and the run ends with 128 + the signal number.
+    """SIGINT, SIGTERM or SIGHUP (or stdout's reader gone, as SIGPIPE: h3gen.cli.ui): the clip on the device is
+    discarded (a decoded one's background mux is finished) and the run ends with 128 + the signal number.
 
     A BaseException, so the per-clip `except Exception` in the render loop lets it through.
     """

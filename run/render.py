@@ -14,7 +14,7 @@ from pathlib import Path
 from h3gen.errors import H3genError, ModelError
 from h3gen.inputs.request import Request
 from h3gen.run import budget, fingerprint, memory, outputs
-from h3gen.run.arriving import ArrivingMedia
+from h3gen.run.arriving import ArrivingMedia, decoded
 from h3gen.run.outputs import check_disk, write_latents
 from h3gen.run.records import ClipResult
 from h3gen.run.resume import already_done, clip_name, held_with_other_settings, to_render
@@ -346,6 +346,10 @@ class Renderer:
         written all the same. Either way each file is written whole or not at all."""
         mux = self.stages["mux"]
         if discard and mux.background:
+            finishing = sum(not job.done() and decoded(clip) for clip, _, job, _ in self.muxing)
+            if finishing:
+                self.reporter.warn(f"h3gen: finishing the MP4 of {finishing} clip(s) already decoded; another signal "
+                                   "ends at once")
             mux.discard_in_flight()
         for kind in PIPELINE:
             self.unload(self.stages[kind])

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from h3gen.run.arriving import decoded
 from h3gen.run.fingerprint import stamp
 from h3gen.stages.base import Stage
 
@@ -242,7 +243,8 @@ class PyAVMux(Stage):
         return self.pool.submit(stage or self, clip, False)
 
     def discard_in_flight(self) -> None:
-        """Stop the background writes now (a signal ends the run): their partial files are removed."""
+        """A signal ends the run: the background writes of clips whose frames are not all decoded stop now (their
+        partial files removed); those of decoded clips, whose device time is spent, are finished first."""
         self.stopping.set()
         self.unload()
 
@@ -255,14 +257,13 @@ class PyAVMux(Stage):
     def __init__(self, config, runtime):
         super().__init__(config, runtime)
         self.pool, self.stopping = None, threading.Event()
-
     def run(self, clip):
         media = clip.arriving  # set when the mux starts with the decode
         frames, audio = (media, media.audio) if media is not None else (clip.frames, clip.audio)
         sample_rate = media.sample_rate if media is not None else clip.sample_rate
         write_mp4(clip.path, frames, audio, sample_rate=sample_rate, crf=self.config.crf,
                   preset=self.config.x264_preset, x264_threads=self.config.x264_threads,
-                  cancelled=self.stopping.is_set,
+                  cancelled=lambda: self.stopping.is_set() and not decoded(clip),
                   comment=stamp(clip.fingerprint) if clip.fingerprint else "",
                   audio_ahead=media.audio_ahead if media is not None else lambda: None)
         return clip

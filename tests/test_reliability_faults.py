@@ -640,7 +640,10 @@ def test_after_one_stop_signal_any_second_one_ends_the_process_at_once():
     assert {signum: signal.getsignal(signum) for signum in STOP_SIGNALS} == before
 
 
-def test_signal_with_background_muxing_leaves_only_whole_files(faults, prompts_file, tmp_path):
+def test_a_signal_finishes_the_background_mux_of_a_decoded_clip_and_leaves_only_whole_files(faults, prompts_file,
+                                                                                             tmp_path):
+    """b's frames are all decoded, its device time spent, when the signal lands mid-mux: its MP4 is finished, said
+    so, and counted written; what was on the device is discarded."""
     env, preset = faults
     out, marker = tmp_path / "out", tmp_path / "muxing-b"
     render = ["render", prompts_file(TWO_CLIPS + '{"id": "c", "prompt": "rain"}\n'), "-o", out, "--preset", preset]
@@ -652,7 +655,11 @@ def test_signal_with_background_muxing_leaves_only_whole_files(faults, prompts_f
     assert process.returncode == 143, stderr[-2000:]
     assert not list(out.glob(".*"))  # no partial MP4, no claim left behind
     assert all(validate_clip(path, expected_frames=124) == [] for path in out.glob("*.mp4"))
-    assert "b.mp4" not in [p.name for p in out.glob("*.mp4")]  # the clip being muxed was discarded
+    assert "b.mp4" in [p.name for p in out.glob("*.mp4")]
+    assert re.search(r"h3gen: finishing the MP4 of [12] clip\(s\) already decoded; another signal ends at once",
+                     stderr), stderr[-2000:]
+    written = len(list(out.glob("*.mp4")))
+    assert f"{written} of 3 clips written" in stderr, stderr[-2000:]
     rerun = h3gen(*render, env=env, check_code=0)
     assert "3 of 3 clips written" in rerun.stderr or "already there and valid (skipped)" in rerun.stderr
     assert sorted(p.name for p in out.glob("*.mp4")) == ["a.mp4", "b.mp4", "c.mp4"]
