@@ -257,6 +257,7 @@ class PyAVMux(Stage):
     def __init__(self, config, runtime):
         super().__init__(config, runtime)
         self.pool, self.stopping = None, threading.Event()
+
     def run(self, clip):
         media = clip.arriving  # set when the mux starts with the decode
         frames, audio = (media, media.audio) if media is not None else (clip.frames, clip.audio)
