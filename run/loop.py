@@ -311,11 +311,15 @@ def skip_finished(batch: Batch, settings: RunSettings) -> list:
     and for those it wrote with other settings (conflicts), which this run leaves alone; none of either that
     `settings.redo` renders again."""
     from h3gen.run.outputs import recorded
-    from h3gen.run.resume import already_done, to_render
+    from h3gen.run.resume import already_done, moved_seeds, to_render
 
     preset_name, reporter, output = batch.preset.name, batch.reporter, settings.output
     found = [already_done(request, output, preset_name, settings.save_latents, batch.run_fields, settings.redo)
              for request in batch.requests]
+    pending = [request for request, result in zip(batch.requests, found) if to_render(result)]
+    moved = moved_seeds(pending, batch.requests, output, preset_name, settings.seed)
+    if moved:
+        reporter.warn(f"h3gen: note: {moved}")
     finished = []
     for result in filter(None, found):
         if to_render(result):

@@ -3,6 +3,8 @@ it), in conflict (rendered with other settings, or not h3gen's) or damaged (rend
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -114,3 +116,28 @@ def first_reasons(reasons: list[str]) -> str:
 def to_render(found: ClipResult | None) -> bool:
     """Whether `already_done`'s answer leaves the clip to render."""
     return found is None or found.status == "damaged"
+
+
+def moved_seeds(pending: list[Request], requests: list[Request], out_dir: Path, preset: str, base_seed: int) -> str:
+    """A note when clips about to render on their default seed (`base_seed` plus their place in the file) have a clip
+    here from the same prompt under a seed a few places away that no line of the file asks for: a line above them was
+    removed or added since, so each renders anew under another name. '' when none has."""
+    ours = {clip_name(request, preset) for request in requests}
+    moved = collections.Counter()
+    for request in pending:
+        if (request.id or request.seed != base_seed + request.index or request.first_frame or request.last_frame
+                or request.references):
+            continue
+        for offset in (1, -1, 2, -2, 3, -3):
+            name = clip_name(dataclasses.replace(request, seed=request.seed + offset), preset)
+            if request.seed + offset >= 0 and name not in ours and (out_dir / name).is_file():
+                moved[offset] += 1
+                break
+    if not moved:
+        return ""
+    offset = min(moved, key=lambda o: (-moved[o], abs(o)))  # the commonest, the nearest of equals
+    what = "removed or commented out (or --seed lowered)" if offset > 0 else "added (or --seed raised)"
+    return (f"{sum(moved.values())} of the clips to render have a clip in {out_dir} from the same prompt under a seed "
+            f"{abs(offset)} {'higher' if offset > 0 else 'lower'}: a prompt line above them was {what}, which moved "
+            "their default seeds (--seed plus the place in the file), so they render anew under other names; put the "
+            "line back to keep those clips, and give each line its \"seed\" where lines come and go")

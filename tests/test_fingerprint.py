@@ -363,3 +363,32 @@ def test_a_rerun_checks_a_clip_it_stamped_for_damage_without_decoding_its_pictur
     write_mp4(path, grey, sound)
     found = already_done(request, tmp_path, "tiny", False, {})
     assert found.status == "conflict" and "video is constant" in found.error
+
+
+def test_a_line_removed_above_default_seeded_prompts_is_named_before_they_render_anew(prompts_file, tmp_path):
+    """Their clips are there under the seeds their old places gave; a prompt repeated on the next line (its clip is
+    this file's own) and a line with an id or its own seed are not counted."""
+    from h3gen.inputs.prompts import read_prompts as read
+    from h3gen.run.resume import clip_name, moved_seeds
+
+    def read_prompts(path, seed, defaults):
+        return read(path, seed, {"duration": 5, "width": 32, "height": 32})
+
+    out = tmp_path / "out"
+    out.mkdir()
+    before = read_prompts(prompts_file("gone\na fox\na fox\nrain\n"), 0, {})
+    for request in before:
+        (out / clip_name(request, "tiny")).write_bytes(b"clip")
+    after = read_prompts(prompts_file("# gone\na fox\na fox\nrain\n"), 0, {})
+    pending = [r for r in after if not (out / clip_name(r, "tiny")).exists()]
+    assert [r.prompt for r in pending] == ["a fox", "rain"]  # the first fox takes the second's old seed and name
+    note = moved_seeds(pending, after, out, "tiny", 0)
+    assert note.startswith(f"2 of the clips to render have a clip in {out} from the same prompt under a seed 1 higher: "
+                           "a prompt line above them was removed or commented out")
+    assert moved_seeds(pending, after, out, "tiny", 7) == ""  # seeds of their own, not the defaults
+    inserted = read_prompts(prompts_file("new\ngone\na fox\na fox\nrain\n"), 0, {})
+    pending = [r for r in inserted if not (out / clip_name(r, "tiny")).exists()]
+    assert "under a seed 1 lower: a prompt line above them was added" in moved_seeds(pending, inserted, out, "tiny", 0)
+
+    planned = h3gen("render", prompts_file("# gone\na fox\na fox\nrain\n"), "-o", out, "--dry-run", "-q")
+    assert "h3gen: note: 2 of the clips to render have a clip in" in planned.stderr, planned.stderr
