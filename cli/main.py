@@ -392,7 +392,9 @@ def compare(
     a: Annotated[Path, typer.Argument(metavar="A", help="An MP4, or a directory of them (say, rendered with a fast "
                                                         "preset).")],
     b: Annotated[Path, typer.Argument(metavar="B", help="The reference: an MP4, or a directory whose clips are matched "
-                                                        "to A's by file name, else by prompt and seed.")],
+                                                        "to A's by file name, else by the request (prompt, "
+                                                        "seed, size, frames), else by that request without "
+                                                        "the seed.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per pair of clips on stdout, and one "
                                                           "per clip left out.")] = False,
 ):
@@ -414,8 +416,8 @@ def compare(
         matched, unmatched = pairs(a, b)
         left_out = []  # {"a", "b", "compared": False, "reason"}: what --json says of the clips not compared
         for path in unmatched:
-            typer.echo(f"note: {shown(str(path))} has no one match in the other folder (by file name, or by prompt "
-                       "and seed); not compared", err=True)
+            typer.echo(f"note: {shown(str(path))} has no one match in the other folder (by file name, by "
+                       "prompt, seed, size and frames, or by those but the seed); not compared", err=True)
             side = "a" if path.parent == a else "b"
             left_out.append({"a": None, "b": None, side: str(path), "compared": False,
                              "reason": "no one match in the other folder"})

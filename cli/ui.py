@@ -192,7 +192,7 @@ class PlainReporter(SilentReporter):
             self.say(f"[{result.request.index + 1}/{self.total}] wrote {result.path} in {result.end_to_end:.2f}s "
                      f"(RTF {result.rtf:.2f}{reused})")
         else:
-            self.warn(f"[{result.request.index + 1}/{self.total}] FAILED {result.path.name}: {result.error}")
+            self.warn(f"[{result.request.index + 1}/{self.total}] FAILED {result.path}: {result.error}")
         if self.json_out and not print_result(json.dumps(clip_record(result, self.preset))):
             self.stdout_gone = self.reader_gone = True  # later lines go to /dev/null, and do not clear it
 
@@ -347,7 +347,7 @@ def compare_table(records, console: Console | None = None) -> None:
     console, title = console or Console(stderr=True, highlight=False), "h3gen compare (A against B)"
     rows = [(compared_names(record), ["-" if record[key] is None else fmt.format(record[key])
                                       for key, _, fmt in COMPARE_COLUMNS]) for record in records]
-    if not console.is_terminal:
+    if not console.is_terminal or console.is_dumb_terminal:
         header = ("clip", *(heading for _, heading, _ in COMPARE_COLUMNS))
         lines = [title, *aligned(header, [(shown(name), *cells) for name, cells in rows], left=1)]
         console.file.write("".join(f"{line}\n" for line in lines))

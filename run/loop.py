@@ -236,16 +236,19 @@ def check_plugins(found, strict: bool, reporter) -> None:
 
 
 def check_unique_outputs(requests, preset_name: str, prompts: Path) -> None:
-    """Two lines that would write one file: the second would silently replace the first."""
+    """Two lines that would write one file: the second would silently replace the first. Names that differ only in
+    case are one file on macOS's and Windows' file systems."""
     from h3gen.run.resume import clip_name
 
-    first_line = {}
+    first = {}  # casefolded name -> (line, name)
     for request in requests:
         name = clip_name(request, preset_name)
-        if name in first_line:
-            raise UsageError(f"{prompts}:{request.line}: writes {name}, as line {first_line[name]} does",
+        if name.casefold() in first:
+            line, other = first[name.casefold()]
+            case = "" if other == name else f" as {other}, one file on macOS and Windows"
+            raise UsageError(f"{prompts}:{request.line}: writes {name}, as line {line} does{case}",
                              "give the clips different ids or seeds")
-        first_line[name] = request.line
+        first[name.casefold()] = (request.line, name)
 
 
 def check_model_kind(preset, repo, embedded: bool, baseline: bool = False, bench: bool = False) -> None:

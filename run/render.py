@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import shutil
@@ -344,18 +345,24 @@ class Renderer:
     def close(self, discard: bool = False) -> list[ClipResult]:
         """Wait for background muxes, or with `discard` (a signal) stop them; the results of the clips that were
         written all the same. Either way each file is written whole or not at all."""
-        mux = self.stages["mux"]
+        mux, written, recorded = self.stages["mux"], [], set()
         if discard and mux.background:
-            finishing = sum(not job.done() and decoded(clip) for clip, _, job, _ in self.muxing)
+            finishing = {job: (clip, claim) for clip, claim, job, _ in self.muxing if decoded(clip) and not job.done()}
             if finishing:
-                self.reporter.warn(f"h3gen: finishing the MP4 of {finishing} clip(s) already decoded; another signal "
-                                   "ends at once")
+                self.reporter.warn(f"h3gen: finishing the MP4 of {len(finishing)} clip(s) already decoded; another "
+                                   "signal ends at once")
+            # Each recorded as its file lands, so a second signal cuts off as few manifest lines as it can.
+            for job in concurrent.futures.as_completed(finishing):
+                clip, claim = finishing[job]
+                if not job.cancelled() and job.exception() is None:
+                    written.append(self.finish(clip, claim=claim))
+                recorded.add(job)
             mux.discard_in_flight()
         for kind in PIPELINE:
             self.unload(self.stages[kind])
         memory.let_go(self.runtime.device)
-        written = [self.finish(clip, claim=claim) for clip, claim, job, _ in self.muxing
-                   if job.done() and not job.cancelled() and job.exception() is None]
+        written += [self.finish(clip, claim=claim) for clip, claim, job, _ in self.muxing
+                    if job not in recorded and job.done() and not job.cancelled() and job.exception() is None]
         if discard:
             self.discarded = len(self.muxing) - len(written) + (self.claim_on_device is not None)
         for claim in [claim for _, claim, _, _ in self.muxing] + [self.claim_on_device]:

@@ -44,6 +44,8 @@ def refused(result, message):
     ('{"prompt": "x", "id": "-x"}\n', "id '-x' is not a plain file name (start it with an ASCII letter or digit, then "),
     ('{"prompt": "x", "id": "%s"}\n' % ("a" * 129), "characters at most"),
     ('{"prompt": "same", "seed": 3}\n{"prompt": "same", "seed": 3}\n', "prompts.txt:2: writes h3-"),
+    ('{"prompt": "x", "id": "Fox.mp4"}\n{"prompt": "y", "id": "fox"}\n', "prompts.txt:2: writes fox.mp4, as line 1 "
+                                                                   "does as Fox.mp4, one file on macOS and Windows"),
     (b"ok\n\xff\xfe\n", "prompts.txt:2: not UTF-8 text"),
     ("ok\nA red fox\n".encode("utf-16-le"), "prompts.txt:1: a NUL byte, so not UTF-8 text (UTF-16, or not text"),
     (b"a fox\n" + bytes(300), "prompts.txt:2: a NUL byte, so not UTF-8 text"),
