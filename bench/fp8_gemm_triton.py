@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from fp8_gemm_tuning import seconds  # bench/ is on sys.path when this script runs
+
 OUT = Path(os.environ.get("OUT", "."))
 FP8 = torch.float8_e4m3fn
 # (model, name, rows, in, out, bias): the DiT's projections at the 10 s clip (the feed-forward in 16k-row passes),
@@ -32,16 +34,6 @@ def operands(rows, k, n, bias):
 
 def gemm(a, b, sa, sb, add):
     return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=add, out_dtype=torch.bfloat16, use_fast_accum=True)
-
-
-def seconds(fn, repeat=20):
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeat
 
 
 def main():
@@ -68,8 +60,8 @@ def main():
             continue
         compile_s = time.perf_counter() - start
         flop = 2 * rows * k * n
-        cublas, triton = seconds(lambda: gemm(*ops)), seconds(lambda: triton_gemm(*ops))
-        cublas_again = seconds(lambda: gemm(*ops))
+        cublas, triton = seconds(lambda: gemm(*ops), 20), seconds(lambda: triton_gemm(*ops), 20)
+        cublas_again = seconds(lambda: gemm(*ops), 20)
         row = dict(cublas_ms=round(cublas * 1e3, 3), cublas_again_ms=round(cublas_again * 1e3, 3),
                    triton_ms=round(triton * 1e3, 3), cublas_tflops=round(flop / cublas / 1e12),
                    triton_tflops=round(flop / triton / 1e12), compile_s=round(compile_s, 1),
