@@ -85,7 +85,8 @@ def page() -> str:
     for title, entries in preset_keys(registry()):
         lines += ([".SS " + argument(title)] if title else []) + items(entries)
     lines += [".SH PLUGINS", roff(PLUGINS), ".SH ENVIRONMENT", *items(reference.ENVIRONMENT),
-              ".SH FILES", *items(reference.FILES), ".SH EXIT STATUS", *items(reference.EXIT_STATUS),
+              ".SH FILES", *items(reference.FILES), ".SH JSON RECORDS", *items(reference.RECORD),
+              ".SH EXIT STATUS", *items(reference.EXIT_STATUS),
               ".SH EXAMPLES", *items(reference.EXAMPLES),
               ".SH SEE ALSO", roff("README.md and docs/plugins.md of the h3gen repository.")]
     return "\n".join(lines) + "\n"

@@ -135,6 +135,33 @@ FILES = [
     "unset, ~/Library/Caches/h3gen on macOS.",
 ]
 
+RECORD = [
+    "h3gen render --json prints one JSON object a line (JSON Lines) on stdout as each clip finishes, and OUT/"
+    f"{MANIFEST} gets the same, with time and pid. README.md's \"Output and exit codes\" says more of each field.",
+    ("path", "The MP4, as -o was given (relative stays relative)."),
+    ("id, line, seed", "The prompt's id (or null), its line in the prompts file, its seed."),
+    ("preset", "The preset's name."),
+    ("status", "ok (written by this run), skipped (there, rendered with these settings), busy (another run renders "
+               "it), conflict (there from other settings, or not h3gen's: left alone) or failed."),
+    ("ok", "true for ok, skipped and busy."),
+    ("error", "Why it failed or conflicts, with the fix; null otherwise."),
+    ("seconds", "Seconds per stage (encode, sampler, vae, mux) and parts of them (conditions, dit_forwards, "
+                "cache_check, vae_video, vae_audio, transfer): add the stages, not every key."),
+    ("end_to_end_s, rtf", "Seconds from the first stage to the written file, and that over the media's duration; "
+                          "null unless ok."),
+    ("media_s, frames", "The clip's duration and frame count."),
+    ("task, width, height", "t2va, fl2va or ref2va, and the size it renders at."),
+    ("forwards, forwards_reused", "DiT forwards run, and how many a step cache shortened; null unless ok."),
+    ("peak_gib", "The device's peak memory for the clip; null on the CPU."),
+    ("attention", "The DiT's attention backend; null when not rendered."),
+    ("fingerprint", "The digest of everything that decides the clip's bytes: model, resolved preset, request, "
+                    "stage versions. A rerun skips a clip there with the same one, leaves one with another as a "
+                    "conflict (--redo-conflicts renders those again, --force every clip) and renders again one "
+                    "that is damaged."),
+    ("memory_plan", "On a GPU, the run's memory plan (vram_gib, streamed_blocks, estimated_peak_gib and more); null "
+                    "on the CPU."),
+]
+
 EXIT_STATUS = [
     ("0", "Every clip was written, or was already there (render); every file is valid (validate)."),
     ("1", "Some clips failed or are in conflict with a file there (from other settings, or not h3gen's), the "

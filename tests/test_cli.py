@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +32,7 @@ def test_man_page_is_current_and_renders():
 
 
 SECTIONS = ("NAME", "SYNOPSIS", "DESCRIPTION", "OPTIONS", "COMMANDS", "PROMPTS FILE", "PRESET KEYS", "PLUGINS",
-            "ENVIRONMENT", "FILES", "EXIT STATUS", "EXAMPLES", "SEE ALSO")
+            "ENVIRONMENT", "FILES", "JSON RECORDS", "EXIT STATUS", "EXAMPLES", "SEE ALSO")
 
 
 def man_section(page: str, heading: str) -> str:
@@ -73,6 +74,18 @@ def test_man_page_has_the_reference_sections_and_every_preset_key():
     prompts = man_section(text, ".SH PROMPTS FILE")
     terms = {name for line in prompts.splitlines() if line.startswith(".B ") for name in line[3:].split(", ")}
     assert set(FIELDS) <= terms
+
+
+def test_man_page_names_every_field_of_a_clip_s_record():
+    from h3gen.cli.manpage import page
+    from h3gen.inputs.request import Request
+    from h3gen.run.records import ClipResult, clip_record
+
+    request = Request(index=0, prompt="p", seed=1, width=32, height=32, frames=124)
+    fields = clip_record(ClipResult(request, Path("out/a.mp4"), True, {}, 0.0), "tiny")
+    named = {name.strip() for line in man_section(page(), ".SH JSON RECORDS").splitlines()
+             if line.startswith(".B ") for name in line[3:].replace("\\-", "-").split(",")}
+    assert named == set(fields)
 
 
 def test_man_page_names_every_exit_status_and_environment_variable_the_code_has():
