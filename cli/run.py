@@ -71,17 +71,14 @@ def dry_run(batch, settings: RunSettings) -> int:
     clip would conflict, as the run itself would."""
     import json
 
-    from h3gen.run.loop import plan
+    from h3gen.run.loop import note_moved_seeds, plan
     from h3gen.run.outputs import held_elsewhere
     from h3gen.run.records import request_fields
     from h3gen.run import fingerprint
-    from h3gen.run.resume import held_with_other_settings, moved_seeds, to_render
+    from h3gen.run.resume import held_with_other_settings, to_render
 
     conflicts, planned = 0, plan(batch, settings)
-    moved = moved_seeds([request for request, _, found in planned if to_render(found)], batch.requests,
-                        settings.output, batch.preset.name, settings.seed)
-    if moved:
-        batch.reporter.warn(f"h3gen: note: {moved}")
+    note_moved_seeds(batch, settings, planned)
     for request, path, found in planned:
         action = "render" if to_render(found) else "skip" if found.status == "skipped" else "conflict"
         why = found.error if found is not None and found.error else None

@@ -69,14 +69,10 @@ def read_prompts(path: Path, base_seed: int, defaults: dict) -> list[Request]:
         fields = _parse_line(line, f"{path}:{number}")
         request = _request(fields, len(requests), number, base_seed, defaults, f"{path}:{number}", media_base(path))
         if request.id is not None:
-            # ids that differ only in case name one file on macOS's and Windows' file systems
-            first = seen.get(request.id.casefold())
-            if first is not None:
-                same = "" if first[1] == request.id else f" as '{first[1]}': ids that differ only in case are one file " \
-                                                         "on macOS and Windows"
-                raise UsageError(f"{path}:{number}: duplicate id '{request.id}' (first on line {first[0]}{same})",
+            if request.id in seen:
+                raise UsageError(f"{path}:{number}: duplicate id '{request.id}' (first on line {seen[request.id]})",
                                  "give every clip its own id")
-            seen[request.id.casefold()] = (number, request.id)
+            seen[request.id] = number
         requests.append(request)
     if not requests:
         where = "standard input" if str(path) == "/dev/stdin" else f"prompts file {path}"

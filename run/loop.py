@@ -309,22 +309,28 @@ def plan(batch: Batch, settings: RunSettings) -> list:
             for request in batch.requests]
 
 
+def note_moved_seeds(batch: Batch, settings: RunSettings, planned: list) -> None:
+    """Warn when the clips `plan` leaves to render moved off their default seeds (h3gen.run.resume.moved_seeds)."""
+    from h3gen.run.resume import moved_seeds, to_render
+
+    pending = [request for request, _, found in planned if to_render(found)]
+    moved = moved_seeds(pending, batch.requests, settings.output, batch.preset.name, settings.seed)
+    if moved:
+        batch.reporter.warn(f"h3gen: note: {moved}")
+
+
 def skip_finished(batch: Batch, settings: RunSettings) -> list:
     """Results for the clips a previous run already wrote (file there, valid, same fingerprint): a rerun resumes;
     and for those it wrote with other settings (conflicts), which this run leaves alone; none of either that
     `settings.redo` renders again."""
     from h3gen.run.outputs import recorded
-    from h3gen.run.resume import already_done, moved_seeds, to_render
+    from h3gen.run.resume import to_render
 
     preset_name, reporter, output = batch.preset.name, batch.reporter, settings.output
-    found = [already_done(request, output, preset_name, settings.save_latents, batch.run_fields, settings.redo)
-             for request in batch.requests]
-    pending = [request for request, result in zip(batch.requests, found) if to_render(result)]
-    moved = moved_seeds(pending, batch.requests, output, preset_name, settings.seed)
-    if moved:
-        reporter.warn(f"h3gen: note: {moved}")
+    planned = plan(batch, settings)
+    note_moved_seeds(batch, settings, planned)
     finished = []
-    for result in filter(None, found):
+    for result in filter(None, (found for _, _, found in planned)):
         if to_render(result):
             reporter.say(f"note: {shown(str(result.path))} is {result.error}")
         else:

@@ -46,7 +46,7 @@ def probe_clip(path: Path, pictures: bool = True) -> ClipInfo:
     with av.open(str(path)) as container:
         video = next(iter(container.streams.video), None)
         audio = next(iter(container.streams.audio), None)
-        pixels, sound = _PixelStats(), _SoundStats()
+        pixels, sound = _PixelStats(measured=pictures), _SoundStats()
         streams = [stream for stream in (video, audio) if stream is not None]
         for packet in container.demux(streams) if streams else ():
             if packet.stream.type == "video" and not pictures:
@@ -55,8 +55,6 @@ def probe_clip(path: Path, pictures: bool = True) -> ClipInfo:
             stats = pixels if packet.stream.type == "video" else sound
             for frame in packet.decode():
                 stats.add(frame)
-        if not pictures:
-            pixels.measured = False
         return ClipInfo(
             video_streams=len(container.streams.video),
             audio_streams=len(container.streams.audio),
@@ -144,9 +142,9 @@ def box_problem(path: Path) -> str:
 class _PixelStats:
     """Frame count and exact pixel variance (summed over RGB channels)."""
 
-    def __init__(self) -> None:
+    def __init__(self, measured: bool = True) -> None:
         self.frames = self.count = 0
-        self.measured = True  # False: frames counted from packets, no pixel read
+        self.measured = measured  # False: frames counted from packets, no pixel read
         self.total = np.zeros(3, np.int64)
         self.squares = np.zeros(3, np.int64)
 

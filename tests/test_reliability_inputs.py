@@ -34,9 +34,8 @@ def refused(result, message):
     ('{"prompt": "x", "width": 32, "height": 4096}\n', "size 32x4096 is outside H3's aspect ratios of 1:4 to 4:1 "
                                                       "(use 32x128"),
     ('{"prompt": "x", "id": "a"}\n{"prompt": "y", "id": "a"}\n', "prompts.txt:2: duplicate id 'a' (first on line 1)"),
-    ('{"prompt": "x", "id": "Fox"}\n{"prompt": "y", "id": "fox"}\n', "prompts.txt:2: duplicate id 'fox' (first on line 1 "
-                                                              "as 'Fox': ids that differ only in case are one file on "
-                                                              "macOS and Windows)"),
+    ('{"prompt": "x", "id": "Fox"}\n{"prompt": "y", "id": "fox"}\n', "prompts.txt:2: writes fox.mp4, as line 1 does as "
+                                                              "Fox.mp4, one file on macOS and Windows"),
     ('{"prompt": "x", "id": "../../etc/cron.d/x"}\n', "id '../../etc/cron.d/x' is not a plain file name"),
     ('{"prompt": "x", "id": "/tmp/x"}\n', "id '/tmp/x' is not a plain file name"),
     ('{"prompt": "x", "id": ".hidden"}\n', "id '.hidden' is not a plain file name"),
