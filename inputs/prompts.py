@@ -121,9 +121,13 @@ def _parse_line(line: str, where: str) -> dict:
     try:
         fields = json.loads(line, object_pairs_hook=_once_each)
     except json.JSONDecodeError as e:
-        before = line[:e.pos].rstrip()
-        what = ("a comma before the closing bracket, which JSON does not allow" if before.endswith(",")
-                and line[e.pos:].lstrip()[:1] in "}]" else e.msg)
+        before, after = line[:e.pos].rstrip(), line[e.pos:].strip()
+        if not after:
+            what = "the line ends before its object does (an object must be whole on its line)"
+        elif before.endswith(",") and after[0] in "}]":
+            what = "a comma before the closing bracket, which JSON does not allow"
+        else:
+            what = e.msg
         raise UsageError(f"{where}: malformed JSON at column {e.colno}: {what}",
                          'write one object per line, e.g. {"prompt": "..."}; a prompt starting with "[" or "{" '
                          'goes in one too') from None

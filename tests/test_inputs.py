@@ -26,7 +26,9 @@ def test_plain_and_json_lines(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ("", "has no prompts"),
     ("# only a comment\n", "has no prompts"),
-    ('ok\n{"prompt": "x",\n', "p.txt:2: malformed JSON"),
+    ('ok\n{"prompt": "x",\n "seed": 1}\n', "p.txt:2: malformed JSON at column 16: the line ends before its object "
+                                          "does (an object must be whole on its line)"),
+    ('{"prompt": "x"\n', "p.txt:1: malformed JSON at column 15: the line ends before its object does"),
     ('{"prompt": "x", "colour": "red"}\n', "unknown field 'colour'"),
     ('{"prompt": "x", "seed": 3,}\n', "p.txt:1: malformed JSON at column 27: a comma before the closing bracket, "
                                      "which JSON does not allow"),
