@@ -240,15 +240,17 @@ def check_unique_outputs(requests, preset_name: str, prompts: Path) -> None:
     case are one file on macOS's and Windows' file systems."""
     from h3gen.run.resume import clip_name
 
-    first = {}  # casefolded name -> (line, name)
+    first = {}  # casefolded name -> (line, name, its id)
     for request in requests:
         name = clip_name(request, preset_name)
         if name.casefold() in first:
-            line, other = first[name.casefold()]
+            line, other, other_id = first[name.casefold()]
             case = "" if other == name else f" as {other}, one file on macOS and Windows"
-            raise UsageError(f"{prompts}:{request.line}: writes {name}, as line {line} does{case}",
-                             "give the clips different ids or seeds")
-        first[name.casefold()] = (request.line, name)
+            fix = ("give the clips ids that differ in more than case" if request.id and other_id else
+                   "give one of them another seed or an id" if not (request.id or other_id) else
+                   "give the clips different ids or seeds")
+            raise UsageError(f"{prompts}:{request.line}: writes {name}, as line {line} does{case}", fix)
+        first[name.casefold()] = (request.line, name, request.id)
 
 
 def check_model_kind(preset, repo, embedded: bool, baseline: bool = False, bench: bool = False) -> None:

@@ -35,7 +35,8 @@ def refused(result, message):
                                                       "(use 32x128"),
     ('{"prompt": "x", "id": "a"}\n{"prompt": "y", "id": "a"}\n', "prompts.txt:2: duplicate id 'a' (first on line 1)"),
     ('{"prompt": "x", "id": "Fox"}\n{"prompt": "y", "id": "fox"}\n', "prompts.txt:2: writes fox.mp4, as line 1 does as "
-                                                              "Fox.mp4, one file on macOS and Windows"),
+                                                              "Fox.mp4, one file on macOS and Windows (give the clips ids that differ in more "
+                                                              "than case)"),
     ('{"prompt": "x", "id": "../../etc/cron.d/x"}\n', "id '../../etc/cron.d/x' is not a plain file name"),
     ('{"prompt": "x", "id": "/tmp/x"}\n', "id '/tmp/x' is not a plain file name"),
     ('{"prompt": "x", "id": ".hidden"}\n', "id '.hidden' is not a plain file name"),
@@ -43,6 +44,8 @@ def refused(result, message):
     ('{"prompt": "x", "id": "-x"}\n', "id '-x' is not a plain file name (start it with an ASCII letter or digit, then "),
     ('{"prompt": "x", "id": "%s"}\n' % ("a" * 129), "characters at most"),
     ('{"prompt": "same", "seed": 3}\n{"prompt": "same", "seed": 3}\n', "prompts.txt:2: writes h3-"),
+    ('{"prompt": "same", "seed": 3}\n{"prompt": "same", "seed": 3}\n', "as line 1 does (give one of them another seed "
+                                                                   "or an id)"),
     ('{"prompt": "x", "id": "Fox.mp4"}\n{"prompt": "y", "id": "fox"}\n', "prompts.txt:2: writes fox.mp4, as line 1 "
                                                                    "does as Fox.mp4, one file on macOS and Windows"),
     (b"ok\n\xff\xfe\n", "prompts.txt:2: not UTF-8 text"),
