@@ -53,6 +53,14 @@ def installed_plugins(*own: str) -> list[str]:
     return sorted({ep.name for ep in entry_points(group="h3gen")} | set(own))
 
 
+def left_out_note(*own: str) -> str:
+    """What an "unknown stage" error adds under H3GEN_LOAD_PLUGINS=none: the installed plugins it leaves out, the
+    test's `own` among them ('' when none is installed)."""
+    names = installed_plugins(*own)
+    return (f"; H3GEN_LOAD_PLUGINS=none leaves out the installed plugin(s) {', '.join(map(repr, names))}, which may "
+            "register it" if names else "")
+
+
 def own_plugins(env: dict) -> dict:
     """`env` with H3GEN_LOAD_PLUGINS naming the plugins installed in the folders of its PYTHONPATH, unless it names
     them itself."""

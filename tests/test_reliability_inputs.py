@@ -12,7 +12,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from conftest import ROOT, h3gen
+from conftest import ROOT, h3gen, left_out_note
 
 TINY_PRESET = (ROOT / "presets" / "tiny.toml").read_text()
 
@@ -276,6 +276,7 @@ def test_bad_sampler_value_is_refused_before_any_weight_loads(prompts_file, tmp_
     preset.write_text(sampler.replace("[sampler]\n", f"[sampler]\n{line}\n"))
     result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--preset", preset, check_code=2)
     named = message.replace("preset bad", f"preset {preset}")  # a preset file is named by its path
+    named = named[:-1] + left_out_note() + ")" if line.startswith("use") else named
     assert result.stderr.strip().splitlines()[-1] == f"h3gen: error: {named}"
     assert not list((tmp_path / "out").glob("**/*.mp4"))
 
