@@ -288,9 +288,12 @@ class Renderer:
                 self.learn_unfit(clip, e)
                 error = clip_error(clip, e, self.memory_plan)
             self.muxing.pop(0)
-            if not error:
-                self.reporter.stage_done(clip, "mux", clip.seconds.get("mux", 0.0))
-            self.done.append(self.finish(clip, error, claim=claim))
+            self.done.append(self.finish(clip, error, claim=claim) if error else self.finish_muxed_clip(clip, claim))
+
+    def finish_muxed_clip(self, clip: Clip, claim) -> ClipResult:
+        """A clip whose background mux wrote its MP4: its mux line, then its result."""
+        self.reporter.stage_done(clip, "mux", clip.seconds.get("mux", 0.0))
+        return self.finish(clip, claim=claim)
 
     def finish(self, clip: Clip, error: str = "", status: str = "", claim=None) -> ClipResult:
         with signals_held():  # recorded, reported and counted, or none of these
@@ -355,13 +358,13 @@ class Renderer:
             for job in concurrent.futures.as_completed(finishing):
                 clip, claim = finishing[job]
                 if not job.cancelled() and job.exception() is None:
-                    written.append(self.finish(clip, claim=claim))
+                    written.append(self.finish_muxed_clip(clip, claim))
                 recorded.add(job)
             mux.discard_in_flight()
         for kind in PIPELINE:
             self.unload(self.stages[kind])
         memory.let_go(self.runtime.device)
-        written += [self.finish(clip, claim=claim) for clip, claim, job, _ in self.muxing
+        written += [self.finish_muxed_clip(clip, claim) for clip, claim, job, _ in self.muxing
                     if job not in recorded and job.done() and not job.cancelled() and job.exception() is None]
         if discard:
             self.discarded = len(self.muxing) - len(written) + (self.claim_on_device is not None)

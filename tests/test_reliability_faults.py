@@ -656,6 +656,7 @@ def test_a_signal_finishes_the_background_mux_of_a_decoded_clip_and_leaves_only_
     assert not list(out.glob(".*"))  # no partial MP4, no claim left behind
     assert all(validate_clip(path, expected_frames=124) == [] for path in out.glob("*.mp4"))
     assert "b.mp4" in [p.name for p in out.glob("*.mp4")]
+    assert re.search(r"\[2/3\] mux \d+\.\d\ds", stderr), stderr[-2000:]  # its mux line, as any written clip's
     assert re.search(r"h3gen: finishing the MP4 of [12] clip\(s\) already decoded; another signal ends at once",
                      stderr), stderr[-2000:]
     written = len(list(out.glob("*.mp4")))
