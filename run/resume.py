@@ -60,13 +60,14 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
     # A clip this run would write the same is checked for damage, not decoded picture by picture: it was whole when
     # renamed into place, and a rerun over thousands of clips must not cost a decode of each (`h3gen validate` does).
     problems = validate_clip(path, expected_frames=request.frames, pictures=stored is None)
+    state = "there but damaged:"
     if not problems and save_latents and stored is not None:
-        problems = latents_problems(latents_path(path))
+        problems, state = latents_problems(latents_path(path)), "there, but"
     if problems and stored is None and not box_problem(path):
         return conflict(request, path, wanted, problems, "a whole MP4 h3gen did not stamp")
     if problems:  # the atomic write replaces it only once the new file is whole
         return ClipResult(request, path, False, {}, 0.0, status="damaged",
-                          error=f"there but damaged: {problems[0]}; to render again")
+                          error=f"{state} {problems[0]}; to render again")
     if stored is None:  # whole, but without h3gen's stamp: another tool's file, or an older h3gen's
         return conflict(request, path, wanted, ["no h3gen stamp in its metadata"], "a whole MP4 h3gen did not stamp")
     return ClipResult(request, path, True, {}, 0.0, skipped=True, fingerprint=fingerprint.digest(wanted))
