@@ -609,7 +609,9 @@ def main():
 
         if debugging():  # where it came from, then the same one line
             traceback.print_exception(e, file=sys.stderr)
-        print(f"h3gen: error: {type(e).__name__}: {one_line(str(e))} (a bug; rerun with --traceback for where, and "
+        command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), "")
+        where = "--traceback" if command in ("render", "bench") else "H3GEN_DEBUG=1"  # the others have no option
+        print(f"h3gen: error: {type(e).__name__}: {one_line(str(e))} (a bug; rerun with {where} for where, and "
               "report it)", file=sys.stderr)
         sys.exit(1)
 

@@ -40,9 +40,9 @@ class ClipInfo:
 
 
 def probe_clip(path: Path, pictures: bool = True) -> ClipInfo:
-    """Decode the whole clip once; raises av.FFmpegError or OSError if unreadable. Without `pictures` the video's
-    frames are counted from its packets, not decoded (nor their variance measured): what a rerun needs of a clip
-    it stamped, at a small part of the cost."""
+    """Decode the whole clip once; raises av.FFmpegError or OSError if unreadable, UnicodeDecodeError if its
+    metadata is damaged. Without `pictures` the video's frames are counted from its packets, not decoded (nor their
+    variance measured): what a rerun needs of a clip it stamped, at a small part of the cost."""
     with av.open(str(path)) as container:
         video = next(iter(container.streams.video), None)
         audio = next(iter(container.streams.audio), None)
@@ -81,6 +81,8 @@ def validate_clip(
         info = probe_clip(path, pictures)
     except (av.FFmpegError, OSError) as error:
         return [f"cannot read {path}: {error}"]
+    except UnicodeDecodeError:  # PyAV decodes every metadata tag as it opens the file
+        return [f"cannot read {path}: its metadata is not UTF-8 text (damaged)"]
     return (
         _video_problems(info, expected_frames, fps)
         + _audio_problems(info, sample_rate)

@@ -452,7 +452,10 @@ def test_a_run_started_in_the_checkout_finds_installed_packages_not_its_folders(
 
 
 @pytest.mark.parametrize("debug", ["", "1"])
-def test_a_bug_is_one_line_and_with_traceback_the_traceback_comes_before_it(monkeypatch, capsys, debug):
+@pytest.mark.parametrize("command, where", [("render", "--traceback"), ("validate", "H3GEN_DEBUG=1")])
+def test_a_bug_is_one_line_and_with_traceback_the_traceback_comes_before_it(monkeypatch, capsys, debug, command,
+                                                                          where):
+    """The line names a way to see the traceback that the command has: only render and bench take --traceback."""
     import h3gen.cli.main as cli
 
     def broken(**kwargs):
@@ -460,12 +463,13 @@ def test_a_bug_is_one_line_and_with_traceback_the_traceback_comes_before_it(monk
 
     monkeypatch.setattr(cli, "app", broken)
     monkeypatch.setenv("H3GEN_DEBUG", debug)
+    monkeypatch.setattr(sys, "argv", ["h3gen", command, "x.mp4"])
     with pytest.raises(SystemExit) as exit:
         cli.main()
     assert exit.value.code == 1
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == ("h3gen: error: RuntimeError: something h3gen did not expect (a bug; rerun with "
-                                    "--traceback for where, and report it)")
+                                    f"{where} for where, and report it)")
     assert ("Traceback (most recent call last)" in err) == bool(debug)
 
 

@@ -365,6 +365,29 @@ def test_a_rerun_checks_a_clip_it_stamped_for_damage_without_decoding_its_pictur
     assert found.status == "conflict" and "video is constant" in found.error
 
 
+def test_a_clip_whose_stamp_is_no_longer_text_is_one_conflict(tmp_path):
+    """Bytes flipped inside the metadata: PyAV cannot even open the file (it decodes every tag as UTF-8). Its stamp
+    unreadable, it is a whole MP4 h3gen cannot show it wrote: a conflict that says why, left alone, never an error
+    that stops the run or `h3gen validate`."""
+    import numpy as np
+
+    from h3gen.inputs.request import Request
+    from h3gen.run.resume import already_done, clip_name
+    from h3gen.run.validate import validate_clip
+    from h3gen.stages.mux import write_mp4
+
+    request = Request(index=0, prompt="p", seed=1, width=32, height=32, frames=22)
+    frames = np.random.default_rng(0).integers(0, 256, (22, 32, 32, 3), dtype=np.uint8)
+    path, stamp = tmp_path / clip_name(request, "tiny"), fingerprint.stamp(fingerprint.clip_fields({}, request))
+    write_mp4(path, frames, np.sin(np.arange(29334) / 9)[None].repeat(2, 0) * 0.5, comment=stamp)
+    data = path.read_bytes()
+    at = data.index(stamp.encode()) + len(stamp) // 2
+    path.write_bytes(data[:at] + b"\xff\x8c\xff\x8c" + data[at + 4:])
+    assert validate_clip(path) == [f"cannot read {path}: its metadata is not UTF-8 text (damaged)"]
+    found = already_done(request, tmp_path, "tiny", False, {})
+    assert found.status == "conflict" and "metadata is not UTF-8 text (damaged)" in found.error, found.error
+
+
 def test_a_line_removed_above_default_seeded_prompts_is_named_before_they_render_anew(prompts_file, tmp_path):
     """Their clips are there under the seeds their old places gave; a prompt repeated on the next line (its clip is
     this file's own) and a line with an id or its own seed are not counted."""
