@@ -405,8 +405,6 @@ def compare(
     Example:
       h3gen compare fast/ ref/ --json
     """
-    import json
-
     from h3gen.cli.ui import compare_table
     from h3gen.run.compare import compare as compare_clips
     from h3gen.run.compare import pairs
@@ -426,12 +424,14 @@ def compare(
             try:
                 records.append(compare_clips(x, y) | {"compared": True})
             except H3genError as e:  # two folders: that pair is left out, the others compared
-                if not a.is_dir() or len(matched) == 1:
+                if not a.is_dir():
                     raise
                 refused.append(e)
                 left_out.append({"a": str(x), "b": str(y), "compared": False, "reason": e.problem})
-                typer.echo(f"note: {shown(e.problem)}; not compared", err=True)
+                if len(matched) > 1:  # a lone pair's problem is the error itself
+                    typer.echo(f"note: {shown(e.problem)}; not compared", err=True)
         if not records:
+            json_lines(left_out if json_out else [])  # what was left out, and why, before the error
             if len(refused) == 1:
                 raise refused[0]
             raise UsageError(f"none of the {len(refused)} matched pairs of {a} and {b} could be compared (the notes "
@@ -439,12 +439,18 @@ def compare(
     except H3genError as e:
         fail(e)
     compare_table(records)
-    if json_out:
-        for record in records + left_out:
-            typer.echo(json.dumps({k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
-                                   for k, v in record.items()}))
+    json_lines(records + left_out if json_out else [])
     if refused:
         raise typer.Exit(1)
+
+
+def json_lines(records: list[dict]) -> None:
+    """One JSON line each on stdout; a float that is not finite as a string ("inf": identical frames)."""
+    import json
+
+    for record in records:
+        typer.echo(json.dumps({k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
+                               for k, v in record.items()}))
 
 
 @presets_app.callback()

@@ -78,6 +78,9 @@ def read_clip(path: Path):
     try:
         if is_quicktime(path):
             raise UsageError(f"{path} is {QUICKTIME}", "compare the MP4s h3gen writes")
+        cut = box_problem(path)  # its pictures may all decode, but the file is not whole (h3gen validate: invalid)
+        if cut:
+            raise UsageError(f"cannot read {path} as an MP4: {cut}", "compare the MP4s h3gen writes")
         with av.open(str(path)) as container:
             if "mp4" not in container.format.name or not container.streams.video:
                 raise UsageError(f"{path} is not an MP4 with a video stream", "compare the MP4s h3gen writes")

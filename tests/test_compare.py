@@ -132,21 +132,34 @@ def test_a_clip_without_sound_and_a_cut_short_one_are_said_as_such(tmp_path):
     result = h3gen("compare", silent, sound, check_code=2)
     assert f"{silent} has no audio stream, and {sound} has one" in result.stderr
     cut = tmp_path / "cut.mp4"
-    cut.write_bytes(sound.read_bytes()[:2000])
-    result = h3gen("compare", cut, sound, check_code=2)
-    assert result.stderr.startswith(f"h3gen: error: cannot read {cut} as an MP4: truncated") and "Errno" not in \
-        result.stderr, result.stderr
+    for kept in (2000, len(sound.read_bytes()) - 1):  # the last byte cut: every picture decodes, the file is not whole
+        cut.write_bytes(sound.read_bytes()[:kept])
+        result = h3gen("compare", cut, sound, check_code=2)
+        assert result.stderr.startswith(f"h3gen: error: cannot read {cut} as an MP4: truncated") and "Errno" not in \
+            result.stderr, result.stderr
 
 
 def test_when_no_pair_of_two_folders_can_be_compared_the_last_line_says_so(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     for name in ("one.mp4", "two.mp4"):
         clip(a / name, 1), clip(b / name, 1, frames=39)
-    result = h3gen("compare", a, b, check_code=2)
+    result = h3gen("compare", a, b, "--json", check_code=2)
     assert result.stderr.count("not compared") == 2
     assert result.stderr.splitlines()[-1] == (
         f"h3gen: error: none of the 2 matched pairs of {a} and {b} could be compared (the notes above say why) "
         "(compare folders rendered from one prompts file at one size and duration)")
+    assert [json.loads(line)["compared"] for line in result.stdout.splitlines()] == [False, False]
+
+
+def test_when_the_one_matched_pair_of_two_folders_differs_json_still_says_what_was_left_out(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    clip(a / "one.mp4", 1), clip(b / "one.mp4", 1, frames=39), clip(b / "two.mp4", 2)
+    result = h3gen("compare", a, b, "--json", check_code=2)
+    assert result.stderr.splitlines()[-1].endswith("differ in frame counts (22 and 39) (compare clips rendered from "
+                                                   "the same request (size, duration))"), result.stderr
+    left_out = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(r["a"], r["b"], r["compared"]) for r in left_out] == [(None, str(b / "two.mp4"), False),
+                                                                    (str(a / "one.mp4"), str(b / "one.mp4"), False)]
 
 
 @pytest.mark.parametrize("order", ["folder first", "folder second"])
