@@ -141,6 +141,15 @@ def replace_stage(old: dict, new: dict, kind: str, registry, origins: dict, sour
         if "wraps" not in section and is_wrapper(registry, kind, name):
             section["wraps"] = old
             origins.update({f"{kind}.wraps.{path[len(kind) + 1:]}": where for path, where in moved.items()})
+        else:  # the keys go with the stage; one the user gave on the command line must not vanish without a word
+            dropped = [path for path, where in moved.items() if where == "--set" and not path.endswith(".use")]
+            if dropped:
+                value = old
+                for part in dropped[0].split(".")[1:]:
+                    value = value.get(part) if isinstance(value, dict) else None
+                raise UsageError(f"--set {dropped[0]}={toml_value(value)} is for the {kind} stage {old.get('use')!r}, "
+                                 f"which the later --set {kind}.use={name} replaces",
+                                 f"give --set {kind}.use={name} before it")
     origins.update(dict.fromkeys(key_paths({kind: new}), source))
     return section
 

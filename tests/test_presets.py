@@ -81,6 +81,10 @@ def test_set_overrides_and_records_where_values_came_from(tmp_path):
     (BASE, ["runtime.devise=cpu"], r"^--set runtime.devise: unknown key 'devise' in preset custom \[runtime\]"),
     (BASE, ["vae.wraps.use=fast"], r"^--set vae.wraps.use: unknown key 'wraps' in preset custom \[vae\]"),
     (BASE, ["vae.use=fast", "vae.tile_height=big"], r"^--set vae.tile_height must be int, got 'big'"),
+    # A key given on the command line for the stage a later --set replaces would vanish without a word.
+    (BASE, ["vae.tile_batch=4", "vae.use=fast"], r"^--set vae.tile_batch=4 is for the vae stage 'reference', which the "
+                                                 r"later --set vae.use=fast replaces \(give --set vae.use=fast before "
+                                                 r"it\)"),
     # A bool is said as TOML writes one: yes, 1 and "true" are not.
     (BASE, ["sampler.compile=yes"], r"^--set sampler.compile must be bool, got 'yes' \(write true or "
                                     r"false, lowercase and unquoted; fix the value after the =\)"),
