@@ -271,8 +271,9 @@ def records_for(name, baseline, request, runs, forwards_run, full_forwards, peak
                       if host else None,
                       rtf=round(median / duration, 4) if stage == "e2e" else None, dit_rel_err=None)
         if stage == "dit":
-            timed = (f"{forwards_run} forwards timed ({forwards_run - forwards_reused} computed in full, "
-                     f"{forwards_reused} reused)" if forwards_reused else f"{forwards_run} forwards timed")
+            timed = f"{forwards_run} forward{'s' * (forwards_run != 1)} timed"
+            if forwards_reused:
+                timed += f" ({forwards_run - forwards_reused} computed in full, {forwards_reused} reused)"
             if forwards_run != full_forwards:
                 timed += f", scaled to {full_forwards}"
             outside = statistics.median(outside_s)

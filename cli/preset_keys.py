@@ -29,8 +29,8 @@ INTRO = (
     + ", ".join(f'[{kind}] (use = "{name}")' for kind, name in OPTIONAL_STAGES.items())
     + ". A key a table does not have stops the run, naming the keys it has; so does a value of another type. "
     "--set SECTION.KEY=VALUE sets one key over the preset, VALUE read as a TOML value (a bare word is a string); "
-    "--set KIND.use=NAME picks another stage, dropping the keys set for the one it replaces (a stage that wraps "
-    "its kind takes them for the one it wraps). "
+    "--set KIND.use=NAME picks another stage, dropping the keys the preset set for the one it replaces (a stage "
+    "that wraps its kind takes them for the one it wraps; one an earlier --set gave is refused, not dropped). "
     "h3gen presets show NAME prints every resolved key and where it came from; --toml prints it as a preset. "
     "Each key below reads KEY = DEFAULT, then its type. The stages are h3gen's own: h3gen plugins lists the ones "
     "plugins add, and h3gen presets show their keys.")

@@ -90,8 +90,8 @@ ENVIRONMENT = [
                     "(which sets it, for the workers too)."),
     ("H3GEN_HEARTBEAT_S", f"Seconds between two lines of a clip's sampler progress when stderr is not a terminal "
                           f"(default {HEARTBEAT_S:g}; 0: a line at every step; inf: none)."),
-    ("H3GEN_COMMIT", "The commit h3gen bench writes into its results (default: git rev-parse HEAD in h3gen's "
-                     "source folder)."),
+    ("H3GEN_COMMIT", "The commit h3gen bench writes into its results: a hash of 7 to 40 lowercase hex digits, "
+                     "anything else refused (default: git rev-parse HEAD in h3gen's source folder)."),
     ("TERM", "dumb: stderr gets a log's timestamped lines on a terminal too, not a live display drawn over itself."),
     ("NO_COLOR", "Set: the live display draws without colours (read by rich)."),
     ("XDG_CACHE_HOME", "Where the user cache directory is (FILES)."),
