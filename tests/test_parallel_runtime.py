@@ -386,8 +386,8 @@ def test_an_error_on_one_rank_of_a_group_ends_the_run_instead_of_hanging(tmp_pat
 
     env = {**ENV, **install(tmp_path / "site", "oneoom", ONE_RANK_OOM)}
     (tmp_path / "p.txt").write_text("a fox\na heron\n")
-    result = h3gen("render", tmp_path / "p.txt", "-o", tmp_path / "out", *PRESET, "--set",
-                   "sampler.use=one-rank-oom", "--cpu-workers", 2, "--ulysses", 2, env=env, timeout=300)
+    result = h3gen("render", tmp_path / "p.txt", "-o", tmp_path / "out", "--set", "sampler.use=one-rank-oom", *PRESET,
+                   "--cpu-workers", 2, "--ulysses", 2, env=env, timeout=300)
     assert result.returncode == 1, result.stderr[-2000:]
     assert "rank 1 failed on" in result.stderr and "out of GPU memory" in result.stderr, result.stderr[-2000:]
     assert not list((tmp_path / "out").glob("*.mp4"))
