@@ -431,7 +431,8 @@ def compare(
                 if len(matched) > 1:  # a lone pair's problem is the error itself
                     typer.echo(f"note: {shown(e.problem)}; not compared", err=True)
         if not records:
-            json_lines(left_out if json_out else [])  # what was left out, and why, before the error
+            if json_out:  # what was left out, and why, before the error
+                json_lines(left_out)
             if len(refused) == 1:
                 raise refused[0]
             raise UsageError(f"none of the {len(refused)} matched pairs of {a} and {b} could be compared (the notes "
@@ -439,7 +440,8 @@ def compare(
     except H3genError as e:
         fail(e)
     compare_table(records)
-    json_lines(records + left_out if json_out else [])
+    if json_out:
+        json_lines(records + left_out)
     if refused:
         raise typer.Exit(1)
 

@@ -90,11 +90,8 @@ def read_clip(path: Path):
             if container.streams.audio:
                 rate = container.streams.audio[0].rate
                 audio = [f.to_ndarray().reshape(-1, f.samples) for f in container.decode(audio=0)]
-    except (av.FFmpegError, OSError, ValueError) as e:
-        try:  # a file cut short is said as such; else what the decoder said, without its error number
-            why = box_problem(path) or getattr(e, "strerror", None) or str(e)
-        except OSError:
-            why = getattr(e, "strerror", None) or str(e)
+    except (av.FFmpegError, OSError, ValueError) as e:  # a file cut short was said above; what the decoder said,
+        why = getattr(e, "strerror", None) or str(e)  # without its error number
         raise UsageError(f"cannot read {path} as an MP4: {why}", "compare the MP4s h3gen writes") from None
     sound = np.concatenate(audio, axis=1).astype(np.float32) if audio else np.zeros((0, 0), np.float32)
     return frames, sound, rate
