@@ -21,7 +21,7 @@ from h3gen.run.records import ClipResult
 from h3gen.run.resume import already_done, clip_name, held_with_other_settings, to_render
 from h3gen.run.loop import signals_held
 from h3gen.run.timing import StageTimer
-from h3gen.stages.base import BUILTIN, ReturnedRefused, StageFailed
+from h3gen.stages.base import BUILTIN, DAMAGED_WEIGHTS_FIX, ReturnedRefused, StageFailed
 from h3gen.stages.clip import PIPELINE, Clip, described, media_problem
 
 RAW_BYTES_PER_PIXEL = 3  # uint8 RGB frames: more than any MP4 of them takes
@@ -421,8 +421,7 @@ def check_latents(clip: Clip, sampler) -> None:
                                   "as the request's shapes say: docs/plugins.md")
     broken = [name for name in wanted if not torch.isfinite(getattr(clip, f"{name}_latents")).all()]
     if broken:
-        fix = ("a sampler's latents must be finite: docs/plugins.md" if sampler.origin != BUILTIN
-               else "download the model again if its weights are damaged, or try a preset without FP8")
+        fix = "a sampler's latents must be finite: docs/plugins.md" if sampler.origin != BUILTIN else DAMAGED_WEIGHTS_FIX
         raise ReturnedRefused(f"{sampler.label()} returned {' and '.join(broken)} latents holding NaN or infinite "
                               "values", fix)
 

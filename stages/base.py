@@ -48,6 +48,10 @@ class ReturnedRefused(StageFailed):
     of another shape): the ranks are still in step, so in a group too it costs its clip alone."""
 
 
+# What to do when a built-in stage computes NaN or infinite values from finite input.
+DAMAGED_WEIGHTS_FIX = "download the model again if its weights are damaged, or try a preset without FP8"
+
+
 class Stage:
     """One step of the pipeline. Subclasses set `kind`, `name`, `Config` and implement `run`."""
 

@@ -84,6 +84,8 @@ def media_problem(request: Request, frames, audio, sample_rate) -> str:
     if not (isinstance(audio, np.ndarray) and np.issubdtype(audio.dtype, np.floating) and audio.ndim == 2
             and audio.shape[0] == AUDIO_CHANNELS):
         return f"clip.audio is {described(audio)}, not float ({AUDIO_CHANNELS}, N)"
+    if not np.isfinite(audio).all():
+        return "clip.audio holding NaN or infinite values"
     if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or sample_rate <= 0:
         return f"clip.sample_rate is {sample_rate!r}, not samples a second"
     seconds, video = audio.shape[1] / sample_rate, request.frames / FPS

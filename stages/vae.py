@@ -24,7 +24,7 @@ import dataclasses
 
 from h3gen.errors import UsageError
 from h3gen.models.vae.host_frames import PIXEL_MEAN, PIXEL_STD, HostFrames
-from h3gen.stages.base import Stage, Wrapper
+from h3gen.stages.base import DAMAGED_WEIGHTS_FIX, ReturnedRefused, Stage, Wrapper
 
 
 def fold_weight_norms(model):
@@ -39,6 +39,12 @@ def fold_weight_norms(model):
             for hook in [h for h in module._forward_pre_hooks.values() if isinstance(h, WeightNorm)]:
                 remove_weight_norm(module, hook.name)
     return model
+
+
+def finite(tensor) -> bool:
+    import torch
+
+    return bool(torch.isfinite(tensor).all())
 
 
 def denormalized(latents, config):
@@ -75,15 +81,17 @@ class ReferenceVAE(Stage):
         measure = self.runtime.timer.measure
         with torch.inference_mode():
             with measure(clip, "vae_video", report=False):
-                frames = self.decode_video(clip.video_latents)
+                frames, frames_finite = self.decode_video(clip.video_latents)
             with measure(clip, "vae_audio", report=False):
                 audio = self.decode_audio(clip.audio_latents)
+            self.refuse_nonfinite(frames_finite, finite(audio))
             with measure(clip, "transfer", report=False):
                 clip.frames, clip.audio = frames.cpu().numpy(), audio.cpu().numpy()
         clip.sample_rate = self.sample_rate
         return clip
 
     def decode_video(self, latents):
+        """(uint8 frames, whether the decoder's output was finite)."""
         import torch
 
         from h3gen.kernels.frames import frames_reference
@@ -92,11 +100,19 @@ class ReferenceVAE(Stage):
         video = self.vae.decode(denormalized(latents, self.vae.config).to(self.vae.dtype), return_dict=False)[0]
         # Frames become uint8 once, on the device, in the (T, H, W, RGB) layout the encoder reads.
         pixel_mean, pixel_std = torch.tensor(PIXEL_MEAN, device=device), torch.tensor(PIXEL_STD, device=device)
-        return frames_reference(video[0], pixel_mean, pixel_std)
+        return frames_reference(video[0], pixel_mean, pixel_std), finite(video)
 
     def decode_audio(self, latents):
         audio = self.audio_vae.decode(denormalized(latents.float(), self.audio_vae.config), return_dict=False)[0]
         return audio.float()[:, 0]
+
+    def refuse_nonfinite(self, frames_finite: bool, audio_finite: bool) -> None:
+        """A decode of finite latents (the run loop checks them) that gave NaN or infinite values would clamp them
+        into black frames or hand the encoder a soundtrack it refuses: the clip is refused, the weights named."""
+        broken = [name for name, ok in (("the frames", frames_finite), ("the soundtrack", audio_finite)) if not ok]
+        if broken:
+            raise ReturnedRefused(f"{self.label()} decoded {' and '.join(broken)} to NaN or infinite values",
+                                  DAMAGED_WEIGHTS_FIX)
 
     def unload(self):
         self.vae = self.audio_vae = None
@@ -200,10 +216,13 @@ class FastVAE(ReferenceVAE):
         with torch.inference_mode():
             with measure(clip, "vae_audio", report=False):  # first: a mux started with the decode encodes it now
                 audio = self.decode_audio(clip.audio_latents) if lead else None
-                if media is not None:
+                audio_finite = audio is None or finite(audio)
+                if media is not None and audio_finite:
                     media.sound(audio.cpu().numpy())
             with measure(clip, "vae_video", report=False):
                 frames = self.decode_frames(clip.video_latents, media)
+            if lead:  # after the decode: in a group every rank is through its collectives
+                self.refuse_nonfinite(frames.finite(), audio_finite)
             if media is not None:  # the mux waits for the frames' copies itself
                 media.finish()
             else:

@@ -52,6 +52,26 @@ def test_parity_frames_strided_into_buffer():
     assert torch.equal(out, k.frames_reference(video, MEAN, STD))
 
 
+@parity
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), None])
+def test_parity_frames_flags_what_is_not_finite(value):
+    """A NaN or an infinity anywhere sets the flag (in the kernel and the CPU path alike), every other pixel as the
+    reference makes it; finite values leave it 0."""
+    from h3gen.kernels import frames as k
+
+    video = boundary_video(frames=4, height=6, width=9)
+    if value is not None:
+        video[2, 3, 5, 8] = value
+    expected = k.frames_reference(video, MEAN, STD)
+    for convert in (lambda flag: k.frames_triton(video, MEAN, STD, nonfinite=flag, block=64),
+                    lambda flag: k.to_frames(video, MEAN, STD, nonfinite=flag)):
+        flag = torch.zeros(1, dtype=torch.int32)
+        frames = convert(flag)
+        frames[3, 5, 8, 2] = expected[3, 5, 8, 2]  # a NaN's pixel is whatever the conversion makes of it
+        assert torch.equal(frames, expected)
+        assert flag.item() == (value is not None)
+
+
 def test_reference_is_the_reference_stage_conversion():
     """The reference is the conversion stages/vae.py has always applied, ties and clamping included."""
     from h3gen.kernels.frames import frames_reference, to_frames

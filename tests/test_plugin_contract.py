@@ -77,6 +77,8 @@ class Faulty(FrameFilter):
             clip.audio = clip.audio[:1]
         if clip.request.id == "bad" and self.config.fault == "short":
             clip.audio = clip.audio[:, : clip.audio.shape[1] // 2]
+        if clip.request.id == "bad" and self.config.fault == "nan-audio":
+            clip.audio = clip.audio * float("nan")
         return clip
 
     def unload(self):
@@ -156,6 +158,7 @@ def test_a_vae_that_hands_on_no_frames_is_named_not_the_mux(faulty, prompts_file
     ("few", "returned clip.frames is uint8 (10, 32, 32, 3), not uint8 (124, 32, 32, 3)"),
     ("mono", "returned clip.audio is float32 (1, "),
     ("short", "returned clip.audio lasts 2.587 s at 32000 Hz, the frames 5.167 s"),
+    ("nan-audio", "returned clip.audio holding NaN or infinite values"),
 ])
 def test_a_vae_that_hands_on_frames_or_a_soundtrack_of_another_shape_is_named_not_the_mux(
         faulty, prompts_file, tmp_path, fault, problem):

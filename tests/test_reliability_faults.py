@@ -1105,19 +1105,28 @@ def test_json_lines_on_a_full_disk_are_named_as_standard_output(prompts_file, tm
     assert [p.name for p in out.glob("*.mp4")] and not list(out.glob(".*"))  # the clip itself is whole
 
 
-def test_a_dit_whose_weights_hold_a_nan_fails_its_clips_naming_the_weights(prompts_file, tmp_path, tiny_model):
-    """A NaN in a weight gives latents no decode or mux can use: the clip fails at the sampler, not in the AAC
-    encoder, and no file is left."""
+def with_nan_weights(tiny_model, tmp_path, folder: str, damaged) -> Path:
+    """A copy of the tiny model whose `folder` weights named by `damaged(name)` are all NaN."""
     import torch
     from safetensors.torch import load_file, save_file
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
-    weights = model / "transformer" / "diffusion_pytorch_model.safetensors"
+    weights = model / folder / "diffusion_pytorch_model.safetensors"
     tensors = load_file(str(weights))
-    name = next(k for k in tensors if k.endswith("norm_out.linear.weight") or k.startswith("proj_out."))
-    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    names = [name for name in tensors if damaged(name)]
+    assert names
+    for name in names:
+        tensors[name] = torch.full_like(tensors[name], float("nan"))
     save_file(tensors, str(weights), metadata={"format": "pt"})
+    return model
+
+
+def test_a_dit_whose_weights_hold_a_nan_fails_its_clips_naming_the_weights(prompts_file, tmp_path, tiny_model):
+    """A NaN in a weight gives latents no decode or mux can use: the clip fails at the sampler, not in the AAC
+    encoder, and no file is left."""
+    model = with_nan_weights(tiny_model, tmp_path, "transformer",
+                             lambda name: name.endswith("norm_out.linear.weight") or name.startswith("proj_out."))
     out = tmp_path / "out"
     result = h3gen("render", prompts_file('{"id": "nan", "prompt": "x"}\n'), "-o", out, "--model", model,
                    "--preset", "tiny", check_code=1)
@@ -1125,3 +1134,18 @@ def test_a_dit_whose_weights_hold_a_nan_fails_its_clips_naming_the_weights(promp
                      r"infinite values \(download the model again if its weights are damaged, or try a preset "
                      r"without FP8\)", result.stderr), result.stderr
     assert "h3gen bug" not in result.stderr and not (out / "nan.mp4").exists()
+
+
+@pytest.mark.parametrize("folder, vae, broken", [("vae", "fast", "the frames"), ("vae", "reference", "the frames"),
+                                                 ("audio_vae", "fast", "the soundtrack")])
+def test_a_decoder_whose_weights_hold_a_nan_fails_its_clips_naming_the_weights(prompts_file, tmp_path, tiny_model,
+                                                                                folder, vae, broken):
+    """Damaged decoder weights with finite latents: the frames would clamp to a black clip that the run calls
+    written, the soundtrack would stop the AAC encoder; the decode refuses the clip instead, and no file is left."""
+    model = with_nan_weights(tiny_model, tmp_path, folder, lambda name: name.startswith(("decoder.", "post_quant")))
+    out = tmp_path / "out"
+    result = h3gen("render", prompts_file('{"id": "nan", "prompt": "x"}\n'), "-o", out, "--model", model,
+                   "--preset", "tiny", "--set", f"vae.use={vae}", check_code=1)
+    assert (f"vae stage '{vae}' (built into h3gen) decoded {broken} to NaN or infinite values (download the model "
+            "again if its weights are damaged, or try a preset without FP8)") in result.stderr, result.stderr
+    assert "h3gen bug" not in result.stderr and not list(out.glob("*.mp4")) and not list(out.glob(".*"))

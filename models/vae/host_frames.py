@@ -38,6 +38,7 @@ class HostFrames:
         self.std = torch.tensor(PIXEL_STD, device=device)
         self.copies = torch.cuda.Stream(device) if self.cuda else None
         self.written, self.media = 0, media
+        self.nonfinite = torch.zeros(1, dtype=torch.int32, device=device)  # set where a frame held NaN or infinity
 
     def write(self, video) -> None:
         """`video` (3, n, H, W): the clip's next n frames, in the VAE's normalized pixel space."""
@@ -49,9 +50,9 @@ class HostFrames:
         self.written += video.shape[1]
         copied = None
         if not self.cuda:
-            to_frames(video, self.mean, self.std, out=target)
+            to_frames(video, self.mean, self.std, out=target, nonfinite=self.nonfinite)
         else:
-            staged = to_frames(video, self.mean, self.std)
+            staged = to_frames(video, self.mean, self.std, nonfinite=self.nonfinite)
             self.copies.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.copies):
                 target.copy_(staged, non_blocking=True)
@@ -60,6 +61,10 @@ class HostFrames:
             staged.record_stream(self.copies)
         if self.media is not None:
             self.media.landed(self.written, copied)
+
+    def finite(self) -> bool:
+        """Whether every frame written so far was decoded to finite values (on CUDA it waits for their kernels)."""
+        return not self.nonfinite.item()
 
     def wait(self):
         """The frames as a numpy array, once every copy has landed."""
