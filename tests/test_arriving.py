@@ -231,3 +231,9 @@ def test_frames_copied_from_the_device_arrive_as_the_reference_makes_them():
     reader.join(30)
     mean, std = torch.tensor(PIXEL_MEAN, device=device), torch.tensor(PIXEL_STD, device=device)
     assert np.array_equal(np.stack(read), frames_reference(video, mean, std).cpu().numpy())
+    assert host.finite()
+    video[1, 7, 3, 5] = float("nan")  # in the last chunk: the flag holds what any chunk's kernel saw
+    damaged = HostFrames(plan, device)
+    for start in range(0, 10, 4):
+        damaged.write(video[:, start:start + 4])
+    assert not damaged.finite()
