@@ -44,6 +44,17 @@ class AdapterConfig:
         if self.scales and len(self.scales) != len(self.paths):
             raise UsageError(f"{len(self.scales)} scales for {len(self.paths)} paths",
                              "give one scale per path, or none")
+        for key, value in [("scale", self.scale)] + [("scales", v) for v in self.scales]:
+            if not math.isfinite(value):
+                raise UsageError(f"{key} {value} is not a finite number", "give the adapters' multiplier: 1 as "
+                                 "distilled, 0 leaves them out")
+        if self.forwards < 0:
+            raise UsageError(f"forwards {self.forwards} is below 0",
+                             "give the DiT forwards the adapters were distilled for, or 0 for any")
+        for key in ("video_shift", "audio_shift"):
+            if not 0 <= getattr(self, key) < math.inf:
+                raise UsageError(f"{key} {getattr(self, key)} is not a sigma shift",
+                                 "give the shift the adapters were distilled for (above 0), or 0 for any")
 
     def scale_of(self, index: int) -> float:
         return self.scale * (self.scales[index] if self.scales else 1.0)

@@ -11,6 +11,7 @@ or `--set`, names another stage for a kind, the keys set for the stage it replac
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -281,12 +282,14 @@ def _section(data: dict, section: str, defaults: dict, where: str, sources: dict
         if key not in defaults:
             raise UsageError(f"--set {section}.{key}: unknown key '{key}' in {where} [{section}]" if given
                              else f"unknown key '{key}' in {held} [{section}]", f"allowed keys: {', '.join(defaults)}")
-        widened = isinstance(defaults[key], float) and isinstance(value, int)  # 5 where 5.0 is meant
-        if not isinstance(value, type(defaults[key])) and not widened:
-            label = f"--set {section}.{key}" if given else f"{held} [{section}] {key}"
-            raise UsageError(f"{label} must be {type(defaults[key]).__name__}, got {shown(value)}",
-                             type_fix(type(defaults[key]), "fix the value after the =" if given
-                                      else "fix the value in the preset or --set", value))
+        kind = type(defaults[key])
+        label = f"--set {section}.{key}" if given else f"{held} [{section}] {key}"
+        fix = "fix the value after the =" if given else "fix the value in the preset or --set"
+        widened = kind is float and isinstance(value, int)  # 5 where 5.0 is meant
+        if isinstance(value, bool) is not (kind is bool) or not isinstance(value, kind) and not widened:
+            raise UsageError(f"{label} must be {kind.__name__}, got {shown(value)}", type_fix(kind, fix, value))
+        if isinstance(value, float) and math.isnan(value):
+            raise UsageError(f"{label} is nan, which is no number", fix)
         sources.setdefault(f"{section}.{key}", where)
     for key, value in defaults.items():
         values.setdefault(key, value)

@@ -9,6 +9,7 @@ h3gen.stages.base.Wrapper). Unknown keys and wrong types in a preset are errors 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import typing
 from typing import Any
@@ -74,6 +75,8 @@ def build_config(config_cls: type, values: dict[str, Any], where: str, set_as: d
 
 def _coerce(value, hint, where: str, fix: str):
     origin = typing.get_origin(hint) or hint
+    if origin is float and isinstance(value, float) and math.isnan(value):  # every check's comparison passes it
+        raise UsageError(f"{where} is nan, which is no number", fix)
     if origin is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if origin in (list, tuple):

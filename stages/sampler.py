@@ -130,15 +130,20 @@ class EulerSampler(Stage):
         """The preset's sampler values (Stage.check_config)."""
         from h3gen.kernels.attention import check_backend_name
 
-        if len(config.sigma_positions) == 1 or (not config.sigma_positions and config.steps < 2):
-            raise UsageError("the sigma grid needs at least 2 points", "set sampler.steps >= 2")
-        if max(config.steps, len(config.sigma_positions)) > MAX_STEPS:
-            raise UsageError(f"the sigma grid has {max(config.steps, len(config.sigma_positions))} points, more than "
-                             f"h3gen runs ({MAX_STEPS})", f"set sampler.steps to at most {MAX_STEPS}; H3 takes 50")
         positions = config.sigma_positions
+        listed = "list the positions from the highest to 0, each one below the last, e.g. [0.999, 0.5, 0]"
+        if len(positions) == 1:
+            raise UsageError(f"sampler.sigma_positions {positions} is one point, and the sigma grid needs at least 2",
+                             listed)
+        if not positions and config.steps < 2:
+            raise UsageError("the sigma grid needs at least 2 points", "set sampler.steps >= 2")
+        if max(config.steps, len(positions)) > MAX_STEPS:
+            raise UsageError(f"the sigma grid has {max(config.steps, len(positions))} points, more than "
+                             f"h3gen runs ({MAX_STEPS})", f"set sampler.steps to at most {MAX_STEPS}; H3 takes 50")
         if any(not 0 <= p <= 1 for p in positions) or any(a <= b for a, b in zip(positions, positions[1:])):
-            raise UsageError(f"sampler.sigma_positions {positions} is not a decreasing grid within 0 to 1",
-                             "list the positions from the highest to 0, each one below the last, e.g. [0.999, 0.5, 0]")
+            raise UsageError(f"sampler.sigma_positions {positions} is not a decreasing grid within 0 to 1", listed)
+        if positions and positions[-1] != 0:
+            raise UsageError(f"sampler.sigma_positions {positions} does not end at 0, where the clip is clean", listed)
         for key in ("video_shift", "audio_shift"):
             shift = getattr(config, key)
             if not 0 < shift < math.inf:  # nan fails this too

@@ -80,8 +80,8 @@ def test_a_bad_value_is_blamed_on_the_preset_that_set_it(tmp_path):
     parent = re.escape(str(tmp_path / "parent.toml"))  # named by its path, from the folder of the one extending it
     with pytest.raises(UsageError, match=rf"^preset {parent} \[runtime\] device 'tpu' is not a device"):
         resolve(str(child), registry())
-    with pytest.raises(UsageError, match=r"^--set runtime.vram_gib=nan is no budget"):
-        resolve(str(child), registry(), ["runtime.device=cpu", "runtime.vram_gib=nan"])
+    with pytest.raises(UsageError, match=r"^--set runtime.vram_gib=-1 is no budget"):
+        resolve(str(child), registry(), ["runtime.device=cpu", "runtime.vram_gib=-1"])
     with pytest.raises(UsageError, match=rf"^preset {parent} \[parallel\] ulysses -1: give a whole number"):
         resolve(str(child), registry(), ["runtime.device=cpu"])
     with pytest.raises(UsageError, match=r"^--set request.width=10000000, --set request.height=10000000: "):

@@ -90,6 +90,16 @@ def test_set_overrides_and_records_where_values_came_from(tmp_path):
                                     r"false, lowercase and unquoted; fix the value after the =\)"),
     (BASE, ["vae.use=fast", "vae.exact=1"], r"^--set vae.exact must be bool, got 1 \(write true or false, lowercase "
                                             r"and unquoted; fix the value after the =\)"),
+    # nan passes every comparison a check makes; a bool is no number, in a stage's section or the request's.
+    (BASE, ["sampler.video_shift=nan"], r"^--set sampler.video_shift is nan, which is no number \(fix the value "),
+    (BASE, ["adapter.scale=nan"], r"^--set adapter.scale is nan, which is no number"),
+    (BASE + "[request]\nduration = nan\n", [], r"^preset custom \[request\] duration is nan, which is no number"),
+    (BASE, ["request.width=true"], r"^--set request.width must be int, got true \(fix the value after the =\)"),
+    (BASE + "[request]\nduration = true\n", [], r"^preset custom \[request\] duration must be float, got true"),
+    # The adapters' contract and multiplier: what no adapter was distilled for.
+    (BASE, ["adapter.scale=inf"], r"^--set adapter.scale: scale inf is not a finite number \(give the adapters' "),
+    (BASE, ["adapter.forwards=-3"], r"^--set adapter.forwards: forwards -3 is below 0"),
+    (BASE, ["adapter.audio_shift=-1"], r"^--set adapter.audio_shift: audio_shift -1.0 is not a sigma shift"),
     (BASE.replace("steps = 6", "steps = 6 6"), [], "not valid TOML.*line 6"),
     # The defaults a prompt takes are checked as its own values are, and blamed on where they were set.
     (BASE, ["request.duration=4"], r"^--set request.duration=4: duration 4 s is outside H3's 5-15 s"),

@@ -76,6 +76,9 @@ def test_bad_prompts_file_is_refused_before_anything_loads(tmp_path, text, messa
     (["sampler.steps=1000000000"], "the sigma grid has 1000000000 points, more than h3gen runs (1000)"),
     (["sampler.sigma_positions=[0.5, 0.9, 0]"], "sampler.sigma_positions [0.5, 0.9, 0.0] is not a decreasing grid"),
     (["sampler.sigma_positions=[1.5, 0.5, 0]"], "sampler.sigma_positions [1.5, 0.5, 0.0] is not a decreasing grid"),
+    (["sampler.sigma_positions=[0.9, 0.5, 0.1]"], "sampler.sigma_positions [0.9, 0.5, 0.1] does not end at 0, where "
+                                                  "the clip is clean (list the positions from the highest to 0"),
+    (["sampler.sigma_positions=[0.5]"], "--set sampler.sigma_positions: sampler.sigma_positions [0.5] is one point"),
     (["encode.max_tokens=0"], "encode.max_tokens is 0, so every prompt would be over it"),
     (["vae.use=fast", "vae.tile_height=100"], "vae tile 100x256 with overlap 64 is not a tiling"),
     (["mux.x264_preset=warp"], "mux.x264_preset = 'warp' is not one of x264's presets (use one of ultrafast, "),
