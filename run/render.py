@@ -109,6 +109,7 @@ class Renderer:
         self.muxing, self.done = [], []
         self.claim_on_device = None
         self.discarded = 0  # clips in flight that close(discard=True) dropped
+        self.latents_written = set()  # clips whose --save-latents file this run wrote and that are not finished yet
         self.cache_problem_said = False  # the embedding cache's write problem, said once a run
         self.results = []  # every clip this renderer finished, in the order their manifest lines were written
         self.unrecorded = ""  # why the manifest could not take a clip's line: the clips after it are not rendered
@@ -223,6 +224,7 @@ class Renderer:
             check_latents(clip, self.stages["sampler"])
             if self.save_latents:
                 write_latents(clip)
+                self.latents_written.add(clip.path)
             if self.stages["vae"].hands_over_frames and mux.background:
                 clip.arriving = ArrivingMedia()
                 job = mux.submit(clip)
@@ -302,6 +304,10 @@ class Renderer:
         return result
 
     def finish_held(self, clip: Clip, error: str, status: str, claim) -> ClipResult:
+        if clip.path in self.latents_written:
+            self.latents_written.discard(clip.path)
+            if error:  # the clip's latents go with it: no file of a clip without its MP4
+                outputs.latents_path(clip.path).unlink(missing_ok=True)
         if claim is not None:
             claim.release()
             if claim is self.claim_on_device:
@@ -368,6 +374,9 @@ class Renderer:
                     if job not in recorded and job.done() and not job.cancelled() and job.exception() is None]
         if discard:
             self.discarded = len(self.muxing) - len(written) + (self.claim_on_device is not None)
+        for path in self.latents_written:  # of the clips the signal stopped
+            outputs.latents_path(path).unlink(missing_ok=True)
+        self.latents_written.clear()
         for claim in [claim for _, claim, _, _ in self.muxing] + [self.claim_on_device]:
             if claim is not None:
                 claim.release()

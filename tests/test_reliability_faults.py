@@ -587,7 +587,8 @@ def test_signal_discards_the_clip_in_flight_and_a_rerun_resumes(faults, prompts_
     out, marker = tmp_path / "out", tmp_path / "muxing-b"
     out.mkdir()
     (out / "c.mp4").write_bytes(b"\0\0\0\x20ftypisom" + bytes(8))  # an MP4 cut short: rendered again, not skipped
-    render = ["render", prompts_file(TWO_CLIPS + '{"id": "c", "prompt": "rain"}\n'), "-o", out, "--preset", preset]
+    render = ["render", prompts_file(TWO_CLIPS + '{"id": "c", "prompt": "rain"}\n'), "-o", out, "--preset", preset,
+              "--save-latents"]
     # Muxing in line: with background muxing, how far the next clip got before the signal depends on timing.
     process = start_render(render[1:] + ["--set", 'mux.slow_id="b"', "--set", f'mux.marker="{marker}"',
                                          "--set", "mux.workers=0"], env)
@@ -600,6 +601,7 @@ def test_signal_discards_the_clip_in_flight_and_a_rerun_resumes(faults, prompts_
             "run the same command again") in stderr
     assert "1 of 3 clips written, 2 not rendered" in stderr
     assert sorted(p.name for p in out.glob("*.mp4")) == ["a.mp4", "c.mp4"]
+    assert [p.name for p in out.glob("*.latents.safetensors")] == ["a.latents.safetensors"]  # b's went with it
     assert validate_clip(out / "a.mp4", expected_frames=124) == []
     assert not list(out.glob(".*"))  # no partial MP4, no claim left behind
     if signum != signal.SIGTERM:
@@ -673,7 +675,8 @@ def test_signal_while_the_mux_reads_a_decode_in_flight_leaves_only_whole_files(f
     out, marker = tmp_path / "out", tmp_path / "decoding-b"
     render = ["render", prompts_file(TWO_CLIPS + '{"id": "c", "prompt": "rain"}\n'), "-o", out, "--preset", preset]
     process = start_render(render[1:] + ["--set", "vae.use=slow-decode", "--set", 'vae.slow_id="b"',
-                                         "--set", f'vae.marker="{marker}"', "--set", "mux.workers=2"], env)
+                                         "--set", f'vae.marker="{marker}"', "--set", "mux.workers=2",
+                                         "--save-latents"], env)
     wait_for(marker, process)
     signalled = time.monotonic()
     process.send_signal(signal.SIGTERM)
@@ -684,6 +687,8 @@ def test_signal_while_the_mux_reads_a_decode_in_flight_leaves_only_whole_files(f
     # a's background mux may or may not have finished when the signal came; b's never does
     assert {p.name for p in out.glob("*.mp4")} <= {"a.mp4"}
     assert all(validate_clip(path, expected_frames=124) == [] for path in out.glob("*.mp4"))
+    # a discarded clip's latents go with it
+    assert {p.name.split(".")[0] for p in out.glob("*.latents.safetensors")} == {p.stem for p in out.glob("*.mp4")}
 
 
 # -- every write of the run fails soft ------------------------------------------------------------------------------
@@ -1145,7 +1150,8 @@ def test_a_decoder_whose_weights_hold_a_nan_fails_its_clips_naming_the_weights(p
     model = with_nan_weights(tiny_model, tmp_path, folder, lambda name: name.startswith(("decoder.", "post_quant")))
     out = tmp_path / "out"
     result = h3gen("render", prompts_file('{"id": "nan", "prompt": "x"}\n'), "-o", out, "--model", model,
-                   "--preset", "tiny", "--set", f"vae.use={vae}", check_code=1)
+                   "--preset", "tiny", "--set", f"vae.use={vae}", "--save-latents", check_code=1)
     assert (f"vae stage '{vae}' (built into h3gen) decoded {broken} to NaN or infinite values (download the model "
             "again if its weights are damaged, or try a preset without FP8)") in result.stderr, result.stderr
-    assert "h3gen bug" not in result.stderr and not list(out.glob("*.mp4")) and not list(out.glob(".*"))
+    assert "h3gen bug" not in result.stderr
+    assert [p.name for p in out.iterdir()] == ["manifest.jsonl"]  # no MP4, and the clip's latents went with it
