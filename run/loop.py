@@ -109,6 +109,7 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
         check_device(preset.runtime["device"])
         if not settings.dry_run:  # a dry run changes nothing in the output directory
             clear_leftovers(requests, settings.output, preset.name)
+        others = partial_files_of_others(every, settings.output, preset.name)
         if requests:  # a dry run too: it says what the run would do
             check_room(settings.output)
         # Clips are numbered by their place in the whole file, so [i/n] means the same in every shard.
@@ -118,6 +119,11 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
             reporter.say(f"h3gen: shard {index}/{count} holds none of the {len(every)} prompt(s) of "
                          f"{settings.prompts} (prompt k of the file, from 0, goes to shard k mod {count}): "
                          "nothing to do")
+        if others:
+            shown = ", ".join(path.name for path in others[:3]) + (", ..." if len(others) > 3 else "")
+            reporter.say(f"h3gen: note: {settings.output} holds {len(others)} partial file(s) of clips this prompts "
+                         f"file does not name ({shown}): a killed run left them, or another run is writing them; a "
+                         "run of their prompts removes them, or delete them once no other run writes there")
         check_plugins(found, settings.strict_plugins, reporter)
         repo = model_repo(settings.model, reporter)
         check_model_kind(preset, repo, settings.model is None)
@@ -206,6 +212,17 @@ def clear_leftovers(requests, output: Path, preset_name: str) -> None:
 
     for request in requests:
         outputs.clear_leftovers(output / clip_name(request, preset_name))
+
+
+def partial_files_of_others(requests, output: Path, preset_name: str) -> list[Path]:
+    """The hidden partial files in `output` of clips none of `requests` names: left by a killed run of other prompts
+    (or another run's, being written). They are only named: clearing them would take locks other runs may want."""
+    from h3gen.run import outputs
+    from h3gen.run.resume import clip_name
+
+    ours = {path for request in requests for path in outputs.leftovers(output / clip_name(request, preset_name))}
+    found = [*output.glob(".*.partial.mp4"), *output.glob(".*.latents.safetensors.partial")]
+    return sorted(path for path in found if path not in ours and path.is_file())
 
 
 def check_device(device: str) -> None:

@@ -628,6 +628,22 @@ def test_signal_discards_the_clip_in_flight_and_a_rerun_resumes(faults, prompts_
     assert (out / "a.mp4").stat().st_mtime_ns != first
 
 
+def test_partial_files_of_clips_the_prompts_file_does_not_name_are_named_and_left(prompts_file, tmp_path):
+    """A killed run of other prompts (or other seeds) left partial files a rerun of its own clips would clear: this
+    run names them and leaves them, as another run may be writing them. Its own clips' partial files just go."""
+    out = tmp_path / "out"
+    out.mkdir()
+    others = [out / ".h3-8827002ba9f0.mp4.partial.mp4", out / ".old.latents.safetensors.partial"]
+    for path in [*others, out / ".a.mp4.partial.mp4"]:
+        path.write_bytes(b"\0" * 64)
+    result = h3gen("render", prompts_file('{"id": "a", "prompt": "x"}\n'), "-o", out, check_code=0)
+    assert (f"h3gen: note: {out} holds 2 partial file(s) of clips this prompts file does not name "
+            "(.h3-8827002ba9f0.mp4.partial.mp4, .old.latents.safetensors.partial): a killed run left them, or another "
+            "run is writing them; a run of their prompts removes them, or delete them once no other run writes "
+            "there") in result.stderr
+    assert sorted(p.name for p in out.glob(".*")) == sorted(p.name for p in others)
+
+
 def test_after_one_stop_signal_any_second_one_ends_the_process_at_once():
     """SIGTERM, then SIGINT while the run winds down: the second kills, as a second SIGTERM would."""
     from h3gen.run.loop import STOP_SIGNALS, Interrupted, stop_on_signals
