@@ -289,11 +289,17 @@ def check_host_fits(preset, requests, repo, processes: int = 1) -> None:
     if need > available:
         each = f" in each of {processes} worker processes" if processes > 1 else ""
         loaded = processes * (memory.HOST_LIBRARIES_BYTES + weights)  # before any clip
+        fit = available // (need // processes)  # the processes of this size that the free memory holds
+        if processes > 1 and fit >= 1:
+            fix = (f"run at most {fit} workers (--cpu-workers {fit})" if fit > 1
+                   else "run in one process: leave out --cpu-workers")
+        elif loaded > available:
+            fix = "the weights alone take more: run on a GPU, or free host memory"
+        else:
+            fix = "render fewer frames or a smaller size, free host memory, or render on a GPU"
         raise UsageError(f"the largest clip ({memory.clip_named(largest)}) needs about {need / GIB:.1f} GiB of host "
                          f"memory on the CPU ({weights / GIB:.1f} GiB of it weights{each}), and this machine has "
-                         f"{available / GIB:.1f} GiB free",
-                         "the weights alone take more: run on a GPU, or free host memory" if loaded > available
-                         else "render fewer frames or a smaller size, free host memory, or render on a GPU")
+                         f"{available / GIB:.1f} GiB free", fix)
 
 
 def device_bytes(device: str) -> int:

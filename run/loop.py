@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import os
 import signal
 import tempfile
 from pathlib import Path
@@ -187,6 +188,11 @@ def check_writable(directory: Path) -> None:
     if directory.exists() and not directory.is_dir():
         raise UsageError(f"output directory {directory} is not a directory", "pass -o with a directory, or a path not "
                          "yet taken")
+    dangling = next((d for d in [directory, *directory.parents] if d.is_symlink() and not d.exists()), None)
+    if dangling is not None:
+        raise UsageError(f"output directory {directory} cannot be created: {dangling} is a link to "
+                         f"{os.readlink(dangling)}, which is not there",
+                         "create the folder the link points to, or pass -o with another directory")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".h3gen-probe-"):

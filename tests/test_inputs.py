@@ -144,6 +144,16 @@ def test_an_output_that_is_a_file_is_named_so(prompts_file, tmp_path):
     assert "File exists" not in result.stderr
 
 
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_an_output_under_a_link_to_a_missing_folder_names_the_link(prompts_file, tmp_path, below):
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "missing")
+    result = h3gen("render", prompts_file("x\n"), "-o", link / below if below else link)
+    refused_with(result, f"{link} is a link to {tmp_path / 'missing'}, which is not there (create the folder the link "
+                         "points to, or pass -o with another directory)")
+    assert "File exists" not in result.stderr and not (tmp_path / "missing").exists()
+
+
 def test_cuda_without_a_gpu_says_so_before_loading(prompts_file, tmp_path):
     import torch
 
