@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 from typing import Any
 
 from h3gen.inputs.request import FPS
@@ -69,11 +68,7 @@ def canvas_configs(repo) -> dict:
     from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3Ref2VASetupStep
 
     configs = {spec.name: spec.default for spec in MiniMaxH3Ref2VASetupStep().expected_configs}
-    root = getattr(repo, "root", None)
-    try:
-        saved = json.loads((root / "modular_model_index.json").read_text()) if root is not None else {}
-    except (OSError, ValueError):
-        saved = {}
+    saved = repo.canvas_rules() if getattr(repo, "root", None) is not None else {}
     for key in configs:
         if isinstance(saved.get(key), int) and not isinstance(saved[key], bool) and saved[key] > 0:
             configs[key] = saved[key]

@@ -60,6 +60,13 @@ class ModelRepo:
                              "pass --model DIR pointing at a MiniMax-H3 repository")
         for name in components:
             self._check(name)
+        self.canvas_rules()  # read now: a damaged one stops the run before any weight loads
+
+    def canvas_rules(self) -> dict:
+        """What the repository's modular_model_index.json declares (the canvas rules of keyframes and references);
+        {} where it has none."""
+        path = self.root / "modular_model_index.json"
+        return read_json_object(path) if path.is_file() else {}
 
     def path(self, component: str) -> Path:
         return self.root / component

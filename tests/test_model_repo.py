@@ -76,6 +76,19 @@ def test_a_malformed_config_names_the_file_and_exits_2(repo_copy, prompts_file, 
     assert last.endswith("(re-download this file from the repository)") and not out.exists()
 
 
+@pytest.mark.parametrize("text, why", [("{bad", "is not valid JSON (Expecting"),
+                                       ("[1]", "holds a JSON list, not an object")])
+def test_a_malformed_model_index_is_refused_before_any_weight_loads(repo_copy, prompts_file, tmp_path, text, why):
+    """The canvas rules of keyframes and references come from it: a damaged one would silently give others."""
+    index = repo_copy / "modular_model_index.json"
+    index.write_text(text)
+    result = h3gen("render", prompts_file("x\n"), "-o", tmp_path / "out", "--model", repo_copy, "--preset", "tiny",
+                   "--dry-run", check_code=2)
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"h3gen: error: {index} {why}") and last.endswith("(re-download this file from the "
+                                                                            "repository)"), last
+
+
 def test_shapes_that_do_not_match_the_config_exit_2(repo_copy, prompts_file, tmp_path):
     config = repo_copy / "transformer" / "config.json"
     config.write_text(config.read_text().replace('"hidden_size": 64', '"hidden_size": 96'))
