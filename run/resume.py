@@ -127,8 +127,8 @@ def moved_seeds(pending: list[Request], requests: list[Request], out_dir: Path, 
     moved = collections.Counter()
     for request in pending:
         if (request.id or request.seed != base_seed + request.index or request.first_frame or request.last_frame
-                or request.references):
-            continue
+                or request.references or (out_dir / clip_name(request, preset)).exists()):
+            continue  # an id or a seed of its own, or rendered over its own name (--force, a conflict, damaged)
         for offset in (1, -1, 2, -2, 3, -3):
             name = clip_name(dataclasses.replace(request, seed=request.seed + offset), preset)
             if request.seed + offset >= 0 and name not in ours and (out_dir / name).is_file():

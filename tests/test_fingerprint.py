@@ -412,6 +412,9 @@ def test_a_line_removed_above_default_seeded_prompts_is_named_before_they_render
     inserted = read_prompts(prompts_file("new\ngone\na fox\na fox\nrain\n"), 0, {})
     pending = [r for r in inserted if not (out / clip_name(r, "tiny")).exists()]
     assert "under a seed 1 lower: a prompt line above them was added" in moved_seeds(pending, inserted, out, "tiny", 0)
+    # Rendered again over their own names (--force, --redo-conflicts, damaged): nothing moved.
+    assert moved_seeds(list(after), after, out, "tiny", 0) == note  # the two new ones alone
+    assert moved_seeds([r for r in after if (out / clip_name(r, "tiny")).exists()], after, out, "tiny", 0) == ""
 
     planned = h3gen("render", prompts_file("# gone\na fox\na fox\nrain\n"), "-o", out, "--dry-run", "-q")
     assert "h3gen: note: 2 of the clips to render have a clip in" in planned.stderr, planned.stderr
