@@ -414,11 +414,16 @@ def compare(
         matched, unmatched = pairs(a, b)
         left_out = []  # {"a", "b", "compared": False, "reason"}: what --json says of the clips not compared
         for path in unmatched:
-            typer.echo(f"note: {shown(str(path))} has no one match in the other folder (by file name, by "
+            typer.echo(f"note: {shown(str(path))} has no single match in the other folder (by file name, by "
                        "prompt, seed, size and frames, or by those but the seed); not compared", err=True)
             side = "a" if path.parent == a else "b"
             left_out.append({"a": None, "b": None, side: str(path), "compared": False,
-                             "reason": "no one match in the other folder"})
+                             "reason": "no single match in the other folder"})
+        if not matched:
+            if json_out:
+                json_lines(left_out)
+            raise UsageError(f"{a} and {b} hold no MP4s of the same prompts",
+                             "compare folders rendered from one prompts file")
         records, refused = [], []
         for x, y in matched:
             try:

@@ -18,7 +18,8 @@ MEL_FILTERS, MEL_WINDOW, MEL_HOP = 80, 1024, 256
 
 
 def pairs(a: Path, b: Path) -> tuple[list[tuple[Path, Path]], list[Path]]:
-    """Two MP4s, or the MP4s of two directories matched one to one, and the clips left without a match. A clip is
+    """Two MP4s, or the MP4s of two directories matched one to one (none, where they share no prompt), and the clips
+    left without a match. A clip is
     matched by file name (a prompt's id), else by the request in its h3gen stamp (prompt, seed, size, frames, media),
     else by that request without the seed, each only where the match is the one candidate on both sides."""
     if a.is_dir() and b.is_dir():
@@ -31,9 +32,6 @@ def pairs(a: Path, b: Path) -> tuple[list[tuple[Path, Path]], list[Path]]:
             matched += found
             left = [p for p in left if p not in {x for x, _ in found}]
             right = [p for p in right if p not in {y for _, y in found}]
-        if not matched:
-            raise UsageError(f"{a} and {b} hold no MP4s of the same prompts",
-                             "compare folders rendered from one prompts file")
         return sorted(matched), left + right
     for path in (a, b):
         if not path.exists():
@@ -80,7 +78,7 @@ def read_clip(path: Path):
             raise UsageError(f"{path} is {QUICKTIME}", "compare the MP4s h3gen writes")
         cut = box_problem(path)  # its pictures may all decode, but the file is not whole (h3gen validate: invalid)
         if cut:
-            raise UsageError(f"cannot read {path} as an MP4: {cut}", "compare the MP4s h3gen writes")
+            raise UsageError(f"{path}: {cut}", "compare the MP4s h3gen writes")
         with av.open(str(path)) as container:
             if "mp4" not in container.format.name or not container.streams.video:
                 raise UsageError(f"{path} is not an MP4 with a video stream", "compare the MP4s h3gen writes")

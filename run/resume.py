@@ -67,7 +67,7 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
         return conflict(request, path, wanted, problems, "a whole MP4 h3gen did not stamp")
     if problems:  # the atomic write replaces it only once the new file is whole
         return ClipResult(request, path, False, {}, 0.0, status="damaged",
-                          error=f"{state} {problems[0]}; to render again")
+                          error=f"{state} {problems[0]}; rendered again")
     if stored is None:  # whole, but without h3gen's stamp: another tool's file, or an older h3gen's
         return conflict(request, path, wanted, ["no h3gen stamp in its metadata"], "a whole MP4 h3gen did not stamp")
     return ClipResult(request, path, True, {}, 0.0, skipped=True, fingerprint=fingerprint.digest(wanted))

@@ -82,7 +82,7 @@ def validate_clip(
     except (av.FFmpegError, OSError) as error:
         return [f"cannot read {path}: {error}"]
     except UnicodeDecodeError:  # PyAV decodes every metadata tag as it opens the file
-        return [f"cannot read {path}: its metadata is not UTF-8 text (damaged)"]
+        return ["its metadata is not UTF-8 text (damaged)"]
     return (
         _video_problems(info, expected_frames, fps)
         + _audio_problems(info, sample_rate)
@@ -120,25 +120,25 @@ def box_problem(path: Path) -> str:
             header = f.read(16)
             if len(header) < 8:
                 if offset == 0:
-                    return f"cannot read {path}: not an MP4 ({size} bytes, too short for a box)"
+                    return f"not an MP4 ({size} bytes, too short for a box)"
                 return (f"truncated, or bytes added after its end: {size - offset} stray byte(s) after the last "
                         f"box at offset {offset}")
             length, kind = int.from_bytes(header[:4], "big"), header[4:8]
             if offset == 0 and kind != b"ftyp":
-                return f"cannot read {path}: not an MP4 (it does not start with an ftyp box)"
+                return "not an MP4 (it does not start with an ftyp box)"
             if length == 1:  # a 64-bit size follows the type
                 length = int.from_bytes(header[8:16], "big") if len(header) == 16 else 0
             elif length == 0:  # the box runs to the end of the file
                 length = size - offset
             if length < 8:
-                return f"cannot read {path}: not an MP4 (box at offset {offset} has size {length})"
+                return f"not an MP4 (box at offset {offset} has size {length})"
             if offset + length > size:
                 return (f"truncated: box {kind.decode('latin-1')!r} at offset {offset} needs {length} bytes, "
                         f"the file has {size - offset} from there")
             found.add(kind)
             offset += length
     missing = [kind.decode() for kind in REQUIRED_BOXES if kind not in found]
-    return f"cannot read {path}: not a whole MP4 (no {', '.join(missing)} box)" if missing else ""
+    return f"not a whole MP4 (no {', '.join(missing)} box)" if missing else ""
 
 
 class _PixelStats:

@@ -59,7 +59,7 @@ def test_folders_of_two_presets_are_matched_by_the_request_in_each_clip(tmp_path
     compared = sorted((Path(r["a"]).name, Path(r["b"]).name) for r in records(result) if r["compared"])
     assert compared == [("h3-1.mp4", "h3-9.mp4"), ("h3-2.mp4", "h3-8.mp4"), ("named.mp4", "named.mp4")]
     left_out = [(r["a"], r["b"], r["reason"]) for r in records(result) if not r["compared"]]
-    reason = "no one match in the other folder"
+    reason = "no single match in the other folder"
     assert left_out == [(str(a / "h3-3.mp4"), None, reason)] + [
         (None, str(b / name), reason) for name in ("h3-6.mp4", "h3-7.mp4", "lone.mp4")]
     notes = sorted(line.split()[1] for line in result.stderr.splitlines() if line.startswith("note:"))
@@ -84,8 +84,14 @@ def test_a_pair_of_two_folders_that_cannot_be_compared_is_left_out_with_a_note(t
 
 def test_folders_without_one_match_are_refused(tmp_path):
     stamped(tmp_path / "a" / "h3-1.mp4", "a fox", 7, "fast"), stamped(tmp_path / "b" / "h3-2.mp4", "a cat", 7, "ref")
-    result = h3gen("compare", tmp_path / "a", tmp_path / "b", check_code=2)
+    result = h3gen("compare", tmp_path / "a", tmp_path / "b", "--json", check_code=2)
     assert "hold no MP4s of the same prompts" in result.stderr.splitlines()[-1]
+    # --json still says what was left out, as where some pairs match
+    assert [json.loads(line) for line in result.stdout.splitlines()] == [
+        {"a": str(tmp_path / "a" / "h3-1.mp4"), "b": None, "compared": False,
+         "reason": "no single match in the other folder"},
+        {"a": None, "b": str(tmp_path / "b" / "h3-2.mp4"), "compared": False,
+         "reason": "no single match in the other folder"}]
 
 
 @pytest.mark.parametrize("other, message", [
@@ -103,7 +109,8 @@ def test_a_file_that_is_not_an_mp4_is_refused(tmp_path):
     text = tmp_path / "notes.mp4"
     text.write_text("not a video\n")
     result = h3gen("compare", text, clip(tmp_path / "a.mp4", 1), check_code=2)
-    assert result.stderr.count("\n") == 1 and "cannot read" in result.stderr and "as an MP4" in result.stderr
+    assert result.stderr == (f"h3gen: error: {text}: not an MP4 (it does not start with an ftyp box) (compare the MP4s "
+                             "h3gen writes)\n")
 
 
 def test_a_quicktime_movie_is_refused_as_validate_refuses_it(tmp_path):
@@ -135,7 +142,7 @@ def test_a_clip_without_sound_and_a_cut_short_one_are_said_as_such(tmp_path):
     for kept in (2000, len(sound.read_bytes()) - 1):  # the last byte cut: every picture decodes, the file is not whole
         cut.write_bytes(sound.read_bytes()[:kept])
         result = h3gen("compare", cut, sound, check_code=2)
-        assert result.stderr.startswith(f"h3gen: error: cannot read {cut} as an MP4: truncated") and "Errno" not in \
+        assert result.stderr.startswith(f"h3gen: error: {cut}: truncated") and "Errno" not in \
             result.stderr, result.stderr
 
 

@@ -63,10 +63,10 @@ def test_a_rerun_skips_only_on_a_matching_fingerprint(prompts_file, tmp_path, ti
 
     (out / "c.mp4").write_bytes(clip[: len(clip) // 2])  # a damaged clip is named, and rendered again
     planned = h3gen("render", prompts, "-o", out, "--dry-run", check_code=0)
-    assert re.match(r"render +\S+c\.mp4: there but damaged: .*; to render again$", planned.stdout.strip())
+    assert re.match(r"render +\S+c\.mp4: there but damaged: .*; rendered again$", planned.stdout.strip())
     redone = h3gen("render", prompts, "-o", out, "--json", check_code=0)
     assert json.loads(redone.stdout)["status"] == "ok"
-    assert re.search(r"note: \S+c\.mp4 is there but damaged: .*truncated.*; to render again", redone.stderr)
+    assert re.search(r"note: \S+c\.mp4 is there but damaged: .*truncated.*; rendered again", redone.stderr)
     assert (out / "c.mp4").read_bytes() == clip
 
 
@@ -383,7 +383,7 @@ def test_a_clip_whose_stamp_is_no_longer_text_is_one_conflict(tmp_path):
     data = path.read_bytes()
     at = data.index(stamp.encode()) + len(stamp) // 2
     path.write_bytes(data[:at] + b"\xff\x8c\xff\x8c" + data[at + 4:])
-    assert validate_clip(path) == [f"cannot read {path}: its metadata is not UTF-8 text (damaged)"]
+    assert validate_clip(path) == ["its metadata is not UTF-8 text (damaged)"]
     found = already_done(request, tmp_path, "tiny", False, {})
     assert found.status == "conflict" and "metadata is not UTF-8 text (damaged)" in found.error, found.error
 

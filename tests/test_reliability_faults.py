@@ -849,7 +849,7 @@ def test_a_rerun_with_save_latents_renders_again_a_clip_whose_latents_were_cut_s
     latents.write_bytes(whole[:100])
     planned = h3gen("render", prompts, "-o", out, "--save-latents", "--dry-run", check_code=0)
     assert planned.stdout.strip().endswith("a.mp4: there, but its latents a.latents.safetensors are cut "
-                                           "short or not safetensors; to render again"), planned.stdout
+                                           "short or not safetensors; rendered again"), planned.stdout
     h3gen("render", prompts, "-o", out, "--save-latents", check_code=0)
     assert latents.read_bytes() == whole
 
@@ -860,7 +860,7 @@ def test_a_rerun_with_save_latents_says_why_it_renders_a_clip_whose_latents_are_
     (out / "a.latents.safetensors").unlink()
     planned = h3gen("render", prompts, "-o", out, "--save-latents", "--dry-run", check_code=0)
     assert planned.stdout.strip().endswith("a.mp4: there, but its latents a.latents.safetensors are missing "
-                                           "(--save-latents writes them beside the clip); to render again"), \
+                                           "(--save-latents writes them beside the clip); rendered again"), \
         planned.stdout
     assert "skip" in h3gen("render", prompts, "-o", out, "--dry-run", check_code=0).stdout  # without: nothing lacks
 
