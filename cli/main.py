@@ -176,9 +176,9 @@ def render(
                                                            autocompletion=set_keys,
                                                            help="Override a preset value.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per finished clip on stdout.")] = False,
-    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="On stderr only what needs someone: warnings, clips "
-                                                              "failed or in conflict with the counts after them, a "
-                                                              "stop. A run that went well prints nothing there (for "
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="On stderr only what needs someone: warnings, the "
+                                                              "counts with a line for each clip failed or in "
+                                                              "conflict, a stop. A run that went well prints nothing there (for "
                                                               "cron).")] = False,
     vram: Annotated[Optional[str], typer.Option("--vram", metavar="GIB", help=VRAM_HELP)] = None,
     save_latents: Annotated[bool, typer.Option("--save-latents", help="Also write each clip's final latents; a rerun "

@@ -83,12 +83,13 @@ def dry_run(batch, settings: RunSettings) -> int:
         action = "render" if to_render(found) else "skip" if found.status == "skipped" else "conflict"
         why = found.error if found is not None and found.error else None
         if action == "render" and held_elsewhere(path):
-            other = held_with_other_settings(path, fingerprint.clip_fields(batch.run_fields, request))
+            other = held_with_other_settings(path, fingerprint.clip_fields(batch.run_fields, request), bool(request.id))
             action, why = ("conflict", other) if other else ("busy", "another h3gen run is rendering it")
         conflicts += action == "conflict"
         if settings.json_out:
-            print(json.dumps({**request_fields(path, request, batch.preset.name), "action": action, "error": why,
-                              "frames": request.frames}), flush=True)
+            # busy is no problem: its error is null, as in the run's record of the clip
+            print(json.dumps({**request_fields(path, request, batch.preset.name), "action": action,
+                              "error": why if action != "busy" else None, "frames": request.frames}), flush=True)
         else:
             print(f"{action:8s} {path}" + (f": {why}" if why else ""), flush=True)
     return 1 if conflicts else 0

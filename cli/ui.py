@@ -312,14 +312,25 @@ class LiveReporter(PlainReporter):
 
 
 class QuietReporter(PlainReporter):
-    """--quiet: only the lines that need someone (warnings, clips failed or in conflict, the counts after them, a
-    stop), so a cron job that went well prints nothing. --json's lines are printed as ever."""
+    """--quiet: only the lines that need someone (warnings, the counts with a line for each clip failed or in
+    conflict, a stop), so a cron job that went well prints nothing. --json's lines are printed as ever."""
+
+    finishing_clip = False
 
     def say(self, text: str) -> None:
         pass
 
     def warn(self, text: str) -> None:
-        super().say(text)
+        if not self.finishing_clip:
+            super().say(text)
+
+    def clip_done(self, result):
+        """A clip failed or in conflict is said once, with its reason after the counts."""
+        self.finishing_clip = True
+        try:
+            super().clip_done(result)
+        finally:
+            self.finishing_clip = False
 
 
 def reporter_for(total: int, json_out: bool, preset: str, since: float | None = None, quiet: bool = False):

@@ -269,7 +269,8 @@ def check_unique_outputs(requests, preset_name: str, prompts: Path) -> None:
         if name.casefold() in first:
             line, other, other_id = first[name.casefold()]
             case = "" if other == name else f" as {other}, one file on macOS and Windows"
-            fix = ("give the clips ids that differ in more than case" if request.id and other_id else
+            fix = ("give the clips ids that differ in more than case" if request.id and other_id and other != name
+                   else "give the clips ids that name different files" if request.id and other_id else
                    "give one of them another seed or an id" if not (request.id or other_id) else
                    "give the clips different ids or seeds")
             raise UsageError(f"{prompts}:{request.line}: writes {name}, as line {line} does{case}", fix)

@@ -162,7 +162,7 @@ class Renderer:
         claim = outputs.ClipClaim(clip.path)
         try:
             if not claim.acquire(clip.fingerprint):
-                other = held_with_other_settings(clip.path, clip.fingerprint)
+                other = held_with_other_settings(clip.path, clip.fingerprint, bool(clip.request.id))
                 return ("conflict", None, other) if other else ("busy", None, "")
         except OSError as e:
             return "", None, outputs.write_error(claim.lock_path, e)

@@ -89,15 +89,16 @@ def latents_problems(path: Path) -> list[str]:
 REDO_HINT = "--redo-conflicts to render these again, --force every clip, or -o elsewhere"
 
 
-def held_with_other_settings(path: Path, wanted: dict) -> str:
+def held_with_other_settings(path: Path, wanted: dict, has_id: bool) -> str:
     """Why the clip at `path`, which another run holds, is not the one `wanted` asks for: that run renders it with
-    other settings ('' when the same, or when its settings are not known)."""
+    other settings ('' when the same, or when its settings are not known). `has_id`: the prompt names its clip."""
     held = holder_fields(path)
     reasons = fingerprint.differences(held, wanted) if held else []
     if not reasons:
         return ""
     return (f"another h3gen run is rendering it with other settings ({first_reasons(reasons)}); when that run ends, "
-            "--redo-conflicts renders this one over it; or give the prompt another id, or -o elsewhere")
+            f"--redo-conflicts renders this one over it; or give the prompt {'another' if has_id else 'an'} id, or -o "
+            "elsewhere")
 
 
 def conflict(request: Request, path: Path, wanted: dict, reasons: list[str], what: str,

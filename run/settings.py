@@ -47,7 +47,7 @@ class RunSettings:
     parallel: Parallel = Parallel()
     dry_run: bool = False  # say what would be rendered, skipped or in conflict, and render nothing
     redo_conflicts: bool = False  # render again the clips h3gen stamped with other settings
-    quiet: bool = False  # say only what needs someone: warnings, clips failed or in conflict, a stop
+    quiet: bool = False  # say only what needs someone: warnings, the counts and the clips failed or in conflict, a stop
 
     @property
     def redo(self) -> str:

@@ -48,6 +48,8 @@ def refused(result, message):
                                                                    "or an id)"),
     ('{"prompt": "x", "id": "Fox.mp4"}\n{"prompt": "y", "id": "fox"}\n', "prompts.txt:2: writes fox.mp4, as line 1 "
                                                                    "does as Fox.mp4, one file on macOS and Windows"),
+    ('{"prompt": "a", "id": "v.mp4"}\n{"prompt": "b", "id": "v"}\n', "prompts.txt:2: writes v.mp4, as line 1 does (give "
+                                                                 "the clips ids that name different files)"),
     (b"ok\n\xff\xfe\n", "prompts.txt:2: not UTF-8 text"),
     ("ok\nA red fox\n".encode("utf-16-le"), "prompts.txt:1: a NUL byte, so not UTF-8 text (UTF-16, or not text"),
     (b"a fox\n" + bytes(300), "prompts.txt:2: a NUL byte, so not UTF-8 text"),
@@ -153,7 +155,7 @@ def test_a_dry_run_changes_nothing_and_says_busy_for_a_clip_a_live_run_holds(pro
     finally:
         live.release()
     actions = [(r["action"], r["error"]) for r in map(json.loads, planned.stdout.splitlines())]
-    assert actions == [("render", None), ("busy", "another h3gen run is rendering it")]
+    assert actions == [("render", None), ("busy", None)]
     assert all(path.read_bytes() == b"left by a killed run" for path in left)  # the run clears them, not a dry run
     h3gen("render", prompts, "-o", out, check_code=0)
     assert not any(path.exists() for path in left)

@@ -62,14 +62,14 @@ def test_failed_clip_exits_1_and_the_others_are_written(prompts_file, tmp_path):
 
 
 def test_quiet_says_only_what_needs_someone(prompts_file, tmp_path):
-    """--quiet, as cron runs it: a failed clip, the counts after it and its reason; --json as ever; a rerun with
-    nothing to do prints nothing at all on stderr."""
+    """--quiet, as cron runs it: the counts and after them the failed clip with its reason, said once; --json as
+    ever; a rerun with nothing to do prints nothing at all on stderr."""
     prompts = prompts_file("short\n" + "a very long prompt " * 20 + "\n")
     result = h3gen("render", prompts, "-o", tmp_path / "out", "--json", "-q", "--set", "encode.max_tokens=12")
     assert result.returncode == 1 and len(result.stdout.splitlines()) == 2
-    failed, counts, reason = (line.split(" ", 2)[2] for line in result.stderr.splitlines())
-    assert failed.startswith("[2/2] FAILED ") and "over the encoder limit of 12" in failed
-    assert counts.startswith("1 of 2 clips written, 1 failed (") and reason.startswith("  failed ")
+    counts, reason = (line.split(" ", 2)[2] for line in result.stderr.splitlines())
+    assert counts.startswith("1 of 2 clips written, 1 failed (")
+    assert reason.startswith("  failed ") and "(line 2)" in reason and "over the encoder limit of 12" in reason
     again = h3gen("render", prompts_file("short\n"), "-o", tmp_path / "out", "--quiet", "--set",
                   "encode.max_tokens=12", check_code=0)
     assert again.stderr == "" and again.stdout == ""
