@@ -54,17 +54,16 @@ def ensure_tiny_model(target: Path | None = None) -> Path:
     target = (default_tiny_dir() if default else Path(target).expanduser()).absolute()
     if target.exists() and not target.is_dir():
         raise UsageError(f"{target} is a file", "pass a folder for the tiny model that is new or empty")
-    if (target / "modular_model_index.json").is_file():
+    if target.is_dir() and any(target.iterdir()):
+        if not is_tiny_model(target):
+            raise UsageError(f"{target} holds other files, and the tiny model is written only into a new or empty "
+                             "folder", "pass a folder for the tiny model that is new or empty")
         try:
             ModelRepo(target)
-            if not is_tiny_model(target) or files_intact(target):
+            if files_intact(target):
                 return target
         except ModelError:
-            if not is_tiny_model(target):
-                raise
-    elif target.is_dir() and any(target.iterdir()):
-        raise UsageError(f"{target} holds other files, and the tiny model is written only into a new or empty folder",
-                         "pass a folder for the tiny model that is new or empty")
+            pass  # damaged: written again
     try:
         write_into(target)
     except Exception as e:  # OSError, or safetensors' own error for a full disk
@@ -73,7 +72,10 @@ def ensure_tiny_model(target: Path | None = None) -> Path:
 
 
 def is_tiny_model(directory: Path) -> bool:
-    """Whether `directory` is a tiny model h3gen wrote (its README says so), so that it may be written anew."""
+    """Whether `directory` is a tiny model h3gen wrote (its file list is there, or its README says so), so that it
+    may be written anew."""
+    if (directory / FILE_LIST).is_file():
+        return True
     try:
         return (directory / "README.md").read_text().startswith("h3gen tiny model")
     except (OSError, UnicodeDecodeError):

@@ -41,6 +41,29 @@ def test_a_damaged_tiny_model_is_written_anew(tmp_path, tiny_model, component, d
     assert weights.read_bytes() == whole
 
 
+def test_a_tiny_model_with_its_readme_and_a_config_damaged_is_written_anew(tmp_path, tiny_model):
+    """Its file list still says h3gen wrote it: a README overwritten does not make it someone else's folder."""
+    copy = tmp_path / "tiny"
+    shutil.copytree(tiny_model, copy)
+    config = copy / "transformer" / "config.json"
+    whole = config.read_bytes(), (copy / "README.md").read_bytes()
+    config.write_text("{}")
+    (copy / "README.md").write_text("corrupt")
+    h3gen("tiny", copy, check_code=0)
+    assert (config.read_bytes(), (copy / "README.md").read_bytes()) == whole
+
+
+def test_a_folder_holding_another_model_is_not_taken_for_the_tiny_one(tmp_path, tiny_model):
+    """A repository h3gen did not write as its tiny model (no file list, no tiny README): refused, left as it is."""
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model, other)
+    (other / ".h3gen-tiny-files.json").unlink()
+    (other / "README.md").write_text("MiniMax-H3")
+    result = h3gen("tiny", other, check_code=2)
+    assert "holds other files, and the tiny model is written only into a new or empty folder" in result.stderr
+    assert (other / "README.md").read_text() == "MiniMax-H3"
+
+
 @pytest.mark.parametrize("place, message, fix", [
     ("file", "is a file", "pass a folder for the tiny model that is new or empty"),
     ("clips", "holds other files, and the tiny model is written only into a new or empty folder",
