@@ -331,8 +331,11 @@ def run_bench(plan: BenchPlan, registry, source, random_weights: str | None, say
                     runs = bench.run()
                 except Exception as e:  # one preset failing must not lose the others' numbers
                     said_failed(say, f"{name} at {seconds:g} s", e)
-                    records.append(dict(common, preset=name, baseline=baseline, duration_s=request.duration,
-                                        frames=request.frames, size=f"{plan.width}x{plan.height}", stage="e2e",
+                    # the row the run would have had: its one stage's, or end to end
+                    stage = {"vae": "vae_video"}.get(plan.stages[0], plan.stages[0]) if len(plan.stages) == 1 else "e2e"
+                    records.append(dict(common, gpus=int(pick_device(preset.runtime["device"]).startswith("cuda")),
+                                        preset=name, baseline=baseline, duration_s=round(request.duration, 4),
+                                        frames=request.frames, size=f"{plan.width}x{plan.height}", stage=stage,
                                         median_s=None, p95_s=None, repeats=0, per_forward_s=None, forwards=None,
                                         peak_gib=None, host_gib=None, rtf=None, dit_rel_err=None,
                                         vram_gib=preset.runtime["vram_gib"] or None,

@@ -1,6 +1,7 @@
 """`h3gen bench` on the CPU with the tiny model: the same code path the GPU benchmark runs."""
 
 import contextlib
+import dataclasses
 import gc
 import json
 import re
@@ -469,6 +470,12 @@ def test_a_failed_stage_bench_s_leftovers_are_freed_before_the_next_preset_loads
     with collector_off():
         records = sweep.run_bench(plan, registry(), None, "tiny", say=lambda line: None)
     assert seen == [True, True] and all(r["notes"] == "failed: RuntimeError: CUDA out of memory" for r in records)
+    # the failed run's rows are shaped as a measured one's: no GPU on the CPU, the duration rounded, its stage
+    assert [(r["gpus"], r["duration_s"], r["stage"]) for r in records] == [(0, 5.1667, "e2e")] * 2
+    one_stage = dataclasses.replace(plan, stages=("dit",))
+    with collector_off():
+        records = sweep.run_bench(one_stage, registry(), None, "tiny", say=lambda line: None)
+    assert {r["stage"] for r in records} == {"dit"}
 
 
 @contextlib.contextmanager
