@@ -350,8 +350,11 @@ def _stage(kind: str, data: dict, registry, where: str, sources: dict, key: str 
         from h3gen.stages.base import Wrapped
 
         if wraps is None:
-            raise UsageError(f"{where}: {kind} stage '{name}' wraps another {kind} stage, and none is named",
-                             f"add [{key}.wraps] with use = \"...\", or set it over a preset that has a {kind} stage")
+            given = f"--set {key}.use={name}" if sources.get(f"{key}.use") == "--set" else where
+            over = f", or set it over a preset that has a {kind} stage" if key == kind else ""
+            raise UsageError(f"{given}: {kind} stage '{name}' wraps another {kind} stage, and none is named",
+                             f"name it: [{key}.wraps] use = \"...\" in a preset, --set {key}.wraps.use=... on the "
+                             f"command line{over}")
         inner = _stage(kind, {kind: wraps}, registry, where, sources, f"{key}.wraps")
         config.wraps = Wrapped(inner[0], registry.stage(kind, inner[0]), inner[1])
     sources.setdefault(f"{key}.use", where)

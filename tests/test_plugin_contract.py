@@ -645,3 +645,12 @@ def test_a_vae_wrapper_that_edits_the_finished_frames_gets_them_from_a_decode_th
     plain, inverted = frames(tmp_path / "plain/a.mp4"), frames(tmp_path / "inverted/a.mp4")
     # H.264 rounds both: the inverted clip is near 255 minus the plain one, and far from it
     assert np.abs(inverted - (255 - plain)).mean() < 8 < np.abs(inverted - plain).mean()
+
+
+def test_a_wrapper_left_without_the_stage_it_wraps_is_blamed_on_the_set_that_did_it(tmp_path, prompts_file):
+    env = install(tmp_path / "site", "invert", INVERT)
+    result = h3gen("presets", "show", "tiny", "--set", "vae.use=invert", "--set", "vae.wraps.use=invert", env=env,
+                   check_code=2)
+    assert result.stderr.splitlines()[-1] == (
+        "h3gen: error: --set vae.wraps.use=invert: vae stage 'invert' wraps another vae stage, and none is named (name "
+        "it: [vae.wraps.wraps] use = \"...\" in a preset, --set vae.wraps.wraps.use=... on the command line)")
