@@ -31,7 +31,8 @@ def random_weights(incomplete: str) -> list[str]:
 
 def set_keys(ctx, incomplete: str) -> list[str]:
     """`section.key=` for every key of the preset on the command line (bench's first --preset; tiny when none is
-    given yet); after `KIND.use=`, the registered stages of that kind."""
+    given yet) as the --set values before this one leave it (a stage another --set picked, with its keys); after
+    `KIND.use=`, the registered stages of that kind."""
     from h3gen.config.preset import describe, resolve
     from h3gen.cli.ui import plugin_registry
 
@@ -41,11 +42,16 @@ def set_keys(ctx, incomplete: str) -> list[str]:
         kind = key[: -len(".use")]
         return [f"{key}={name}" for k, name in sorted(found.stages) if k == kind and
                 f"{key}={name}".startswith(incomplete)]
-    try:
-        params = ctx.params or {}
-        preset = resolve(params.get("preset") or params.get("name") or (params.get("presets") or ["tiny"])[0], found)
-    except Exception:  # a half-typed preset: complete the keys every preset has
-        preset = resolve("tiny", found)
+    params = ctx.params or {}
+    name = params.get("preset") or params.get("name") or (params.get("presets") or ["tiny"])[0]
+    earlier = list(params.get("overrides") or params.get("sets") or [])
+    # a half-typed preset or --set: the keys without the --set values, else the keys every preset has
+    for tried, sets in ((name, earlier), (name, []), ("tiny", [])):
+        try:
+            preset = resolve(tried, found, sets)
+            break
+        except Exception:
+            continue
     keys = [f"{key}=" for key, _, _ in describe(preset) if key != "version"]
     return [key for key in keys if key.startswith(incomplete)]
 

@@ -215,6 +215,10 @@ def test_completion_knows_presets_set_keys_and_stage_names():
     assert "adapter.paths=" in complete("h3gen render p.txt --preset fasth3 --set adapter.pa")
     assert set(complete("h3gen render p.txt --set vae.use=")) >= {"vae.use=fast", "vae.use=reference"}
     assert "sampler.steps=" in complete("h3gen presets show h3-base --set sampler.st")
+    # the keys of the stage an earlier --set picked; a --set still being typed does not stop the rest completing
+    assert "vae.tile_batch=" in complete("h3gen render p.txt --set vae.use=fast --set vae.ti")
+    assert "cache.threshold=" in complete("h3gen render p.txt --preset h3-base --set cache.use=residual --set cache.")
+    assert "vae.use=" in complete("h3gen render p.txt --set vae.use=nosuch --set vae.")
 
 
 def test_completion_of_bench_options_and_of_the_shell_to_install_for():
