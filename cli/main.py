@@ -521,9 +521,9 @@ def presets_show(
     described_by = resolved.sources.get("description", own)
     if described_by != own:  # inherited through extends
         resolved = dataclasses.replace(resolved, description=f"{resolved.description} ({described_by}'s description)")
-    if overrides:  # the description was written for the preset as it was
-        resolved = dataclasses.replace(resolved, description=f"{resolved.description} (with --set "
-                                                               f"{', '.join(overrides)})")
+    if overrides:  # the description was written for the preset as it was; saved, the changes are its own values
+        changes = f"{resolved.name} with {', '.join(overrides)}" if as_toml else f"with --set {', '.join(overrides)}"
+        resolved = dataclasses.replace(resolved, description=f"{resolved.description} ({changes})")
     if as_toml:
         typer.echo(preset_toml(resolved), nl=False)
         return

@@ -136,6 +136,9 @@ def test_presets_show_toml_resolves_back_to_every_builtin_preset(tmp_path):
     printed = h3gen("presets", "show", "fasth3-fp8", "--toml", check_code=0).stdout
     (tmp_path / "printed.toml").write_text(printed)
     assert resolved(tmp_path / "printed.toml") == resolved("fasth3-fp8")
+    # saved with --set values, they are the new preset's own: its description says what it was made from
+    changed = h3gen("presets", "show", "fasth3-fp8", "--set", "mux.crf=20", "--toml", check_code=0).stdout
+    assert '(fasth3-fp8 with mux.crf=20)"' in changed.splitlines()[1] and "--set" not in changed.splitlines()[1]
 
 
 @pytest.mark.parametrize("base, message", [
