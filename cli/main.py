@@ -178,8 +178,8 @@ def render(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per finished clip on stdout.")] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="On stderr only what needs someone: warnings, the "
                                                               "counts with a line for each clip failed or in "
-                                                              "conflict, a stop. A run that went well prints nothing there (for "
-                                                              "cron).")] = False,
+                                                              "conflict, a stop. A run that went well prints "
+                                                              "nothing there (for cron).")] = False,
     vram: Annotated[Optional[str], typer.Option("--vram", metavar="GIB", help=VRAM_HELP)] = None,
     save_latents: Annotated[bool, typer.Option("--save-latents", help="Also write each clip's final latents; a rerun "
                                                                       "with it renders again a clip whose latents are "

@@ -116,8 +116,8 @@ FILES = [
                      "stopped run never leaves a partial MP4; a later run removes the partial files a killed one "
                      "left."),
     ("OUT/NAME.latents.safetensors", "With --save-latents: the clip's final video and audio latents (float32), "
-                                     "written as OUT/.NAME.latents.safetensors.partial and renamed; removed again when the "
-                                     "clip then fails or a signal discards it."),
+                                     "written as OUT/.NAME.latents.safetensors.partial and renamed; removed again "
+                                     "when the clip then fails or a signal discards it."),
     (f"OUT/{MANIFEST}", "One JSON line per clip and event of every run, appended whole under a lock: the record "
                         "--json prints, plus time (Unix seconds) and pid."),
     ("OUT/.NAME.mp4.lock", "The claim of the run rendering NAME.mp4: a lock the kernel drops when that process "

@@ -221,14 +221,12 @@ def clear_leftovers(requests, output: Path, preset_name: str) -> None:
 
 
 def partial_files_of_others(requests, output: Path, preset_name: str) -> list[Path]:
-    """The hidden partial files in `output` of clips none of `requests` names: left by a killed run of other prompts
-    (or another run's, being written). They are only named: clearing them would take locks other runs may want."""
+    """The hidden partial files in `output` of clips none of `requests` names. They are only named: clearing them
+    would take locks other runs may want."""
     from h3gen.run import outputs
     from h3gen.run.resume import clip_name
 
-    ours = {path for request in requests for path in outputs.leftovers(output / clip_name(request, preset_name))}
-    found = [*output.glob(".*.partial.mp4"), *output.glob(".*.latents.safetensors.partial")]
-    return sorted(path for path in found if path not in ours and path.is_file())
+    return outputs.partial_files_of_others(output, [output / clip_name(r, preset_name) for r in requests])
 
 
 def check_device(device: str) -> None:

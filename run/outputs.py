@@ -94,8 +94,16 @@ def holder_fields(path: Path) -> dict | None:
 
 def leftovers(path: Path) -> list[Path]:
     """The hidden files a run writes beside the clip at `path` before renaming them into place."""
-    latents = path.with_suffix(".latents.safetensors")
+    latents = latents_path(path)
     return [path.with_name(f".{path.name}.partial.mp4"), latents.with_name(f".{latents.name}.partial")]
+
+
+def partial_files_of_others(output: Path, clips: list[Path]) -> list[Path]:
+    """The hidden partial files (`leftovers`) in `output` of clips other than `clips`: left by a killed run of other
+    prompts, or being written by another run."""
+    ours = {path for clip in clips for path in leftovers(clip)}
+    found = [*output.glob(".*.partial.mp4"), *output.glob(".*.latents.safetensors.partial")]
+    return sorted(path for path in found if path not in ours and path.is_file())
 
 
 def clear_leftovers(path: Path) -> None:

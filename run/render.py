@@ -430,7 +430,8 @@ def check_latents(clip: Clip, sampler) -> None:
                                   "as the request's shapes say: docs/plugins.md")
     broken = [name for name in wanted if not torch.isfinite(getattr(clip, f"{name}_latents")).all()]
     if broken:
-        fix = "a sampler's latents must be finite: docs/plugins.md" if sampler.origin != BUILTIN else DAMAGED_WEIGHTS_FIX
+        fix = (DAMAGED_WEIGHTS_FIX if sampler.origin == BUILTIN
+               else "a sampler's latents must be finite: docs/plugins.md")
         raise ReturnedRefused(f"{sampler.label()} returned {' and '.join(broken)} latents holding NaN or infinite "
                               "values", fix)
 
