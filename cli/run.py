@@ -17,20 +17,20 @@ WORKER_ENTRY = "h3gen.cli.worker"  # what torchrun starts: a worker that draws w
 def run_render(settings: RunSettings, began: float) -> int:
     """`began`: the time.time() the command began, which the run's wall time counts from, in one process or in
     workers."""
-    with stop_on_signals():
-        try:
+    try:  # outside the handlers' block: a signal as the block ends (the run done) is caught here too
+        with stop_on_signals():
             return _run_render(settings, began)
-        except BrokenPipeError:  # stdout's reader gone in a dry run: the command ends as SIGPIPE ends it
-            raise
-        except OSError as e:  # a write outside any clip: one line, never a traceback
-            from h3gen.run.outputs import write_error
+    except BrokenPipeError:  # stdout's reader gone in a dry run: the command ends as SIGPIPE ends it
+        raise
+    except OSError as e:  # a write outside any clip: one line, never a traceback
+        from h3gen.run.outputs import write_error
 
-            raise WriteError(write_error(Path(e.filename or settings.output), e),
-                             "a rerun resumes: clips already written are kept and skipped") from None
-        except Interrupted as stop:
-            reporter_for(0, False, "", quiet=settings.quiet).warn(
-                f"h3gen: stopped by {stop.signal_name}; run the same command again to resume")
-            return stop.exit_code
+        raise WriteError(write_error(Path(e.filename or settings.output), e),
+                         "a rerun resumes: clips already written are kept and skipped") from None
+    except Interrupted as stop:
+        reporter_for(0, False, "", quiet=settings.quiet).warn(
+            f"h3gen: stopped by {stop.signal_name}; run the same command again to resume")
+        return stop.exit_code
 
 
 def _run_render(settings: RunSettings, began: float) -> int:

@@ -5,6 +5,7 @@ The faults come from a test plugin installed the way `pip install` would (an `h3
 command runs exactly as in production, in a child process.
 """
 
+import contextlib
 import gc
 import json
 import os
@@ -660,6 +661,24 @@ def test_after_one_stop_signal_any_second_one_ends_the_process_at_once():
         assert {signum: signal.getsignal(signum) for signum in STOP_SIGNALS} == dict.fromkeys(STOP_SIGNALS,
                                                                                              signal.SIG_DFL)
     assert {signum: signal.getsignal(signum) for signum in STOP_SIGNALS} == before
+
+
+def test_a_signal_as_a_finished_run_puts_its_handlers_back_ends_with_one_line(monkeypatch, capsys):
+    """SIGTERM from `timeout` just as the run ends, after the body returned and before the old handlers are back:
+    the run's exit status for the signal and its one line, never a traceback."""
+    import h3gen.cli.run as run
+    from h3gen.run.loop import Interrupted
+    from h3gen.run.settings import RunSettings
+
+    @contextlib.contextmanager
+    def signal_at_the_end():
+        yield
+        raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(run, "stop_on_signals", signal_at_the_end)
+    monkeypatch.setattr(run, "_run_render", lambda settings, began: 0)
+    assert run.run_render(RunSettings(prompts=Path("p.txt"), output=Path("out")), 0.0) == 143
+    assert "h3gen: stopped by SIGTERM; run the same command again to resume" in capsys.readouterr().err
 
 
 def test_a_signal_finishes_the_background_mux_of_a_decoded_clip_and_leaves_only_whole_files(faults, prompts_file,
