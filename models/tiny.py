@@ -7,6 +7,8 @@ CPU. It renders noise: it exists so that every code path, loading included, runs
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -46,29 +48,55 @@ def default_tiny_dir() -> Path:
 
 def ensure_tiny_model(target: Path | None = None) -> Path:
     """Return the tiny model's directory (absolute), writing it first when it is not there yet or is damaged. A
-    folder that holds anything else is never written over."""
-    from h3gen.errors import ModelError, UsageError
-    from h3gen.models.repo import ModelRepo
+    folder that holds anything else is never written over. Runs that start together write it once: the writer holds
+    a lock on the folder above it, and a run that waited for the lock uses what the writer wrote."""
+    from h3gen.errors import UsageError
 
     default = target is None
     target = (default_tiny_dir() if default else Path(target).expanduser()).absolute()
     if target.exists() and not target.is_dir():
         raise UsageError(f"{target} is a file", "pass a folder for the tiny model that is new or empty")
-    if target.is_dir() and any(target.iterdir()):
-        if not is_tiny_model(target):
-            raise UsageError(f"{target} holds other files, and the tiny model is written only into a new or empty "
-                             "folder", "pass a folder for the tiny model that is new or empty")
-        try:
-            ModelRepo(target)
-            if files_intact(target):
-                return target
-        except ModelError:
-            pass  # damaged: written again
+    if in_place(target):
+        return target
     try:
-        write_into(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with writer_lock(target.parent):
+            if not in_place(target):
+                write_into(target)
+    except UsageError:  # the folder came to hold other files meanwhile
+        raise
     except Exception as e:  # OSError, or safetensors' own error for a full disk
         raise write_failure(target, e, default) from None
     return target
+
+
+def in_place(target: Path) -> bool:
+    """Whether the tiny model is at `target`, whole; False where the folder is not there or is empty, or holds a
+    damaged tiny model (which is written again). A folder that holds anything else is refused."""
+    from h3gen.errors import ModelError, UsageError
+    from h3gen.models.repo import ModelRepo
+
+    if not target.is_dir() or not any(target.iterdir()):
+        return False
+    if not is_tiny_model(target):
+        raise UsageError(f"{target} holds other files, and the tiny model is written only into a new or empty "
+                         "folder", "pass a folder for the tiny model that is new or empty")
+    try:
+        ModelRepo(target)
+    except ModelError:
+        return False
+    return files_intact(target)
+
+
+@contextlib.contextmanager
+def writer_lock(folder: Path):
+    """An exclusive lock on `folder` itself (no lock file left behind), held while the tiny model is written in it."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def is_tiny_model(directory: Path) -> bool:
@@ -105,7 +133,6 @@ def write_into(target: Path) -> None:
     from h3gen.run.quiet import quiet_libraries
 
     quiet_libraries()  # no third-party progress bars ("Writing model shards") in the user's log
-    target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     try:
         write_tiny_model(staging, final_dir=target)

@@ -159,6 +159,30 @@ def test_tiny_writes_the_model_where_asked(tmp_path):
     assert "smoke-test model" in result.stderr
 
 
+def test_runs_that_start_together_write_the_tiny_model_once(tmp_path, monkeypatch):
+    """Two runs finding no tiny model write it one after the other: the second waits for the first's lock and uses
+    its copy (writing its own over it took the files from under the first run's loading)."""
+    import threading
+
+    from h3gen.models import tiny
+
+    writes, real_write = [], tiny.write_into
+
+    def counted(target):
+        writes.append(target)
+        real_write(target)
+
+    monkeypatch.setattr(tiny, "write_into", counted)
+    target = tmp_path / "cache" / "tiny"
+    found = []
+    runs = [threading.Thread(target=lambda: found.append(tiny.ensure_tiny_model(target))) for _ in range(2)]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join()
+    assert found == [target, target] and writes == [target] and tiny.files_intact(target)
+
+
 def test_version():
     assert h3gen("--version", check_code=0).stdout.startswith("h3gen ")
 
