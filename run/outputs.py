@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from h3gen.errors import ClipError, WriteError
+from h3gen.run import fingerprint
 
 if TYPE_CHECKING:
     from h3gen.inputs.request import Request
@@ -219,7 +220,7 @@ def full_disk(error: BaseException) -> bool:
     return False
 
 
-def save_tensors(tensors: dict, path: Path) -> None:
+def save_tensors(tensors: dict, path: Path, metadata: dict | None = None) -> None:
     """Write a safetensors file whole or not at all (a hidden partial file, renamed when complete). Python writes
     the bytes, so the file's mode follows the umask as every other output's does (safetensors' own writer makes it
     0600), and a failed write raises OSError with its errno."""
@@ -227,7 +228,7 @@ def save_tensors(tensors: dict, path: Path) -> None:
 
     partial = path.with_name(f".{path.name}.partial")
     try:
-        partial.write_bytes(save(tensors))
+        partial.write_bytes(save(tensors, metadata))
         partial.replace(path)
     except OSError as e:
         raise OSError(e.errno, e.strerror, str(path)) from None
@@ -286,10 +287,28 @@ def sizes_that_differ(a: int, b: int) -> tuple[str, str]:
     return f"{a:,} bytes", f"{b:,} bytes"
 
 
+LATENTS_TAG = "h3gen"  # the latents file's metadata key for the clip's stamp
+
+
 def latents_path(path: Path) -> Path:
     return path.with_suffix(".latents.safetensors")
 
 
 def write_latents(clip: Clip) -> None:
+    """The clip's latents beside its MP4, stamped as the MP4 is: a rerun with --save-latents knows latents of
+    other settings."""
     save_tensors({"video": clip.video_latents.float().cpu().contiguous(),
-                  "audio": clip.audio_latents.float().cpu().contiguous()}, latents_path(clip.path))
+                  "audio": clip.audio_latents.float().cpu().contiguous()}, latents_path(clip.path),
+                 {LATENTS_TAG: fingerprint.stamp(clip.fingerprint)})
+
+
+def read_latents_stamp(path: Path) -> dict | None:
+    """The fingerprint fields `write_latents` stamped into a latents file (None without them: an older h3gen's)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            stored = json.loads((f.metadata() or {}).get(LATENTS_TAG, "{}"))
+    except (OSError, ValueError, SafetensorError):
+        return None
+    return stored.get("fields") if isinstance(stored, dict) and isinstance(stored.get("fields"), dict) else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -307,6 +308,9 @@ class Renderer:
         if clip.path in self.latents_written:
             self.latents_written.discard(clip.path)
             if error:  # the clip's latents go with it: no file of a clip without its MP4
+                outputs.latents_path(clip.path).unlink(missing_ok=True)
+        elif status == "" and not error:  # rendered again without --save-latents: latents there are another render's
+            with contextlib.suppress(OSError):
                 outputs.latents_path(clip.path).unlink(missing_ok=True)
         if claim is not None:
             claim.release()

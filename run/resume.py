@@ -11,7 +11,7 @@ from pathlib import Path
 from h3gen.errors import ModelError
 from h3gen.inputs.request import Request
 from h3gen.run import fingerprint
-from h3gen.run.outputs import holder_fields, latents_path
+from h3gen.run.outputs import holder_fields, latents_path, read_latents_stamp
 from h3gen.run.records import ClipResult
 
 
@@ -62,7 +62,7 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
     problems = validate_clip(path, expected_frames=request.frames, pictures=stored is None)
     state = "there but damaged:"
     if not problems and save_latents and stored is not None:
-        problems, state = latents_problems(latents_path(path)), "there, but"
+        problems, state = latents_problems(latents_path(path), wanted), "there, but"
     if problems and stored is None and not box_problem(path):
         return conflict(request, path, wanted, problems, "a whole MP4 h3gen did not stamp")
     if problems:  # the atomic write replaces it only once the new file is whole
@@ -73,8 +73,9 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
     return ClipResult(request, path, True, {}, 0.0, skipped=True, fingerprint=fingerprint.digest(wanted))
 
 
-def latents_problems(path: Path) -> list[str]:
-    """What is wrong with a clip's latents file beside it (written whole, so damaged or gone only from outside)."""
+def latents_problems(path: Path, wanted: dict) -> list[str]:
+    """What is wrong with a clip's latents file beside it: gone or damaged from outside (it is written whole), or
+    stamped with settings other than the clip's (`wanted`)."""
     from h3gen.models.repo import check_safetensors
 
     if not path.is_file():
@@ -83,6 +84,10 @@ def latents_problems(path: Path) -> list[str]:
         check_safetensors(path)
     except ModelError:
         return [f"its latents {path.name} are cut short or not safetensors"]
+    stored = read_latents_stamp(path)
+    settings = fingerprint.differences(stored, wanted) if stored is not None else []
+    if settings:
+        return [f"its latents {path.name} are of other settings ({first_reasons(settings)})"]
     return []
 
 

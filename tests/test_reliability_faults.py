@@ -884,6 +884,21 @@ def test_a_rerun_with_save_latents_says_why_it_renders_a_clip_whose_latents_are_
     assert "skip" in h3gen("render", prompts, "-o", out, "--dry-run", check_code=0).stdout  # without: nothing lacks
 
 
+def test_latents_of_other_settings_are_rendered_again_and_a_clip_rendered_without_them_takes_its_old_ones(
+        prompts_file, tmp_path):
+    """Latents carry the clip's stamp: another render's latents beside the clip are not taken as its own, and a clip
+    rendered again without --save-latents leaves no latents of its earlier settings beside it."""
+    out, other, prompts = tmp_path / "out", tmp_path / "other", prompts_file('{"id": "a", "prompt": "a fox"}\n')
+    h3gen("render", prompts, "-o", out, "--save-latents", check_code=0)
+    h3gen("render", prompts, "-o", other, "--seed", "1", "--save-latents", check_code=0)
+    shutil.copy(other / "a.latents.safetensors", out / "a.latents.safetensors")
+    planned = h3gen("render", prompts, "-o", out, "--save-latents", "--dry-run", check_code=0)
+    assert re.search(r"a\.mp4: there, but its latents a\.latents\.safetensors are of other settings \(request\.seed: 1 -> 0"
+                     r"\); rendered again$", planned.stdout.strip()), planned.stdout
+    h3gen("render", prompts, "-o", other, "--redo-conflicts", check_code=0)  # seed 0 now, no latents asked for
+    assert sorted(p.name for p in other.iterdir()) == ["a.mp4", "manifest.jsonl"]
+
+
 def test_a_manifest_cut_short_mid_line_takes_the_next_record_on_a_line_of_its_own(prompts_file, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
