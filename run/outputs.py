@@ -142,10 +142,13 @@ def record(out_dir: Path, result, preset: str, status: str) -> OSError | None:
             fcntl.flock(fd, fcntl.LOCK_EX)
             if unterminated(fd):  # a line cut short (a crash, a full disk) ends where this one starts
                 os.write(fd, b"\n")
-            written = os.write(fd, line.encode())
-            if written < len(line.encode()):  # the disk filled mid-line: cut the half line off again
+            data, written = line.encode(), 0
+            try:
+                while written < len(data):  # a short write, and the next one says why: a full disk, a size limit
+                    written += os.write(fd, data[written:])
+            except OSError:  # cut the half line off again
                 os.ftruncate(fd, os.fstat(fd).st_size - written)
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                raise
         finally:
             os.close(fd)
     except OSError as e:

@@ -805,6 +805,33 @@ def test_a_manifest_line_that_cannot_be_written_fails_its_clip(tmp_path, monkeyp
         "redoes only the clips that are missing)")
 
 
+def test_a_manifest_line_cut_short_by_a_file_size_limit_is_named_as_that_and_taken_back(tmp_path, monkeypatch):
+    """The write that stops short does not say why; the next one does (`ulimit -f`), and the half line goes."""
+    import errno
+
+    from h3gen.inputs.request import Request
+    from h3gen.run import outputs
+    from h3gen.run.records import ClipResult
+
+    (tmp_path / "manifest.jsonl").write_text('{"earlier": 1}\n')
+    real_write, calls = os.write, []
+
+    def size_limit(fd, data):
+        calls.append(len(data))
+        if len(calls) > 1:
+            raise OSError(errno.EFBIG, "File too large")
+        return real_write(fd, data[:10])
+
+    monkeypatch.setattr(outputs.os, "write", size_limit)
+    result = ClipResult(Request(index=0, prompt="x", seed=0, width=32, height=32, frames=124), tmp_path / "a.mp4",
+                        True, {}, 0.0)
+    error = outputs.record(tmp_path, result, "tiny", "ok")
+    assert outputs.write_error(Path(error.filename), error) == (
+        f"cannot write {tmp_path / 'manifest.jsonl'}: File too large (a file size limit stops it: raise `ulimit -f`; "
+        "a rerun redoes only the clips that are missing)")
+    assert (tmp_path / "manifest.jsonl").read_text() == '{"earlier": 1}\n'
+
+
 def test_a_file_system_out_of_inodes_is_named_as_such_not_as_out_of_space(tmp_path, monkeypatch):
     """`df -h` shows room: the hint to free space would mislead."""
     import errno
