@@ -100,6 +100,7 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
     from h3gen.config.preset import check_stage_configs
     from h3gen.inputs.prompts import read_prompts, shard_requests
     from h3gen.run.outputs import check_room
+    from h3gen.run.resume import clip_name
 
     every = read_prompts(settings.prompts, settings.seed, preset.request)
     check_unique_outputs(every, preset.name, settings.prompts)  # across shards too: two shards must not write one file
@@ -111,7 +112,10 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
         if not settings.dry_run:  # a dry run changes nothing in the output directory
             clear_leftovers(requests, settings.output, preset.name)
         others = partial_files_of_others(every, settings.output, preset.name)
-        if requests:  # a dry run too: it says what the run would do
+        # A dry run too: it says what the run would do. A run whose clips are all there may render none: each clip
+        # that renders is checked for room before its GPU time (Renderer.room_for).
+        if requests and (settings.force or any(not (settings.output / clip_name(r, preset.name)).exists()
+                                               for r in requests)):
             check_room(settings.output)
         # Clips are numbered by their place in the whole file, so [i/n] means the same in every shard.
         reporter = make_reporter(len(every), settings.json_out, preset.name)

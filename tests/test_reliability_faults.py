@@ -869,6 +869,27 @@ def test_a_run_whose_output_disk_cannot_take_a_clip_is_refused_before_any_weight
         assert not (tmp_path / "out").exists()  # the folder the run made goes with it
 
 
+def test_a_run_whose_clips_are_all_there_is_not_refused_for_a_full_disk(tmp_path, monkeypatch, prompts_file):
+    """A nightly rerun over a finished prompts file renders nothing, so it needs no room; --force would."""
+    import dataclasses
+
+    from h3gen.config.preset import resolve
+    from h3gen.errors import WriteError
+    from h3gen.plugins.manager import registry
+    from h3gen.run.loop import prepare
+    from h3gen.run.settings import RunSettings
+
+    settings = RunSettings(prompts=prompts_file('{"id": "a", "prompt": "x"}\n'), output=tmp_path / "out")
+    h3gen("render", settings.prompts, "-o", settings.output, check_code=0)
+    found = registry()
+    preset = resolve("tiny", found)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 2**10, 2**10))
+    for run in (settings, dataclasses.replace(settings, dry_run=True)):
+        assert prepare(run, preset, found).requests
+    with pytest.raises(WriteError, match="^only 1 KiB free in"):
+        prepare(dataclasses.replace(settings, force=True), preset, found)
+
+
 def test_a_failed_clip_whose_manifest_line_is_lost_says_so(tmp_path, monkeypatch):
     """The summary, --json and the manifest agree, or the failure says where they do not."""
     import errno
