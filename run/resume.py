@@ -142,9 +142,15 @@ def moved_seeds(pending: list[Request], requests: list[Request], out_dir: Path, 
                 break
     if not moved:
         return ""
-    offset = min(moved, key=lambda o: (-moved[o], abs(o)))  # the commonest, the nearest of equals
-    what = "removed or commented out (or --seed lowered)" if offset > 0 else "added (or --seed raised)"
-    return (f"{sum(moved.values())} of the clips to render have a clip in {out_dir} from the same prompt under a seed "
-            f"{abs(offset)} {'higher' if offset > 0 else 'lower'}: a prompt line above them was {what}, which moved "
-            "their default seeds (--seed plus the place in the file), so they render anew under other names; put the "
-            "line back to keep those clips, and give each line its \"seed\" where lines come and go")
+    if len({offset > 0 for offset in moved}) == 1:  # every one moved the same way (a repeated prompt: further)
+        offset = min(moved, key=lambda o: (-moved[o], abs(o)))  # the commonest, the nearest of equals
+        what = "removed or commented out (or --seed lowered)" if offset > 0 else "added (or --seed raised)"
+        where = (f"under a seed {abs(offset)} {'higher' if offset > 0 else 'lower'}: a prompt line above them was "
+                 f"{what}")
+        back = "put the line back"
+    else:
+        where = "under a seed a few places away: prompt lines were moved, added or removed (or --seed changed)"
+        back = "put the lines back as they were"
+    return (f"{sum(moved.values())} of the clips to render have a clip in {out_dir} from the same prompt {where}, "
+            "which moved their default seeds (--seed plus the place in the file), so they render anew under other "
+            f"names; {back} to keep those clips, and give each line its \"seed\" where lines come and go")

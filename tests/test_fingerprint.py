@@ -412,6 +412,11 @@ def test_a_line_removed_above_default_seeded_prompts_is_named_before_they_render
     inserted = read_prompts(prompts_file("new\ngone\na fox\na fox\nrain\n"), 0, {})
     pending = [r for r in inserted if not (out / clip_name(r, "tiny")).exists()]
     assert "under a seed 1 lower: a prompt line above them was added" in moved_seeds(pending, inserted, out, "tiny", 0)
+    swapped = read_prompts(prompts_file("a fox\ngone\na fox\nrain\n"), 0, {})  # a fox one up, gone one down
+    pending = [r for r in swapped if not (out / clip_name(r, "tiny")).exists()]
+    assert moved_seeds(pending, swapped, out, "tiny", 0).startswith(
+        "2 of the clips to render have a clip in {} from the same prompt under a seed a few places away: prompt lines "
+        "were moved, added or removed (or --seed changed), which moved their default seeds".format(out))
     # Rendered again over their own names (--force, --redo-conflicts, damaged): nothing moved.
     assert moved_seeds(list(after), after, out, "tiny", 0) == note  # the two new ones alone
     assert moved_seeds([r for r in after if (out / clip_name(r, "tiny")).exists()], after, out, "tiny", 0) == ""
