@@ -69,13 +69,14 @@ def check_workers(parallel: Parallel, preset, heads: int, refusal: str) -> None:
             raise UsageError(f"{parallel.said('ulysses')}: {refusal}",
                              "leave Ulysses out to render whole clips per worker")
     nnodes, node_rank = parallel.nnodes or 1, parallel.node_rank
-    stray = next((flag for flag, value in (("--node-rank", node_rank), ("--rdzv-id", parallel.rdzv_id))
+    stray = next((flag for flag, value in (("--node-rank", node_rank), ("--rdzv-id", parallel.rdzv_id),
+                                           ("--rdzv-endpoint", parallel.rdzv_endpoint))
                   if value is not None and parallel.nnodes is None), None)
     if stray:  # without --nnodes the run is one machine, which would ignore it
         raise UsageError(f"{stray} belongs to a multi-node run, and --nnodes is not given",
                          f"add --nnodes M and --rdzv-endpoint HOST:PORT, or drop {stray}")
-    if nnodes < 1:
-        raise UsageError(f"--nnodes {nnodes}: at least one machine", "pass --nnodes 1 or more")
+    if parallel.nnodes is not None and parallel.nnodes < 1:
+        raise UsageError(f"--nnodes {parallel.nnodes}: at least one machine", "pass --nnodes 1 or more")
     if nnodes > 1 and not parallel.rdzv_endpoint:
         raise UsageError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT",
                          "the address of a machine of the job every node can reach")
