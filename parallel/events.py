@@ -24,6 +24,7 @@ from types import SimpleNamespace
 PLAN_KEY = "h3gen/plan"
 # Rank 0 reads the prompts file and checks which clips are already written before the others hear the plan.
 PLAN_WAIT = timedelta(hours=6)
+COMMAND_WAIT = timedelta(minutes=5)  # every rank sends its settings as it starts: they are there long before this
 # What the sampler wrote on a clip, sent with each stage's time: a clip whose worker died before it reported the
 # clip done is recorded with them.
 SAMPLED = ("forwards", "forwards_reused", "attention")
@@ -46,6 +47,23 @@ def publish_plan(store, plan: dict) -> None:
 def receive_plan(store) -> dict:
     store.wait([PLAN_KEY], PLAN_WAIT)
     return pickle.loads(store.get(PLAN_KEY))
+
+
+def command_key(rank: int) -> str:
+    return f"h3gen/command/{rank}"
+
+
+def publish_command(store, rank: int, settings: dict) -> None:
+    """The settings this worker's machine was started with, for rank 0 to compare with its own."""
+    store.set(command_key(rank), json.dumps(settings))
+
+
+def commands_of_others(store, world: int) -> dict[int, dict]:
+    """Every other rank's settings as `publish_command` sent them (each rank sends them as it starts)."""
+    keys = [command_key(rank) for rank in range(1, world)]
+    if keys:
+        store.wait(keys, COMMAND_WAIT)
+    return {rank: json.loads(store.get(key)) for rank, key in enumerate(keys, start=1)}
 
 
 def event_key(group: int, number: int) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import time
 from pathlib import Path
@@ -27,9 +28,17 @@ class Worker:
         self.began = time.time()  # a clip file older than this is not this run's (--force redoes it in place)
 
     def run(self) -> int:
+        if self.rank:
+            events.publish_command(self.store, self.rank, command_of(self.settings))
         plan = self.make_plan() if self.rank == 0 else events.receive_plan(self.store)
-        if "error" in plan:
-            return 0  # rank 0 stopped at its checks and reports why
+        if "error" in plan:  # rank 0 stopped at its checks and reports why; another machine's command says it too
+            if plan.get("problem") and self.rank // self.per_node and not int(os.environ.get("LOCAL_RANK", 0)):
+                from h3gen.errors import H3genError
+
+                error = H3genError(plan["problem"])
+                error.exit_code = plan["exit_code"]
+                raise error
+            return 0
         layout, pending = Layout(*plan["layout"]), plan["pending"]
         index = layout.group_of(self.rank)
         leader = layout.ranks_of(index)[0]
@@ -51,6 +60,7 @@ class Worker:
 
         job, settings = self.job, self.settings
         try:
+            check_same_command(command_of(settings), events.commands_of_others(self.store, self.world))
             preset, found = self.preset()
             # rank 0 reports the run from the command's start, the launcher's and torchrun's time included
             make_reporter = functools.partial(self.make_reporter, since=job["began"], quiet=settings.quiet)
@@ -62,8 +72,11 @@ class Worker:
             pending = [request for request in requests if request.index not in done]
             heads = job["heads"] if not job["split_refusal"] else 1
             layout = choose_layout(self.world, self.per_node, len(pending), heads, settings.parallel.ulysses or 0)
-        except BaseException:
-            events.publish_plan(self.store, {"error": True})
+        except BaseException as e:
+            from h3gen.errors import H3genError
+
+            said = {"problem": str(e), "exit_code": e.exit_code} if isinstance(e, H3genError) else {}
+            events.publish_plan(self.store, {"error": True, **said})
             raise
         worker = "GPU" if job["device"] == "gpu" else "CPU worker"
         why = f" (no Ulysses: {job['split_refusal']})" if job["split_refusal"] and layout.world > 1 else ""
@@ -171,6 +184,49 @@ class Worker:
             batch.reporter.clip_done(result)
             written.append(result)
         return written
+
+
+# How a setting is given on the command line, for the keys of RunSettings that differ between machines.
+OPTION = {"prompts": "the prompts file's bytes", "output": "-o", "preset": "--preset", "model": "--model",
+          "seed": "--seed", "overrides": "--set", "save_latents": "--save-latents", "force": "--force",
+          "shard": "--shard", "dry_run": "--dry-run", "redo_conflicts": "--redo-conflicts",
+          "strict_plugins": "--strict-plugins"}
+# What a machine may give on its own: its --node-rank, its working directory, how its own lines are drawn.
+OWN = ("cwd", "quiet", "json_out", "node_rank", "named")
+
+
+def command_of(settings: RunSettings) -> dict:
+    """The settings every machine of a run must share, by option name; the prompts file by its bytes' digest (a
+    piped one is held in a file of each machine's own)."""
+    import hashlib
+
+    try:
+        prompts = hashlib.sha256(settings.prompts.read_bytes()).hexdigest()[:12]
+    except OSError as e:
+        prompts = f"unreadable ({e.strerror})"
+    given = {**settings.to_json(), "prompts": prompts}
+    return json.loads(json.dumps({**{OPTION.get(key, key): value for key, value in given.items() if key not in (*OWN, "parallel")},
+            **{f"--{key.replace('_', '-')}": value for key, value in given["parallel"].items() if key not in OWN}}))
+
+
+def check_same_command(mine: dict, others: dict[int, dict]) -> None:
+    """Refuse a run whose machines were started with different settings (`command_of` each): each would render its
+    share of rank 0's clips its own way, into its own -o."""
+    from h3gen.errors import UsageError
+
+    for rank, theirs in sorted(others.items()):
+        differ = [f"{name} {shown_value(mine[name])} against {shown_value(theirs.get(name))}"
+                  for name in mine if theirs.get(name) != mine[name]]
+        if differ:
+            raise UsageError(f"the machines of workers 0 and {rank} were started with different settings "
+                             f"({'; '.join(differ)})",
+                             "run the same command on every machine: only --node-rank differs")
+
+
+def shown_value(value) -> str:
+    if isinstance(value, list):
+        return " ".join(map(str, value)) if value else "none"
+    return "none" if value is None else str(value)
 
 
 def make_groups(layout: Layout, index: int):

@@ -360,6 +360,27 @@ def test_two_machines_meet_at_a_rendezvous_endpoint(runs, tmp_path):
     assert outputs(tmp_path / "out") == outputs(runs["one"][1])
 
 
+def test_machines_started_with_different_settings_are_refused_on_each(tmp_path):
+    """A multi-node run whose second machine was given another --set: each machine would render its share of rank
+    0's clips its own way. Both stop before any weight loads, saying what differs; no folder is left."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a fox\n")
+    port = free_port()
+
+    def machine(rank: int, *extra: str):
+        return subprocess.Popen([sys.executable, "-m", "h3gen.cli.main", "render", str(prompts), "-o",
+                                 str(tmp_path / "out"), *PRESET, "--cpu-workers", "1", "--nnodes", "2", "--node-rank",
+                                 str(rank), "--rdzv-endpoint", f"localhost:{port}", *extra], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, **ENV})
+
+    machines = [machine(0), machine(1, "--set", "mux.crf=40")]
+    finished = [m.communicate(timeout=180) for m in machines]
+    said = ("h3gen: error: the machines of workers 0 and 1 were started with different settings (--set sampler.dit=h3gen "
+            "against sampler.dit=h3gen mux.crf=40) (run the same command on every machine: only --node-rank differs)")
+    assert [m.returncode for m in machines] == [2, 2] and all(said in err for _, err in finished), finished
+    assert not (tmp_path / "out").exists()
+
+
 ONE_RANK_OOM = '''
 import torch.distributed as dist
 
