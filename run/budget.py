@@ -81,7 +81,7 @@ class MemoryPlan:
 
 
 def plan_memory(budget_bytes: int, sizes: DiTSizes, activation_bytes: int, other_bytes: int = 0,
-                asked: bool = True, encoder_bytes: int = 0, streamed_at_least: int = 0) -> MemoryPlan:
+                asked: bool = True, encoder_bytes: int = 0, streamed_at_least: int = 0, fp8: bool = False) -> MemoryPlan:
     """The fewest streamed blocks, `streamed_at_least` or more (what the preset asks), whose estimated peak fits the
     budget (`other_bytes`: what stays resident beside the DiT, the decoders' weights); one line naming the budget
     that would fit when none does. The text encoder runs beside the resident DiT before its activations exist: it
@@ -99,8 +99,8 @@ def plan_memory(budget_bytes: int, sizes: DiTSizes, activation_bytes: int, other
     given = budget_named(budget_bytes / GIB) if asked else f"the {budget_bytes / GIB:.1f} GiB free on the GPU"
     raise UsageError(f"no plan fits the DiT in {given}: with every block streamed the largest clip still needs about "
                      f"{smallest / GIB:.1f} GiB",
-                     f"give --vram {math.ceil(smallest / GIB)} or more on a GPU that has it, an FP8 preset, or a "
-                     "shorter or smaller clip")
+                     f"give --vram {math.ceil(smallest / GIB)} or more on a GPU that has it"
+                     f"{'' if fp8 else ', an FP8 preset'}, or a shorter or smaller clip")
 
 
 def plan_for(preset, requests, repo, device: str) -> MemoryPlan | None:
@@ -132,7 +132,8 @@ def plan_for(preset, requests, repo, device: str) -> MemoryPlan | None:
     def plan_at(budget_bytes: int) -> MemoryPlan:
         def plan_with(activation_bytes: int) -> MemoryPlan:
             return plan_memory(budget_bytes, sizes, activation_bytes, decoders, asked=0 < asked <= budget_bytes,
-                               encoder_bytes=encoder_device, streamed_at_least=sampler.stream_blocks)
+                               encoder_bytes=encoder_device, streamed_at_least=sampler.stream_blocks,
+                               fp8=fp8_linears(preset))
 
         try:
             plan = plan_with(whole)
@@ -194,7 +195,7 @@ def check_budget(budget_gib: float, device: str) -> None:
         return
     if not device.startswith("cuda"):
         raise UsageError(f"{budget_named(budget_gib)} is for a GPU, and this run is on the CPU",
-                         "drop --vram (runtime.vram_gib), or run on a GPU")
+                         "run on a GPU, or give --vram 0 for none (a preset's runtime.vram_gib gives one too)")
     total = device_bytes(device)
     if budget_gib * GIB > total * (1 + CARD_SIZE_SLACK):
         raise UsageError(f"{budget_named(budget_gib)} is more than the GPU's {total / GIB:.1f} GiB",

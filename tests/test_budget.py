@@ -41,6 +41,10 @@ def test_a_budget_no_plan_meets_names_the_smallest_that_would():
         plan_memory(4 * GIB, sizes, 10 * GIB)
     with pytest.raises(UsageError, match=r"no plan fits the DiT in the 4.0 GiB free on the GPU"):
         plan_memory(4 * GIB, sizes, 10 * GIB, asked=False)
+    with pytest.raises(UsageError, match=r"or more on a GPU that has it, an FP8 preset, or a shorter"):
+        plan_memory(4 * GIB, sizes, 10 * GIB)
+    with pytest.raises(UsageError, match=r"or more on a GPU that has it, or a shorter"):  # FP8 already
+        plan_memory(4 * GIB, sizes, 10 * GIB, fp8=True)
 
 
 def test_the_decoders_weights_count_against_the_budget():
