@@ -201,9 +201,10 @@ class PlainReporter(SilentReporter):
         with its reason."""
         if results:  # a run stopped before any clip finished has no table to show
             self.print_table([summary_row(r) for r in results])
-        trouble = [r for r in results if not r.ok]
-        (self.warn if trouble else self.say)(f"{counts_line(results, len(results) if total is None else total)} "
-                                             f"({duration_text(time.monotonic() - self.began)} in all)")
+        trouble, total = [r for r in results if not r.ok], len(results) if total is None else total
+        # Clips not rendered (a stop) need someone too: -q says the counts then
+        (self.warn if trouble or total > len(results) else self.say)(
+            f"{counts_line(results, total)} ({duration_text(time.monotonic() - self.began)} in all)")
         for r in trouble:
             self.warn(f"  {r.status} {r.path.name} (line {r.request.line}): {r.error}")
 

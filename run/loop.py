@@ -399,7 +399,7 @@ def report_end(reporter, results, total: int, stopped=None, say_stopped: bool = 
     reporter.summary(sorted(results, key=lambda r: r.request.index), total)
     if stopped:
         if say_stopped:
-            reporter.warn(stopped_line(stopped.signal_name, stopped.discarded))
+            reporter.warn(stopped_line(stopped.signal_name, stopped.discarded, total - len(results)))
         return stopped.exit_code
     signum = reporter.ended_by()
     if signum:
@@ -407,8 +407,11 @@ def report_end(reporter, results, total: int, stopped=None, say_stopped: bool = 
     return 0 if all(r.ok for r in results) else 1
 
 
-def stopped_line(signal_name: str, discarded: int | None) -> str:
-    """The line a stopped run ends with; `discarded`: the clips in flight it dropped (None: not known here)."""
+def stopped_line(signal_name: str, discarded: int | None, unfinished: int | None = None) -> str:
+    """The line a stopped run ends with; `discarded`: the clips in flight it dropped, `unfinished`: the clips of the
+    run without a result (None: not known here)."""
+    if unfinished == 0 and not discarded:
+        return f"h3gen: stopped by {signal_name} as the run ended: every clip has its result"
     dropped = ("any clip in flight was discarded" if discarded is None else "no clip was in flight" if not discarded
                else "the clip in flight was discarded" if discarded == 1
                else f"the {discarded} clips in flight were discarded")

@@ -118,3 +118,24 @@ def test_a_dumb_terminal_and_a_quiet_run_get_no_live_display(monkeypatch):
     assert type(reporter_for(2, False, "tiny", quiet=True)) is QuietReporter
     monkeypatch.setenv("TERM", "dumb")
     assert type(reporter_for(2, False, "tiny")) is PlainReporter
+
+
+def test_a_quiet_run_stopped_before_its_clips_are_all_rendered_says_the_counts(capsys, tmp_path):
+    """Clips not rendered need someone as a failed one does; a run that wrote all it had says nothing."""
+    from h3gen.cli.ui import QuietReporter
+    from h3gen.inputs.request import Request
+    from h3gen.run.records import ClipResult
+
+    written = ClipResult(Request(0, "x", 0, 32, 32, 124), tmp_path / "a.mp4", True, {}, 0.0)
+    QuietReporter(3).summary([written], 3)
+    assert "1 of 3 clips written, 2 not rendered" in capsys.readouterr().err
+    QuietReporter(1).summary([written], 1)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_stop_as_the_run_ends_does_not_ask_for_a_rerun():
+    from h3gen.run.loop import stopped_line
+
+    assert stopped_line("SIGINT", 0, 0) == "h3gen: stopped by SIGINT as the run ended: every clip has its result"
+    assert "run the same command again" in stopped_line("SIGINT", 0, 2)
+    assert "run the same command again" in stopped_line("SIGINT", 1, 0)
