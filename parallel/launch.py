@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import tempfile
 import uuid
@@ -92,17 +93,24 @@ def check_endpoint(text: str) -> None:
     if not colon or not host.strip("[]") or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise UsageError(f"--rdzv-endpoint {text!r} is not HOST:PORT with a port from 1 to 65535",
                          "e.g. --rdzv-endpoint node0:29500, the same on every machine")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port))
+    except socket.gaierror as e:
+        raise UsageError(f"--rdzv-endpoint {text}: no address is known for {host} ({e.strerror})",
+                         "give the name or address of machine 0 as every machine reaches it") from None
 
 
 def launch_config(parallel: Parallel, per_node: int):
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
+    from h3gen.parallel import rendezvous
+
     nnodes, endpoint = parallel.nnodes or 1, parallel.rdzv_endpoint
     if nnodes == 1 and not endpoint:  # torchrun --standalone: a store of its own on a free local port
         backend, endpoint, configs, run_id = "c10d", "localhost:0", {}, uuid.uuid4().hex
     elif parallel.node_rank is not None:  # torchrun --node-rank: node 0 hosts the store at the endpoint
-        backend, configs, run_id = "static", {"rank": parallel.node_rank}, parallel.rdzv_id or "h3gen"
+        backend, configs, run_id = rendezvous.BACKEND, {"rank": parallel.node_rank}, parallel.rdzv_id or "h3gen"
     else:  # torchrun --rdzv-backend c10d: the nodes meet at the endpoint and get their ranks in arrival order
         backend, configs, run_id = "c10d", {}, parallel.rdzv_id or "h3gen"
     # max_restarts 0: a restarted worker would render clips its group already wrote; a rerun resumes instead.
@@ -149,9 +157,13 @@ def run(config, job: dict, entry: str, warn) -> int:
     `warn`)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
+    from h3gen.parallel import rendezvous
+
     quiet_agent()
+    rendezvous.register()
     try:
         # -P: the working directory stays off the workers' sys.path, as it is off the command's, so a folder there
         # named as a package (kernels/, a plugin's source) does not shadow the installed one.
@@ -165,6 +177,9 @@ def run(config, job: dict, entry: str, warn) -> int:
 
         warn(stopped_line(stop.name, discarded_by_workers(job)))
         return 128 + stop
+    except RendezvousError as e:
+        raise WorkerFailed(f"the machines of the run did not meet: {str(e).splitlines()[0]}",
+                           "start the same command on every machine, each able to reach --rdzv-endpoint") from None
     except SignalException as stop:
         # The agent passed the signal on to the workers, whose rank 0 printed the summary. Only this process knows
         # the signal came from outside: rank 0 is also stopped by the agent when another worker dies.

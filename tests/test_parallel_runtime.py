@@ -242,6 +242,8 @@ def test_the_stop_line_counts_the_clips_in_flight():
     (("--cpu-workers", 2, "--rdzv-endpoint", "localhost:29400"),
      "--rdzv-endpoint belongs to a multi-node run, and --nnodes is not given"),
     (("--cpu-workers", 2, "--nnodes", 0), "--nnodes 0: at least one machine"),
+    (("--cpu-workers", 2, "--nnodes", 2, "--rdzv-endpoint", "nowhere.invalid:29400"),
+     "--rdzv-endpoint nowhere.invalid:29400: no address is known for nowhere.invalid"),
     (("--cpu-workers", 2, "--set", "parallel.ulysses=3"), "--set parallel.ulysses=3 does not divide --cpu-workers 2"),
     (("--set", "parallel.cpu_workers=4", "--set", "parallel.ulysses=3"),
      "--set parallel.ulysses=3 does not divide --set parallel.cpu_workers=4"),
@@ -379,6 +381,34 @@ def test_machines_started_with_different_settings_are_refused_on_each(tmp_path):
             "against sampler.dit=h3gen mux.crf=40) (run the same command on every machine: only --node-rank differs)")
     assert [m.returncode for m in machines] == [2, 2] and all(said in err for _, err in finished), finished
     assert not (tmp_path / "out").exists()
+
+
+def test_a_machine_waiting_for_the_others_stops_on_a_signal(prompts_file, tmp_path):
+    """Machine 1 of two, machine 0 never started: SIGTERM ends its wait at once (torch's static rendezvous waited
+    inside its store, deaf to signals, for 15 minutes), and the folder it made goes."""
+    command = [sys.executable, "-m", "h3gen.cli.main", "render", str(prompts_file("a fox\n")), "-o",
+               str(tmp_path / "out"), *PRESET, "--cpu-workers", "1", "--nnodes", "2", "--node-rank", "1",
+               "--rdzv-endpoint", f"localhost:{free_port()}"]
+    machine = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **ENV})
+    time.sleep(8)  # past the checks, into the wait
+    machine.send_signal(signal.SIGTERM)
+    _, stderr = machine.communicate(timeout=20)
+    assert machine.returncode == 143 and "h3gen: stopped by SIGTERM" in stderr and "frame #" not in stderr, stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_machine_whose_peers_never_come_gives_up_at_the_join_timeout():
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    from h3gen.parallel.rendezvous import NodeRendezvous
+
+    port = free_port()
+    with pytest.raises(RendezvousTimeoutError, match=f"^machine 0 did not listen at localhost:{port} in time$"):
+        NodeRendezvous("localhost", port, 1, 2, "test", timeout_s=1).next_rendezvous()
+    host = NodeRendezvous("localhost", port, 0, 2, "test", timeout_s=1)
+    with pytest.raises(RendezvousTimeoutError, match=f"^1 of the 2 machines did not come to localhost:{port} in time$"):
+        host.next_rendezvous()
 
 
 ONE_RANK_OOM = '''
