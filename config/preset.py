@@ -148,11 +148,23 @@ def replace_stage(old: dict, new: dict, kind: str, registry, origins: dict, sour
                 value = old
                 for part in dropped[0].split(".")[1:]:
                     value = value.get(part) if isinstance(value, dict) else None
+                takes = stage_takes(registry, kind, name, dropped[0].split(".")[1])
                 raise UsageError(f"--set {dropped[0]}={toml_value(value)} is for the {kind} stage {old.get('use')!r}, "
                                  f"which the later --set {kind}.use={name} replaces",
-                                 f"give --set {kind}.use={name} before it")
+                                 f"give --set {kind}.use={name} before it" if takes else
+                                 f"drop it: {name!r} takes no key {dropped[0].split('.')[1]!r}")
     origins.update(dict.fromkeys(key_paths({kind: new}), source))
     return section
+
+
+def stage_takes(registry, kind: str, name, key: str) -> bool:
+    """Whether the registered stage `name` has the config key `key` (True where the stage is not known here)."""
+    import dataclasses
+
+    found = registry.stages.get((kind, name)) if isinstance(name, str) else None
+    if found is None or not dataclasses.is_dataclass(getattr(found.stage, "Config", None)):
+        return True
+    return key in {field.name for field in dataclasses.fields(found.stage.Config)}
 
 
 def is_wrapper(registry, kind: str, name) -> bool:
