@@ -79,7 +79,10 @@ class Worker:
             events.publish_plan(self.store, {"error": True, **said})
             raise
         worker = "GPU" if job["device"] == "gpu" else "CPU worker"
-        why = f" (no Ulysses: {job['split_refusal']})" if job["split_refusal"] and layout.world > 1 else ""
+        # Why the clips are not split, where the layout would have split them
+        unsplit = job["split_refusal"] and choose_layout(self.world, self.per_node, len(pending), job["heads"],
+                                                         settings.parallel.ulysses or 0).ulysses > 1
+        why = f" (no Ulysses: {job['split_refusal']})" if unsplit else ""
         reporter.say(f"h3gen: layout {layout.describe(worker)}{why}")
         if pending:
             from h3gen.run.loop import note_tiny
