@@ -257,7 +257,8 @@ def check_disk(out_dir: Path, request: Request, bytes_per_pixel: float = 0.0, wr
     free = shutil.disk_usage(out_dir).free
     if free < need + pending:
         free_text, need_text = sizes_that_differ(free, need)
-        what = f"at least {need_text}" if need == MP4_FLOOR_BYTES else f"about {need_text} as this run's clips do"
+        what = (f"at least {need_text}" if need == MP4_FLOOR_BYTES else
+                f"about {need_text}, as clips of these settings take")
         if pending:
             what += f", beside about {sizes_that_differ(free, pending)[1]} for the clips still being written"
         problem = f"only {free_text} free in {out_dir}, the clip needs {what}"

@@ -79,7 +79,9 @@ def validate_clip(
         if is_quicktime(path):
             return [QUICKTIME]
         info = probe_clip(path, pictures)
-    except (av.FFmpegError, OSError) as error:
+    except av.FFmpegError as error:  # its strerror: FFmpeg's own error number and log are noise to a user
+        return [f"cannot read {path}: {error.strerror or error}"]
+    except OSError as error:
         return [f"cannot read {path}: {error}"]
     except UnicodeDecodeError:  # PyAV decodes every metadata tag as it opens the file
         return ["its metadata is not UTF-8 text (damaged)"]

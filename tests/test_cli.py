@@ -575,3 +575,20 @@ def test_json_lines_or_prompts_on_a_closed_standard_stream_are_refused(prompts_f
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == f"h3gen: error: {problem}"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_clip_ffmpeg_cannot_read_is_named_without_ffmpeg_s_error_number(tmp_path, monkeypatch):
+    import av
+
+    from h3gen.run import validate
+
+    clip = tmp_path / "a.mp4"
+    clip.write_bytes(b"\0\0\0\x18ftypisom" + b"\0" * 64)
+
+    def damaged(path, pictures):
+        raise av.error.InvalidDataError(1094995529, "Invalid data found when processing input", None,
+                                        "avcodec_send_packet()")
+
+    monkeypatch.setattr(validate, "box_problem", lambda path: "")
+    monkeypatch.setattr(validate, "probe_clip", damaged)
+    assert validate.validate_clip(clip) == [f"cannot read {clip}: Invalid data found when processing input"]

@@ -491,8 +491,8 @@ def test_a_clip_that_cannot_fit_on_the_disk_fails_before_it_renders(tmp_path, mo
         check_disk(tmp_path, clip, bytes_per_pixel=0.05)
     free = 20 * 2**20  # room for this clip, but not beside the one still muxed in the background
     check_disk(tmp_path, clip, bytes_per_pixel=0.05)
-    with pytest.raises(ClipError, match=f"only 20 MiB free in {tmp_path}, the clip needs about 12 MiB as this run's "
-                                        "clips do, beside about 12 MiB for the clips still being written"):
+    with pytest.raises(ClipError, match=f"only 20 MiB free in {tmp_path}, the clip needs about 12 MiB, as clips of "
+                                        "these settings take, beside about 12 MiB for the clips still being written"):
         check_disk(tmp_path, clip, bytes_per_pixel=0.05, writing=[clip])
 
 
@@ -524,8 +524,8 @@ def test_a_rerun_sizes_its_clips_by_the_valid_ones_it_skips(prompts_file, tmp_pa
     result = h3gen("render", prompts, "-o", out, "--json", *size, env=with_free_space(tmp_path, written // 2),
                    check_code=1)
     clip = records(result)["b"]
-    assert re.match(rf"only [\d.]+ MiB free in {re.escape(str(out))}, the clip needs about [\d.]+ MiB as this run's "
-                    r"clips do \(free disk space", clip["error"]), clip
+    assert re.match(rf"only [\d.]+ MiB free in {re.escape(str(out))}, the clip needs about [\d.]+ MiB, as clips of "
+                    r"these settings take \(free disk space", clip["error"]), clip
     assert "sampler" not in clip["seconds"]
     assert records(result)["a"]["status"] == "skipped"
 
