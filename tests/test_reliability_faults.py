@@ -487,7 +487,7 @@ def test_a_clip_that_cannot_fit_on_the_disk_fails_before_it_renders(tmp_path, mo
         check_disk(tmp_path, clip)
     free = 2**20  # room for an MP4, but not for one the size per pixel of this run's clips
     check_disk(tmp_path, clip)
-    with pytest.raises(ClipError, match=f"only 1 MiB free in {tmp_path}, the clip needs about 12 MiB as this run's"):
+    with pytest.raises(ClipError, match=f"only 1 MiB free in {tmp_path}, the clip needs about 12 MiB, as clips of"):
         check_disk(tmp_path, clip, bytes_per_pixel=0.05)
     free = 20 * 2**20  # room for this clip, but not beside the one still muxed in the background
     check_disk(tmp_path, clip, bytes_per_pixel=0.05)
