@@ -131,14 +131,15 @@ class Worker:
     def report(self, layout: Layout, pending: list, finished: list, share: list, group) -> int:
         """Rank 0: render its own group's share while a thread replays the other groups' events; then the
         summary, and for the launcher the run's exit status and the clips in flight a stop discarded."""
-        from h3gen.run.loop import Interrupted, report_end
+        from h3gen.errors import H3genError
+        from h3gen.run.loop import Interrupted, report_end, summary_before
 
         reporter = self.batch.reporter
         pump = events.EventPump(reporter, pending, range(1, layout.groups)) if layout.groups > 1 else None
         reporter.begin()
         if pump:
             pump.start()
-        results, stopped = [], None
+        results, stopped, ended = [], None, None
         try:
             results = self.render(share, reporter, group, 0)
             if pump:
@@ -147,8 +148,13 @@ class Worker:
             results, stopped = results + stop.results, stop
             if pump:  # the other groups were stopped too: their last results are on the way
                 pump.drain()
+        except H3genError as error:  # its group lost a rank, say: the launcher names the first failure after this
+            ended = error
         finally:
             reporter.end()
+        if ended is not None:
+            summary_before(ended, reporter, finished + (pump.results if pump else []), len(self.batch.requests))
+            raise ended
         discarded = stopped.discarded if stopped else 0
         if pump:
             unreported = pump.unreported()

@@ -12,7 +12,7 @@ import signal
 import tempfile
 from pathlib import Path
 
-from h3gen.errors import ModelError, UsageError
+from h3gen.errors import H3genError, ModelError, UsageError
 from h3gen.run.report import SilentReporter
 from h3gen.run.settings import RunSettings
 from h3gen.text import shown
@@ -386,9 +386,19 @@ def render_batch(settings: RunSettings, preset, found, make_reporter) -> int:
             except Interrupted as stop:
                 results += stop.results
                 stopped = stop
+            except H3genError as error:
+                summary_before(error, reporter, results, len(requests))
+                raise
     finally:
         remove_if_empty(batch.created)  # a run that wrote nothing (it failed to load, say) leaves no directory
     return report_end(reporter, results, len(requests), stopped)
+
+
+def summary_before(error, reporter, results: list, total: int) -> None:
+    """The summary of a run an error ends once its clips began to render (not in loading), so that it agrees with
+    the manifest; the error's line follows it."""
+    if hasattr(error, "results"):
+        reporter.summary(sorted(results + error.results, key=lambda r: r.request.index), total)
 
 
 def report_end(reporter, results, total: int, stopped=None, say_stopped: bool = True) -> int:
@@ -460,5 +470,8 @@ def render_pending(requests, settings: RunSettings, preset, found, repo, reporte
             reporter.stop()
     except Interrupted as stop:  # in the render or in close()
         stop.results, stop.discarded = renderer.results, renderer.discarded
+        raise
+    except H3genError as error:  # an error that ends the run (a model no clip can use, a group's lost rank)
+        error.results = renderer.results
         raise
     return renderer.results

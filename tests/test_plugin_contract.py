@@ -129,6 +129,16 @@ def test_a_model_error_from_run_ends_the_run(faulty, prompts_file, tmp_path):
     assert "good" not in result.stderr and not list(tmp_path.glob("out/*.mp4"))
 
 
+def test_a_run_a_model_error_ends_after_a_clip_was_written_says_its_summary_first(faulty, prompts_file, tmp_path):
+    """The summary agrees with the manifest, which holds the written clip; the error's line ends the output."""
+    result = h3gen("render", prompts_file('{"id": "good", "prompt": "waves"}\n{"id": "bad", "prompt": "a fox"}\n'),
+                   "-o", tmp_path / "out", "--set", "vae.use=faulty", "--set", "vae.fault=model", env=faulty)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.splitlines()
+    assert "1 of 2 clips written, 1 not rendered" in lines[-2] and lines[-1].startswith("h3gen: error: vae stage")
+    assert [p.name for p in (tmp_path / "out").glob("*.mp4")] == ["good.mp4"]
+
+
 @pytest.mark.parametrize("fault, raised", [("exit", "SystemExit: 3"), ("interrupt", "KeyboardInterrupt (rerun")])
 def test_a_stage_that_exits_or_interrupts_from_run_costs_its_clip(faulty, prompts_file, tmp_path, fault, raised):
     result = render(faulty, prompts_file, tmp_path, fault)
