@@ -181,9 +181,12 @@ def render(
                                                               "conflict, a stop. A run that went well prints "
                                                               "nothing there (for cron).")] = False,
     vram: Annotated[Optional[str], typer.Option("--vram", metavar="GIB", help=VRAM_HELP)] = None,
-    save_latents: Annotated[bool, typer.Option("--save-latents", help="Also write each clip's final latents; a rerun "
+    save_latents: Annotated[bool, typer.Option("--save-latents", help="Also write each clip's final latents (NAME.latents"
+                                                                      ".safetensors, stamped as the clip is); a rerun "
                                                                       "with it renders again a clip whose latents are "
-                                                                      "missing or damaged.")] = False,
+                                                                      "missing, damaged or of other settings, and a "
+                                                                      "clip rendered again without it takes its old "
+                                                                      "latents away.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each prompt's output file and whether it would "
                                                             "render, skip or conflict (or finds it busy); render and "
                                                             "change nothing. Exits 1 when a clip would conflict, as "
