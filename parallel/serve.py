@@ -214,8 +214,9 @@ def command_of(settings: RunSettings) -> dict:
     except OSError as e:
         prompts = f"unreadable ({e.strerror})"
     given = {**settings.to_json(), "prompts": prompts}
-    return json.loads(json.dumps({**{OPTION.get(key, key): value for key, value in given.items() if key not in (*OWN, "parallel")},
-            **{f"--{key.replace('_', '-')}": value for key, value in given["parallel"].items() if key not in OWN}}))
+    shared = {OPTION.get(key, key): value for key, value in given.items() if key not in (*OWN, "parallel")}
+    shared.update({f"--{key.replace('_', '-')}": value for key, value in given["parallel"].items() if key not in OWN})
+    return json.loads(json.dumps(shared))  # as another rank's arrive: lists, not tuples
 
 
 def check_same_command(mine: dict, others: dict[int, dict]) -> None:

@@ -145,7 +145,10 @@ def record(out_dir: Path, result, preset: str, status: str) -> OSError | None:
             data, written = line.encode(), 0
             try:
                 while written < len(data):  # a short write, and the next one says why: a full disk, a size limit
-                    written += os.write(fd, data[written:])
+                    took = os.write(fd, data[written:])
+                    if not took:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                    written += took
             except OSError:  # cut the half line off again
                 os.ftruncate(fd, os.fstat(fd).st_size - written)
                 raise

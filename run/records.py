@@ -1,5 +1,6 @@
 """What happened to a clip (`ClipResult`), and its record: one per clip and event, the same for a `--json` line and
-a manifest line (the manifest adds `time` and `pid`); the README's "Output and exit codes" says what each field means."""
+a manifest line (the manifest adds `time` and `pid`); the README's "Output and exit codes" says what each field
+means."""
 
 from __future__ import annotations
 

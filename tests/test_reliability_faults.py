@@ -324,7 +324,8 @@ def test_cuda_memory_returns_to_its_starting_level_between_clips(tiny_model, tmp
 # -- peak memory estimate -------------------------------------------------------------------------------------------
 
 def test_peak_estimate_matches_the_measured_h200_forward():
-    """The released model on an H200: 62.4 GiB of DiT weights, 74.8 GiB peak for one forward over the 10 s request's 73,642 rows."""
+    """The released model on an H200: 62.4 GiB of DiT weights, 74.8 GiB peak for one forward over the 10 s
+    request's 73,642 rows."""
     from h3gen.inputs.request import Request
     from h3gen.run.memory import GIB, DiTShape, packed_rows, peak_bytes
 
