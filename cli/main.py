@@ -99,8 +99,8 @@ def show_tracebacks(wanted: bool) -> None:
 
 
 VRAM_HELP = ("Device memory budget in GiB, as 24, 24G or 24GB (default, or 0: what is free on the GPU as the run "
-             "starts; a budget above that plans for what is free): DiT blocks beyond it stream from pinned host "
-             "memory, and the allocator is held to it.")
+             "starts; a budget above that plans for what is free, one above the GPU's size is refused): DiT blocks "
+             "beyond it stream from pinned host memory, and the allocator is held to it.")
 TRACEBACK_HELP = "Print a failure's traceback besides its one line (also H3GEN_DEBUG=1)."
 
 

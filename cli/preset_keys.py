@@ -52,7 +52,8 @@ SECTION_NOTES = {
     "runtime.device": "auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N.",
     "runtime.dtype": f"the precision weights load and compute in: {', '.join(DTYPES)}.",
     "runtime.vram_gib": "a device memory budget in GiB, for a GPU run: the run keeps within it, streaming as many "
-                        "of h3gen's DiT blocks from host memory as it needs; 0: none.",
+                        "of h3gen's DiT blocks from host memory as it needs; 0: none (the run plans for what is "
+                        "free on the GPU as it starts).",
     "parallel.gpus": "GPU workers, as --gpus N when neither --gpus nor --cpu-workers is given; 0: none.",
     "parallel.cpu_workers": "CPU workers, as --cpu-workers N when neither flag is given; 0: none.",
     "parallel.ulysses": "ranks per clip when workers run, as --ulysses K when it is not given; 0: the layout "
