@@ -413,6 +413,8 @@ def report_end(reporter, results, total: int, stopped=None, say_stopped: bool = 
         return stopped.exit_code
     signum = reporter.ended_by()
     if signum:
+        reporter.warn("h3gen: stdout's reader went away once no clip was left to start: the clips in flight were "
+                      "finished, and manifest.jsonl holds every clip's record")
         return 128 + signum
     return 0 if all(r.ok for r in results) else 1
 

@@ -97,7 +97,7 @@ def test_every_command_ends_quietly_with_141_when_its_reader_is_gone(prompts_fil
     assert not (tmp_path / "out").exists()
 
 
-def test_a_reader_gone_stays_gone_and_ends_the_run_with_141(monkeypatch, tmp_path):
+def test_a_reader_gone_stays_gone_and_ends_the_run_with_141(monkeypatch, tmp_path, capsys):
     """A record that finds stdout's reader gone stops the run at the next clip, however many lines (to /dev/null)
     follow first; and when no clip is left to start, the run ends with 141 all the same."""
     from types import SimpleNamespace
@@ -120,5 +120,7 @@ def test_a_reader_gone_stays_gone_and_ends_the_run_with_141(monkeypatch, tmp_pat
         reporter.clip_started(SimpleNamespace(request=requests[2], path=tmp_path / "2.mp4"))
     assert stop.value.exit_code == 141
     reporter.clip_done(results[2])
+    capsys.readouterr()
     assert loop.report_end(reporter, results, 3) == 141
+    assert "h3gen: stdout's reader went away once no clip was left to start" in capsys.readouterr().err
     assert loop.report_end(ui.PlainReporter(3, json_out=True), results, 3) == 0
