@@ -170,6 +170,11 @@ def run(config, job: dict, entry: str, warn) -> int:
         elastic_launch(config, sys.executable)("-P", "-m", entry, json.dumps(job))
         return 0
     except ChildFailedError as failed:
+        status = worker_status(job)
+        if status is not None and 0 not in failed.failures:  # rank 0 reported the run's end: a worker died after
+            what = root_cause(failed, job["device"]).problem.removesuffix(", so the run was stopped")
+            warn(f"h3gen: note: {what} after every clip had its result")
+            return status[0]
         stop = stopped_itself(failed, job)
         if stop is None:
             raise root_cause(failed, job["device"]) from None

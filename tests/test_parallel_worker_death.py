@@ -158,3 +158,29 @@ def test_a_worker_whose_launcher_has_ended_already_ends_at_once():
     late = subprocess.run([sys.executable, "-c", TIED_WORKER, "1"], capture_output=True, text=True, timeout=60,
                           env=child_env({}))
     assert late.returncode == 1 and late.stdout == ""
+
+
+def test_a_worker_killed_after_rank_0_reported_the_run_s_end_is_a_note(tmp_path, monkeypatch):
+    """Every clip had its result and rank 0 had printed the summary: the run keeps rank 0's exit status, and the
+    worker's death is a note, not an error asking for a rerun."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from torch.distributed.launcher import api
+
+    from h3gen.parallel import launch
+
+    status = tmp_path / "status"
+    status.write_text("0 0")  # rank 0's report of the run's end
+
+    def launched(config, entry):
+        def start(*args):
+            raise ChildFailedError("h3gen", {1: ProcessFailure(1, 4321, -9, str(tmp_path / "none"))})
+        return start
+
+    monkeypatch.setattr(api, "elastic_launch", launched)
+    said = []
+    job = {"status_file": str(status), "device": "cpu", "settings": {"parallel": {}}}
+    assert launch.run(None, job, "h3gen.cli.worker", said.append) == 0
+    assert said == ["h3gen: note: CPU worker 1 (pid 4321) was killed by SIGKILL after every clip had its result"]
+    status.unlink()  # rank 0 did not report: the run was stopped by the death
+    with pytest.raises(launch.WorkerFailed, match=r"^CPU worker 1 \(pid 4321\) was killed by SIGKILL, so the run"):
+        launch.run(None, job, "h3gen.cli.worker", said.append)
