@@ -299,8 +299,13 @@ def check_host_fits(preset, requests, repo, processes: int = 1) -> None:
         else:
             fix = "render fewer frames or a smaller size, free host memory, or render on a GPU"
         raise UsageError(f"the largest clip ({memory.clip_named(largest)}) needs about {need / GIB:.1f} GiB of host "
-                         f"memory on the CPU ({weights / GIB:.1f} GiB of it weights{each}), and this machine has "
+                         f"memory on the CPU ({in_gib_or_mib(weights)} of it weights{each}), and this machine has "
                          f"{available / GIB:.1f} GiB free", fix)
+
+
+def in_gib_or_mib(size: int) -> str:
+    """A size in GiB, or in MiB below a tenth of a GiB (a small model's weights are not "0.0 GiB")."""
+    return f"{size / GIB:.1f} GiB" if size >= GIB / 10 else f"{size / 2**20:.1f} MiB"
 
 
 def device_bytes(device: str) -> int:

@@ -403,7 +403,7 @@ def test_the_host_check_counts_weights_once_in_each_cpu_worker(tiny_model, monke
     monkeypatch.setattr(budget, "host_available_bytes", lambda: 2 * need)
     budget.check_host_fits(preset, [clip], repo, processes=2)  # fits exactly
     with pytest.raises(UsageError, match=r"^the largest clip \(clip 1, 64x32, 21 frames\) needs about .* GiB of host "
-                                         r"memory on the CPU \(.* GiB of it weights in each of 3 worker processes\)"
+                                         r"memory on the CPU \([\d.]+ MiB of it weights in each of 3 worker processes\)"
                                          r".* \(run at most 2 workers \(--cpu-workers 2\)\)$"):
         budget.check_host_fits(preset, [clip], repo, processes=3)
     monkeypatch.setattr(budget, "host_available_bytes", lambda: need)
