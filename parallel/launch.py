@@ -112,7 +112,7 @@ def launch_config(parallel: Parallel, per_node: int):
     elif parallel.node_rank is not None:  # torchrun --node-rank: node 0 hosts the store at the endpoint
         backend, configs, run_id = rendezvous.BACKEND, {"rank": parallel.node_rank}, parallel.rdzv_id or "h3gen"
     else:  # torchrun --rdzv-backend c10d: the nodes meet at the endpoint and get their ranks in arrival order
-        backend, configs, run_id = "c10d", {}, parallel.rdzv_id or "h3gen"
+        backend, configs, run_id = "c10d", {"join_timeout": rendezvous.JOIN_TIMEOUT_S}, parallel.rdzv_id or "h3gen"
     # max_restarts 0: a restarted worker would render clips its group already wrote; a rerun resumes instead.
     return LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=per_node, run_id=run_id,
                         role="h3gen", rdzv_endpoint=endpoint, rdzv_backend=backend, rdzv_configs=configs,
@@ -141,6 +141,11 @@ def launch_workers(batch, settings: RunSettings, entry: str, began: float) -> in
         job = {"settings": settings.to_json(), "device": "gpu" if parallel.gpus else "cpu",
                "status_file": str(Path(scratch) / "status"), "heads": heads, "split_refusal": refusal, "began": began,
                "launcher": os.getpid()}
+        if (parallel.nnodes or 1) > 1:
+            from h3gen.parallel.rendezvous import JOIN_TIMEOUT_S
+
+            reporter.say(f"h3gen: waiting for the {parallel.nnodes} machines of the run to meet at "
+                         f"{parallel.rdzv_endpoint} (at most {JOIN_TIMEOUT_S // 60} minutes)")
         stopped = run(launch_config(parallel, per_node), job, entry, reporter.warn)
         if stopped:
             return stopped

@@ -14,7 +14,7 @@ from torch.distributed.elastic.rendezvous.api import (RendezvousHandler, Rendezv
                                                       rendezvous_handler_registry)
 
 BACKEND = "h3gen-static"
-JOIN_TIMEOUT_S = 900  # how long the machines wait for each other, as torchrun's join timeout gives
+JOIN_TIMEOUT_S = 900  # how long the machines of a run wait for each other (the c10d rendezvous too)
 POLL_S = 0.2
 
 

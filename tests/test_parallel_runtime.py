@@ -359,6 +359,7 @@ def test_two_machines_meet_at_a_rendezvous_endpoint(runs, tmp_path):
     reports = [err for _, err in finished if "h3gen: layout 2 group(s) x 1 CPU worker" in err]
     assert len(reports) == 1 and "4 of 4 clips written" in reports[0]
     assert any("reported where rank 0 ran" in err for _, err in finished)
+    assert all("h3gen: waiting for the 2 machines of the run to meet at localhost:" in err for _, err in finished)
     assert outputs(tmp_path / "out") == outputs(runs["one"][1])
 
 
