@@ -185,7 +185,7 @@ def run(config, job: dict, entry: str, warn) -> int:
             raise root_cause(failed, job["device"]) from None
         from h3gen.run.loop import stopped_line
 
-        warn(stopped_line(stop.name, discarded_by_workers(job)))
+        warn(stopped_line(stop.name, *stop_of_workers(job)))
         return 128 + stop
     except RendezvousError as e:
         raise WorkerFailed(f"the machines of the run did not meet: {str(e).splitlines()[0]}",
@@ -195,7 +195,7 @@ def run(config, job: dict, entry: str, warn) -> int:
         # the signal came from outside: rank 0 is also stopped by the agent when another worker dies.
         from h3gen.run.loop import stopped_line
 
-        warn(stopped_line(signal.Signals(int(stop.sigval)).name, discarded_by_workers(job)))
+        warn(stopped_line(signal.Signals(int(stop.sigval)).name, *stop_of_workers(job)))
         return 128 + int(stop.sigval)
 
 
@@ -209,23 +209,24 @@ def stopped_itself(failed, job: dict) -> signal.Signals | None:
     return signal.SIGPIPE
 
 
-def worker_status(job: dict) -> tuple[int, int] | None:
-    """(the run's exit status, the clips in flight a stop discarded) as rank 0 wrote them (h3gen.parallel.serve);
-    None when rank 0 did not report on this machine."""
+def worker_status(job: dict) -> tuple[int, int, int] | None:
+    """(the run's exit status, the clips in flight a stop discarded, the clips without a result) as rank 0 wrote
+    them (h3gen.parallel.serve); None when rank 0 did not report on this machine."""
     path = Path(job["status_file"])
     if not path.is_file():
         return None
-    code, discarded = map(int, path.read_text().split())
-    return code, discarded
+    code, discarded, unfinished = map(int, path.read_text().split())
+    return code, discarded, unfinished
 
 
-def discarded_by_workers(job: dict) -> int | None:
-    """The clips in flight the stopped workers dropped; 0 when rank 0 of this machine stopped before it reported
-    (before any clip started), None when rank 0 ran on another machine."""
+def stop_of_workers(job: dict) -> tuple[int | None, int | None]:
+    """(the clips in flight the stopped workers dropped, the clips left without a result) for `stopped_line`: 0 and
+    None when rank 0 of this machine stopped before it reported (before any clip started), None and None when rank 0
+    ran on another machine."""
     status = worker_status(job)
     if status is not None:
-        return status[1]
-    return 0 if not job["settings"]["parallel"].get("node_rank") else None
+        return status[1], status[2]
+    return (0 if not job["settings"]["parallel"].get("node_rank") else None), None
 
 
 def first_failure(failed):

@@ -163,7 +163,8 @@ class Worker:
             discarded += len(unreported) - len(written)
         results = finished + results
         code = report_end(reporter, results, len(self.batch.requests), stopped, say_stopped=False)
-        Path(self.job["status_file"]).write_text(f"{code} {discarded}")
+        unfinished = len(self.batch.requests) - len(results)
+        Path(self.job["status_file"]).write_text(f"{code} {discarded} {unfinished}")
         if stopped:
             raise stopped
         return 0

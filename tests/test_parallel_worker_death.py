@@ -169,7 +169,7 @@ def test_a_worker_killed_after_rank_0_reported_the_run_s_end_is_a_note(tmp_path,
     from h3gen.parallel import launch
 
     status = tmp_path / "status"
-    status.write_text("0 0")  # rank 0's report of the run's end
+    status.write_text("0 0 0")  # rank 0's report of the run's end
 
     def launched(config, entry):
         def start(*args):
@@ -184,3 +184,17 @@ def test_a_worker_killed_after_rank_0_reported_the_run_s_end_is_a_note(tmp_path,
     status.unlink()  # rank 0 did not report: the run was stopped by the death
     with pytest.raises(launch.WorkerFailed, match=r"^CPU worker 1 \(pid 4321\) was killed by SIGKILL, so the run"):
         launch.run(None, job, "h3gen.cli.worker", said.append)
+
+
+def test_workers_stopped_once_every_clip_has_its_result_do_not_ask_for_a_rerun(tmp_path):
+    from h3gen.parallel.launch import stop_of_workers
+    from h3gen.run.loop import stopped_line
+
+    status = tmp_path / "status"
+    job = {"status_file": str(status), "settings": {"parallel": {}}}
+    status.write_text("143 0 0")
+    assert stopped_line("SIGTERM", *stop_of_workers(job)) == ("h3gen: stopped by SIGTERM as the run ended: every "
+                                                               "clip has its result")
+    status.write_text("143 1 3")
+    assert "the clip in flight was discarded; run the same command again" in stopped_line("SIGTERM",
+                                                                                         *stop_of_workers(job))
