@@ -144,7 +144,8 @@ def replace_stage(old: dict, new: dict, kind: str, registry, origins: dict, sour
             origins.update({f"{kind}.wraps.{path[len(kind) + 1:]}": where for path, where in moved.items()})
         else:  # the keys go with the stage; one the user gave on the command line must not vanish without a word
             dropped = [path for path, where in moved.items() if where == "--set" and not path.endswith(".use")]
-            if dropped:
+            known = isinstance(name, str) and (kind, name) in registry.stages  # else: refused as unknown, later
+            if dropped and known:
                 value = old
                 for part in dropped[0].split(".")[1:]:
                     value = value.get(part) if isinstance(value, dict) else None

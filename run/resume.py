@@ -147,7 +147,7 @@ def moved_seeds(pending: list[Request], requests: list[Request], out_dir: Path, 
         what = "removed or commented out (or --seed lowered)" if offset > 0 else "added (or --seed raised)"
         where = (f"under a seed {abs(offset)} {'higher' if offset > 0 else 'lower'}: a prompt line above them was "
                  f"{what}")
-        back = "put the line back"
+        back = "put the line back" if offset > 0 else "move the new line below them"
     else:
         where = "under a seed a few places away: prompt lines were moved, added or removed (or --seed changed)"
         back = "put the lines back as they were"

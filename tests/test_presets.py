@@ -85,6 +85,7 @@ def test_set_overrides_and_records_where_values_came_from(tmp_path):
     (BASE, ["vae.tile_batch=4", "vae.use=fast"], r"^--set vae.tile_batch=4 is for the vae stage 'reference', which the "
                                                  r"later --set vae.use=fast replaces \(give --set vae.use=fast before "
                                                  r"it\)"),
+    (BASE, ["sampler.steps=3", "sampler.use=bogus"], r"unknown sampler stage 'bogus'"),
     (BASE, ["sampler.dit=h3gen", "sampler.use=diffusers"], r"^--set sampler.dit=\"h3gen\" is for the sampler stage "
                                                            r"'euler', which the later --set sampler.use=diffusers "
                                                            r"replaces \(drop it: 'diffusers' takes no key 'dit'\)"),
