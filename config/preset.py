@@ -144,12 +144,12 @@ def replace_stage(old: dict, new: dict, kind: str, registry, origins: dict, sour
             origins.update({f"{kind}.wraps.{path[len(kind) + 1:]}": where for path, where in moved.items()})
         else:  # the keys go with the stage; one the user gave on the command line must not vanish without a word
             dropped = [path for path, where in moved.items() if where == "--set" and not path.endswith(".use")]
-            known = isinstance(name, str) and (kind, name) in registry.stages  # else: refused as unknown, later
-            if dropped and known:
+            found = registry.stages.get((kind, name)) if isinstance(name, str) else None
+            if dropped and found is not None:  # an unknown stage is refused as such, later
                 value = old
                 for part in dropped[0].split(".")[1:]:
                     value = value.get(part) if isinstance(value, dict) else None
-                takes = stage_takes(registry, kind, name, dropped[0].split(".")[1])
+                takes = stage_takes(found.stage, dropped[0].split(".")[1])
                 raise UsageError(f"--set {dropped[0]}={toml_value(value)} is for the {kind} stage {old.get('use')!r}, "
                                  f"which the later --set {kind}.use={name} replaces",
                                  f"give --set {kind}.use={name} before it" if takes else
@@ -158,14 +158,12 @@ def replace_stage(old: dict, new: dict, kind: str, registry, origins: dict, sour
     return section
 
 
-def stage_takes(registry, kind: str, name, key: str) -> bool:
-    """Whether the registered stage `name` has the config key `key` (True where the stage is not known here)."""
+def stage_takes(stage, key: str) -> bool:
+    """Whether the stage class has the config key `key` (True where its Config is not a dataclass to tell)."""
     import dataclasses
 
-    found = registry.stages.get((kind, name)) if isinstance(name, str) else None
-    if found is None or not dataclasses.is_dataclass(getattr(found.stage, "Config", None)):
-        return True
-    return key in {field.name for field in dataclasses.fields(found.stage.Config)}
+    config = getattr(stage, "Config", None)
+    return not dataclasses.is_dataclass(config) or key in {field.name for field in dataclasses.fields(config)}
 
 
 def is_wrapper(registry, kind: str, name) -> bool:

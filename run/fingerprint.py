@@ -75,10 +75,18 @@ def read_stamp(path: Path) -> dict | None:
 
     try:
         with av.open(str(path)) as container:
-            stored = json.loads(container.metadata.get(TAG, ""))
-        return stored["fields"] if isinstance(stored.get("fields"), dict) else None
-    except (av.FFmpegError, OSError, ValueError, AttributeError):
+            return stamped_fields(container.metadata.get(TAG, ""))
+    except (av.FFmpegError, OSError, ValueError):  # a tag that is not UTF-8 (a damaged file) too
         return None
+
+
+def stamped_fields(text: str) -> dict | None:
+    """The fields of a `stamp` (an MP4's tag, a latents file's metadata); None for text that is not one."""
+    try:
+        stored = json.loads(text)
+    except ValueError:
+        return None
+    return stored["fields"] if isinstance(stored, dict) and isinstance(stored.get("fields"), dict) else None
 
 
 def differences(old: dict | None, new: dict) -> list[str]:

@@ -315,7 +315,6 @@ def read_latents_stamp(path: Path) -> dict | None:
 
     try:
         with safe_open(str(path), "pt") as f:
-            stored = json.loads((f.metadata() or {}).get(LATENTS_TAG, "{}"))
-    except (OSError, ValueError, SafetensorError):
+            return fingerprint.stamped_fields((f.metadata() or {}).get(LATENTS_TAG, ""))
+    except (OSError, SafetensorError):
         return None
-    return stored.get("fields") if isinstance(stored, dict) and isinstance(stored.get("fields"), dict) else None

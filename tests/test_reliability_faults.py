@@ -787,21 +787,28 @@ def test_an_embedding_cache_folder_that_cannot_be_written_is_said_once(prompts_f
     assert len(list((tmp_path / "out").glob("*.mp4"))) == 2
 
 
-def test_a_manifest_line_that_cannot_be_written_fails_its_clip(tmp_path, monkeypatch):
-    import errno
-
+def manifest_line_error(out_dir: Path) -> str:
+    """The line a clip's manifest record that cannot be written costs it (with os.write patched to fail)."""
     from h3gen.inputs.request import Request
     from h3gen.run import outputs
     from h3gen.run.records import ClipResult
+
+    result = ClipResult(Request(index=0, prompt="x", seed=0, width=32, height=32, frames=124), out_dir / "a.mp4",
+                        True, {}, 0.0)
+    error = outputs.record(out_dir, result, "tiny", "ok")
+    return outputs.write_error(Path(error.filename), error)
+
+
+def test_a_manifest_line_that_cannot_be_written_fails_its_clip(tmp_path, monkeypatch):
+    import errno
+
+    from h3gen.run import outputs
 
     def no_space(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(outputs.os, "write", no_space)
-    result = ClipResult(Request(index=0, prompt="x", seed=0, width=32, height=32, frames=124), tmp_path / "a.mp4",
-                        True, {}, 0.0)
-    error = outputs.record(tmp_path, result, "tiny", "ok")
-    assert outputs.write_error(Path(error.filename), error) == (
+    assert manifest_line_error(tmp_path) == (
         f"cannot write {tmp_path / 'manifest.jsonl'}: No space left on device (free space in {tmp_path}; a rerun "
         "redoes only the clips that are missing)")
 
@@ -810,9 +817,7 @@ def test_a_manifest_line_cut_short_by_a_file_size_limit_is_named_as_that_and_tak
     """The write that stops short does not say why; the next one does (`ulimit -f`), and the half line goes."""
     import errno
 
-    from h3gen.inputs.request import Request
     from h3gen.run import outputs
-    from h3gen.run.records import ClipResult
 
     (tmp_path / "manifest.jsonl").write_text('{"earlier": 1}\n')
     real_write, calls = os.write, []
@@ -824,10 +829,7 @@ def test_a_manifest_line_cut_short_by_a_file_size_limit_is_named_as_that_and_tak
         return real_write(fd, data[:10])
 
     monkeypatch.setattr(outputs.os, "write", size_limit)
-    result = ClipResult(Request(index=0, prompt="x", seed=0, width=32, height=32, frames=124), tmp_path / "a.mp4",
-                        True, {}, 0.0)
-    error = outputs.record(tmp_path, result, "tiny", "ok")
-    assert outputs.write_error(Path(error.filename), error) == (
+    assert manifest_line_error(tmp_path) == (
         f"cannot write {tmp_path / 'manifest.jsonl'}: File too large (a file size limit stops it: raise `ulimit -f`; "
         "a rerun redoes only the clips that are missing)")
     assert (tmp_path / "manifest.jsonl").read_text() == '{"earlier": 1}\n'
