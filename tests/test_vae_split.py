@@ -35,9 +35,10 @@ def decode_clip(model_dir, config, group=None):
     return stage(clip, report=False)
 
 
-def rank_main(rank, world, init_file, model_dir, out_dir):
+def rank_main(rank, world, init_file, model_dir, out_dir, threads):
     import torch.distributed as dist
 
+    torch.set_num_threads(threads)  # the CPU's sums split by thread: the one-process decode's count, whatever the env
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     for name, config in CONFIGS.items():
         clip = decode_clip(model_dir, config, dist.group.WORLD)
@@ -52,7 +53,8 @@ def rank_main(rank, world, init_file, model_dir, out_dir):
 def test_two_ranks_equal_one(tiny_model, tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(rank_main, args=(2, str(tmp_path / "init"), str(tiny_model), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(rank_main, args=(2, str(tmp_path / "init"), str(tiny_model), str(tmp_path), torch.get_num_threads()),
+             nprocs=2, join=True)
     for name, config in CONFIGS.items():
         alone = decode_clip(tiny_model, config)
         split = np.load(tmp_path / f"{name}.npy")
