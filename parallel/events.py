@@ -11,10 +11,12 @@ process is gone (on rank 0's machine, where it said its pid), or PUMP_DRAIN_S af
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import pickle
+import signal
 import threading
 import time
 from datetime import timedelta
@@ -28,7 +30,10 @@ COMMAND_WAIT = timedelta(minutes=5)  # every rank sends its settings as it start
 # What the sampler wrote on a clip, sent with each stage's time: a clip whose worker died before it reported the
 # clip done is recorded with them.
 SAMPLED = ("forwards", "forwards_reused", "attention")
+STOP_KEY = "h3gen/stop"  # the signal that stopped rank 0, for the workers of the other machines
 PUMP_DRAIN_S = 20  # how long a stopped rank 0 waits for the last results of a group whose first rank it cannot see
+BEAT_S = 2  # how often a group's first rank says it is there
+SILENT_S = 60  # a group on another machine not heard from this long is lost (the machine died, or its network)
 
 
 def connect(timeout: timedelta = timedelta(minutes=30)):
@@ -66,12 +71,60 @@ def commands_of_others(store, world: int) -> dict[int, dict]:
     return {rank: json.loads(store.get(key)) for rank, key in enumerate(keys, start=1)}
 
 
+def publish_stop(store, signal_name: str) -> None:
+    store.set(STOP_KEY, signal_name)
+
+
+def stopped_there(job: dict) -> Path:
+    """The file a worker of another machine than rank 0's writes the signal that stopped rank 0 in, for its
+    launcher to say."""
+    return Path(job["status_file"]).with_name("stopped-on-machine-0")
+
+
+def stop_with_rank0(job: dict) -> None:
+    """On a machine other than rank 0's: stop this worker as a signal would once rank 0 was stopped (a Ctrl-C on
+    machine 0 reaches only that machine's workers), on a thread that waits for rank 0's word."""
+    if os.environ["GROUP_RANK"] == "0":
+        return
+
+    def watch():
+        from torch.distributed import DistError
+
+        try:
+            store = connect()
+            store.wait([STOP_KEY], PLAN_WAIT)
+            stopped_there(job).write_text(store.get(STOP_KEY).decode())
+        except DistError:  # the run ended, its store gone
+            return
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="h3gen-stop", daemon=True).start()
+
+
 def event_key(group: int, number: int) -> str:
     return f"h3gen/event/{group}/{number}"
 
 
 def leader_key(group: int) -> str:
     return f"h3gen/leader/{group}"
+
+
+def beat_key(group: int) -> str:
+    return f"h3gen/beat/{group}"
+
+
+def beat(group: int) -> None:
+    """Count in the store every BEAT_S while this process lives: rank 0 cannot see a process of another machine."""
+    from torch.distributed import DistError
+
+    def count():
+        store = connect()
+        with contextlib.suppress(DistError):  # the run ended, its store gone
+            while True:
+                store.add(beat_key(group), 1)
+                time.sleep(BEAT_S)
+
+    threading.Thread(target=count, name="h3gen-beat", daemon=True).start()
 
 
 def alive(pid: int) -> bool:
@@ -102,6 +155,7 @@ class RemoteReporter:
     def __init__(self, store, group: int):
         self.store, self.group, self.sent = store, group, 0
         store.set(leader_key(group), f"{os.environ['GROUP_RANK']} {os.getpid()}")  # rank 0 sees when it is gone
+        beat(group)  # or hears, on another machine
 
     def send(self, event: dict) -> None:
         """Whole: a stop signal lands after the event is in the store and counted, so none goes missing."""
@@ -135,6 +189,9 @@ class RemoteReporter:
 
     def clip_done(self, result):
         self.send({"done": result_event(result)})
+
+    def stopped(self, signal_name: str):
+        self.send({"stopped": signal_name, "machine": os.environ["GROUP_RANK"]})
 
     def finished(self):
         self.send({"finished": self.group})
@@ -180,6 +237,8 @@ class EventPump(threading.Thread):
         self.requests = {request.index: request for request in requests}
         self.next = dict.fromkeys(groups, 1)  # group still waited for -> the number of its next event
         self.clips, self.results, self.pids, self.deadline = {}, [], {}, None
+        self.gone = {}  # group -> (its machine, what became of it) where rank 0 learnt it from the group itself
+        self.heard = {}  # group -> (its beat count, when it last changed)
         self.store = connect()  # a client of its own: the main thread keeps its own
 
     def run(self):
@@ -204,12 +263,26 @@ class EventPump(threading.Thread):
         self.join()
 
     def lost(self, group: int) -> bool:
-        """The group's first rank is gone, or rank 0 stopped waiting for it."""
+        """The group's first rank is gone (on this machine), not heard from (on another), or rank 0 stopped waiting
+        for it."""
         if group not in self.pids and self.store.check([leader_key(group)]):
             node, pid = self.store.get(leader_key(group)).decode().split()
-            self.pids[group] = int(pid) if node == os.environ["GROUP_RANK"] else None  # another machine's: unseen
-        pid = self.pids.get(group)
+            self.pids[group] = (int(pid) if node == os.environ["GROUP_RANK"] else None, node)
+        pid, node = self.pids.get(group, (None, None))
+        if pid is None and self.quiet(group):
+            self.gone[group] = (node or "?", f"was not heard from for {SILENT_S} s")
+            return True
         return (pid is not None and not alive(pid)) or (self.deadline is not None and time.monotonic() > self.deadline)
+
+    def quiet(self, group: int) -> bool:
+        """Not heard from for SILENT_S: neither its first rank's beat nor, before that rank said where it runs, a
+        word since rank 0 began waiting."""
+        count, since = self.heard.get(group, (None, time.monotonic()))
+        now = self.store.add(beat_key(group), 0)
+        if now != count:
+            self.heard[group] = (now, time.monotonic())
+            return False
+        return time.monotonic() - since > SILENT_S
 
     def unreported(self) -> list:
         """The clips started and never reported: discarded in flight by a stopped group, or written or not by one
@@ -237,6 +310,8 @@ class EventPump(threading.Thread):
             self.clips.pop(result.request.index, None)
             self.results.append(result)
             self.reporter.clip_done(result)
+        elif "stopped" in event:
+            self.gone[group] = (event["machine"], f"was stopped by {event['stopped']}")
         elif "finished" in event:
             del self.next[group]
 

@@ -172,9 +172,15 @@ def run(config, job: dict, entry: str, warn) -> int:
     try:
         # -P: the working directory stays off the workers' sys.path, as it is off the command's, so a folder there
         # named as a package (kernels/, a plugin's source) does not shadow the installed one.
-        elastic_launch(config, sys.executable)("-P", "-m", entry, json.dumps(job))
+        with rendezvous.polled_exit(lambda: ended_short(job), hosts_store(config, job)):
+            elastic_launch(config, sys.executable)("-P", "-m", entry, json.dumps(job))
         return 0
     except ChildFailedError as failed:
+        there = stopped_there(job)
+        if there:  # rank 0's machine was stopped, and told this one's workers to stop
+            warn(f"h3gen: stopped by {there} on machine 0: any clip in flight was discarded; run the same command "
+                 "again on every machine to render the rest (clips already written are kept and skipped)")
+            return 1
         status = worker_status(job)
         if status is not None and 0 not in failed.failures:  # rank 0 reported the run's end: a worker died after
             what = root_cause(failed, job["device"]).problem.removesuffix(", so the run was stopped")
@@ -217,6 +223,34 @@ def worker_status(job: dict) -> tuple[int, int, int] | None:
         return None
     code, discarded, unfinished = map(int, path.read_text().split())
     return code, discarded, unfinished
+
+
+def stopped_there(job: dict) -> str:
+    """The signal that stopped rank 0 on another machine, as this machine's workers heard of it ('' if they did
+    not)."""
+    from h3gen.parallel.events import stopped_there as marker
+
+    path = marker(job)
+    return path.read_text() if path.is_file() else ""
+
+
+def hosts_store(config, job: dict) -> bool:
+    """Whether this machine's agent holds the store of the run: machine 0 of a static meeting, the machine at the
+    endpoint of a c10d one (as torch's c10d rendezvous decides it), the one machine of a run of one."""
+    if config.max_nodes == 1:
+        return True
+    if config.rdzv_backend != "c10d":
+        return job["settings"]["parallel"].get("node_rank") == 0
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    return _matches_machine_hostname(config.rdzv_endpoint.rpartition(":")[0].strip("[]"))
+
+
+def ended_short(job: dict) -> bool:
+    """Rank 0 reported here a run that some clips lack a result of, with no signal of its own: another machine's
+    workers were stopped."""
+    status = worker_status(job)
+    return status is not None and status[2] > 0 and status[0] < 128
 
 
 def stop_of_workers(job: dict) -> tuple[int | None, int | None]:

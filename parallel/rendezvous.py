@@ -1,10 +1,17 @@
-"""The meeting of a multi-node run whose machines give their --node-rank: torchrun's static rendezvous, waiting in
-Python. torch's own waits inside one call into its store (machine 0 for the others to connect, the others for
-machine 0 to listen), where no signal is handled: a machine whose peers never came ignored Ctrl-C and SIGTERM until
-the timeout. Here each machine checks in and polls, so a stop signal ends the wait at once."""
+"""Where the machines of a multi-node run meet, at the start and at the end, waiting in Python.
+
+The start, for machines that give their --node-rank: torchrun's static rendezvous waits inside one call into its
+store (machine 0 for the others to connect, the others for machine 0 to listen), where no signal is handled: a
+machine whose peers never came ignored Ctrl-C and SIGTERM until the timeout. Here each machine checks in and polls,
+so a stop signal ends the wait at once.
+
+The end: torchrun's agents wait for each other's (5 minutes at most) in one call into the store too, and a machine
+that was stopped never comes: the others sat out the 5 minutes, deaf to signals. Here they poll, and rank 0's
+machine, once it reported a run that some clips lack a result of, tells the others not to wait."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from datetime import timedelta
@@ -16,6 +23,9 @@ from torch.distributed.elastic.rendezvous.api import (RendezvousHandler, Rendezv
 BACKEND = "h3gen-static"
 JOIN_TIMEOUT_S = 900  # how long the machines of a run wait for each other (the c10d rendezvous too)
 POLL_S = 0.2
+EXIT = "h3gen/exit"  # the keys of the end's meeting, in the agents' store
+LEAVE_S = 10  # how long the store's machine, stopped or failed, waits for the others to be done with it
+LINGER_S = 3 * POLL_S  # how long the store's machine stays once all are done, for the others to see that
 
 
 class NodeRendezvous(RendezvousHandler):
@@ -92,3 +102,73 @@ def create(params: RendezvousParameters) -> NodeRendezvous:
 
 def register() -> None:
     rendezvous_handler_registry.register(BACKEND, create)
+
+
+@contextlib.contextmanager
+def polled_exit(ended_short, hosts_store: bool):
+    """While torchrun's agent runs in this process, it meets the other machines' agents at the end as
+    `meet_at_exit` does, and an agent that ends another way (stopped, its workers failed) counts itself done, so no
+    machine waits for it. `ended_short()`: whether rank 0 reported here a run that some clips lack a result of;
+    `hosts_store`: whether this machine's agent holds the store the others talk through."""
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+
+    torch_run, torch_wait = SimpleElasticAgent.run, SimpleElasticAgent._exit_barrier
+
+    def run(agent, *args, **kwargs):
+        try:
+            return torch_run(agent, *args, **kwargs)
+        finally:  # stopped, or its workers failed: the store's host waits a while for the others to count
+            if count_done(agent) and hosts_store:
+                wait_for_all(agent, LEAVE_S, hosts_store)
+
+    def exit_barrier(agent):
+        meet_at_exit(agent, agent._exit_barrier_timeout, ended_short(), hosts_store)
+
+    SimpleElasticAgent.run, SimpleElasticAgent._exit_barrier = run, exit_barrier
+    try:
+        yield
+    finally:
+        SimpleElasticAgent.run, SimpleElasticAgent._exit_barrier = torch_run, torch_wait
+
+
+def count_done(agent) -> bool:
+    """This machine is done with the run: counted once, where the store is there (False when it was counted
+    before, or there is none); the last to count says all are."""
+    from torch.distributed import DistError
+
+    if getattr(agent, "_h3gen_done", False) or getattr(agent, "_store", None) is None:
+        return False
+    agent._h3gen_done = True
+    with contextlib.suppress(DistError):
+        if agent._store.add(f"{EXIT}/done", 1) >= agent._worker_group.group_world_size:
+            agent._store.set(f"{EXIT}/all", "1")
+    return True
+
+
+def meet_at_exit(agent, timeout_s: float, leave: bool, hosts_store: bool) -> None:
+    """Wait until every machine is done, `timeout_s` at most, or rank 0's machine says to go (`leave` there: a
+    machine was stopped, and may never say it is done)."""
+    from torch.distributed import DistError
+
+    if leave:
+        with contextlib.suppress(DistError):
+            agent._store.set(f"{EXIT}/all", "1")
+    count_done(agent)
+    wait_for_all(agent, timeout_s, hosts_store)
+
+
+def wait_for_all(agent, timeout_s: float, hosts_store: bool) -> None:
+    """Poll for every machine being done (a stop signal is handled between two looks); a store gone (its host
+    left) ends the wait too. The store's host lingers a moment after, for the others to see it before it goes."""
+    from torch.distributed import DistError
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not agent._store.check([f"{EXIT}/all"]):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(POLL_S)
+    except DistError:
+        return
+    if hosts_store and agent._worker_group.group_world_size > 1:
+        time.sleep(LINGER_S)

@@ -46,9 +46,16 @@ class Worker:
         share = pending[index::layout.groups]
         if self.rank == 0:
             return self.report(layout, pending, plan["finished"], share, group)
+        from h3gen.run.loop import Interrupted
+
+        events.stop_with_rank0(self.job)
         reporter = events.RemoteReporter(self.store, index) if self.rank == leader else SilentReporter()
         try:
             self.render(share, reporter, group, leader)
+        except Interrupted as stop:  # rank 0 may run on another machine, which this signal did not reach
+            if self.rank == leader:
+                reporter.stopped(stop.signal_name)
+            raise
         finally:
             if self.rank == leader:
                 reporter.finished()
@@ -146,6 +153,7 @@ class Worker:
                 pump.join()
         except Interrupted as stop:  # in its own render, or while it waited for the others
             results, stopped = results + stop.results, stop
+            events.publish_stop(self.store, stop.signal_name)  # the other machines' workers stop too
             if pump:  # the other groups were stopped too: their last results are on the way
                 pump.drain()
         except H3genError as error:  # its group lost a rank, say: the launcher names the first failure after this
@@ -164,6 +172,9 @@ class Worker:
         results = finished + results
         code = report_end(reporter, results, len(self.batch.requests), stopped, say_stopped=False)
         unfinished = len(self.batch.requests) - len(results)
+        if unfinished and not stopped and pump and pump.gone:  # another machine's workers stopped or went silent
+            reporter.warn(lost_elsewhere(pump.gone, unfinished))
+            code = code or 1
         Path(self.job["status_file"]).write_text(f"{code} {discarded} {unfinished}")
         if stopped:
             raise stopped
@@ -194,6 +205,14 @@ class Worker:
             batch.reporter.clip_done(result)
             written.append(result)
         return written
+
+
+def lost_elsewhere(gone: dict[int, tuple[str, str]], unfinished: int) -> str:
+    """The line of a run whose other groups stopped in a way rank 0's launcher does not see: a signal on another
+    machine (a Ctrl-C there), or a machine not heard from. `gone`: group -> (its machine, what became of it)."""
+    which = "; ".join(f"group {group} on machine {machine} {what}" for group, (machine, what) in sorted(gone.items()))
+    return (f"h3gen: {unfinished} clip{'s' if unfinished > 1 else ''} not rendered: {which}; run the same command "
+            "again on every machine to render them (clips already written are kept and skipped)")
 
 
 # How a setting is given on the command line, for the keys of RunSettings that differ between machines.

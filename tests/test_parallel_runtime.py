@@ -412,6 +412,108 @@ def test_a_machine_whose_peers_never_come_gives_up_at_the_join_timeout():
         host.next_rendezvous()
 
 
+STALLING = '''
+import os
+import time
+from pathlib import Path
+
+from h3gen.parallel import events
+from h3gen.plugins.hookspecs import hookimpl
+from h3gen.stages.sampler import EulerSampler
+
+events.SILENT_S = 8  # rank 0 gives up on a machine not heard from sooner than a run would
+
+
+class Stalling(EulerSampler):
+    """On the machines H3GEN_TEST_STALL names: says so in a file named after its machine, holding its pid, and
+    stalls on its first clip until stopped."""
+    kind, name = "sampler", "stalling"
+
+    def run(self, clip):
+        machine = os.environ["GROUP_RANK"]
+        if machine in os.environ["H3GEN_TEST_STALL"].split(","):
+            Path(os.environ["H3GEN_TEST_MARKS"], machine).write_text(str(os.getpid()))
+            time.sleep(120)
+        return super().run(clip)
+
+
+@hookimpl
+def h3gen_register_stages(register):
+    register(Stalling)
+'''
+
+
+def two_machines(tmp_path, stall: str):
+    """Machines 0 and 1 of a static meeting on this host, each rendering 6 prompts' share with a sampler that stalls
+    on the machines `stall` names; returns them once every stalling worker has begun its first clip."""
+    from test_reliability_faults import install
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    site = install(tmp_path / "site", "stalling", STALLING)["PYTHONPATH"]
+    env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join(filter(None, (site, os.environ.get("PYTHONPATH")))),
+           "H3GEN_LOAD_PLUGINS": "stalling", "H3GEN_TEST_STALL": stall, "H3GEN_TEST_MARKS": str(marks)}
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"a fox number {i}\n" for i in range(6)))
+    port = free_port()
+    machines = [subprocess.Popen([sys.executable, "-m", "h3gen.cli.main", "render", str(prompts), "-o",
+                                  str(tmp_path / "out"), "--set", "sampler.use=stalling", *PRESET, "--cpu-workers", "1",
+                                  "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"localhost:{port}"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
+    deadline = time.monotonic() + 180
+    while {p.name for p in marks.iterdir()} != set(stall.split(",")):
+        assert time.monotonic() < deadline and all(m.poll() is None for m in machines), \
+            [m.communicate()[1][-2000:] for m in machines]
+        time.sleep(0.2)
+    return machines, {int(p.name): int(p.read_text()) for p in marks.iterdir()}
+
+
+def ended(machines, within: float) -> list[str]:
+    began = time.monotonic()
+    said = [m.communicate(timeout=within)[1] for m in machines]
+    assert time.monotonic() - began < within
+    assert not any("frame #" in err for err in said), said  # no C++ trace of a store gone
+    return said
+
+
+def test_a_machine_stopped_mid_run_leaves_the_report_to_rank_0_which_says_so_and_does_not_wait(tmp_path):
+    """Ctrl-C on machine 1 reaches only its workers: rank 0 renders its own share, then names the clips machine 1
+    did not render and exits 1 at once (torchrun's agent waited 5 minutes for machine 1's, deaf to signals, and
+    the run exited 0)."""
+    machines, _ = two_machines(tmp_path, "1")
+    machines[1].send_signal(signal.SIGINT)
+    first, second = ended(machines, 60)
+    assert [m.returncode for m in machines] == [1, 130], (first[-2000:], second[-2000:])
+    assert "3 of 6 clips written, 3 not rendered" in first
+    assert ("h3gen: 3 clips not rendered: group 1 on machine 1 was stopped by SIGINT; run the same command again on "
+            "every machine to render them") in first
+    assert "h3gen: stopped by SIGINT" in second
+
+
+def test_rank_0_stopped_stops_the_other_machines_workers(tmp_path):
+    """Ctrl-C on machine 0 stops the run: machine 1's workers stop as if they had the signal, and machine 1 says
+    where it came from (it went on rendering its share into a run that was over, and said it finished)."""
+    machines, _ = two_machines(tmp_path, "0,1")
+    machines[0].send_signal(signal.SIGINT)
+    first, second = ended(machines, 60)
+    assert [m.returncode for m in machines] == [130, 1], (first[-2000:], second[-2000:])
+    assert "0 of 6 clips written, 6 not rendered" in first and "the 2 clips in flight were discarded" in first
+    assert ("h3gen: stopped by SIGINT on machine 0: any clip in flight was discarded; run the same command again on "
+            "every machine to render the rest") in second
+    assert not list((tmp_path / "out").glob("*.mp4"))
+
+
+def test_rank_0_gives_up_on_a_machine_it_no_longer_hears_from(tmp_path):
+    """Machine 1's worker killed (as when that machine dies): rank 0 waited for its events forever; now it reports
+    the clips not rendered once machine 1 is silent for SILENT_S."""
+    machines, pids = two_machines(tmp_path, "1")
+    os.kill(pids[1], signal.SIGKILL)
+    first, second = ended(machines, 90)
+    assert [m.returncode for m in machines] == [1, 1], (first[-2000:], second[-2000:])
+    assert "h3gen: 3 clips not rendered: group 1 on machine 1 was not heard from for 8 s" in first
+    assert "was killed by SIGKILL" in second
+
+
 ONE_RANK_OOM = '''
 import torch.distributed as dist
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -177,13 +178,13 @@ def test_a_worker_killed_after_rank_0_reported_the_run_s_end_is_a_note(tmp_path,
         return start
 
     monkeypatch.setattr(api, "elastic_launch", launched)
-    said = []
+    said, one_machine = [], SimpleNamespace(max_nodes=1)
     job = {"status_file": str(status), "device": "cpu", "settings": {"parallel": {}}}
-    assert launch.run(None, job, "h3gen.cli.worker", said.append) == 0
+    assert launch.run(one_machine, job, "h3gen.cli.worker", said.append) == 0
     assert said == ["h3gen: note: CPU worker 1 (pid 4321) was killed by SIGKILL after every clip had its result"]
     status.unlink()  # rank 0 did not report: the run was stopped by the death
     with pytest.raises(launch.WorkerFailed, match=r"^CPU worker 1 \(pid 4321\) was killed by SIGKILL, so the run"):
-        launch.run(None, job, "h3gen.cli.worker", said.append)
+        launch.run(one_machine, job, "h3gen.cli.worker", said.append)
 
 
 def test_workers_stopped_once_every_clip_has_its_result_do_not_ask_for_a_rerun(tmp_path):
