@@ -351,19 +351,23 @@ def skip_finished(batch: Batch, settings: RunSettings) -> list:
     """Results for the clips a previous run already wrote (file there, valid, same fingerprint): a rerun resumes;
     and for those it wrote with other settings (conflicts), which this run leaves alone; none of either that
     `settings.redo` renders again."""
-    from h3gen.run.outputs import recorded
+    from h3gen.run.outputs import record
     from h3gen.run.resume import to_render
 
     preset_name, reporter, output = batch.preset.name, batch.reporter, settings.output
     planned = plan(batch, settings)
     note_moved_seeds(batch, settings, planned)
-    finished = []
+    finished, unnoted = [], None
     for result in filter(None, (found for _, _, found in planned)):
         if to_render(result):
             reporter.say(f"note: {shown(str(result.path))} is {result.error}")
-        else:
-            finished.append(recorded(output, result, preset_name))
-            reporter.clip_done(finished[-1])
+        else:  # its file tells that it is done, whether or not its line is added to the manifest (a full disk)
+            unnoted = record(output, result, preset_name, result.status) or unnoted
+            finished.append(result)
+            reporter.clip_done(result)
+    if unnoted is not None:
+        reporter.say(f"note: cannot write {shown(unnoted.filename)}: {unnoted.strerror or unnoted}; the clips already "
+                     "written are skipped all the same, without their line")
     return finished
 
 
