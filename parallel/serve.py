@@ -226,14 +226,16 @@ OWN = ("cwd", "quiet", "json_out", "node_rank", "named")
 
 def command_of(settings: RunSettings) -> dict:
     """The settings every machine of a run must share, by option name; the prompts file by its bytes' digest (a
-    piped one is held in a file of each machine's own)."""
+    piped one is held in a file of each machine's own), -o and --model as absolute paths (each machine gives its own
+    working directory, which the worker is in)."""
     import hashlib
 
     try:
         prompts = hashlib.sha256(settings.prompts.read_bytes()).hexdigest()[:12]
     except OSError as e:
         prompts = f"unreadable ({e.strerror})"
-    given = {**settings.to_json(), "prompts": prompts}
+    model = os.path.abspath(settings.model) if settings.model else None
+    given = {**settings.to_json(), "prompts": prompts, "output": os.path.abspath(settings.output), "model": model}
     shared = {OPTION.get(key, key): value for key, value in given.items() if key not in (*OWN, "parallel")}
     shared.update({f"--{key.replace('_', '-')}": value for key, value in given["parallel"].items() if key not in OWN})
     return json.loads(json.dumps(shared))  # as another rank's arrive: lists, not tuples

@@ -77,3 +77,24 @@ def test_a_live_group_is_waited_for_until_rank_0_drains(store, monkeypatch):
     began = time.monotonic()
     pump.drain()
     assert not pump.is_alive() and time.monotonic() - began < 2
+
+
+def test_machines_compare_their_output_and_model_as_absolute_paths(tmp_path, monkeypatch):
+    """-o and --model are relative to each machine's working directory: `-o out` in /shared and `-o /shared/out` are
+    one folder; `-o out` in two different directories are two."""
+    from h3gen.errors import UsageError
+    from h3gen.parallel.serve import check_same_command, command_of
+    from h3gen.run.settings import RunSettings
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a fox\n")
+
+    def machine(cwd: str, output: str, model: str) -> dict:
+        monkeypatch.chdir(tmp_path / cwd)
+        return command_of(RunSettings(prompts=prompts, output=Path(output), model=Path(model)))
+
+    check_same_command(machine("a", "out", "m"), {1: machine("b", str(tmp_path / "a" / "out"), "../a/m")})
+    with pytest.raises(UsageError, match=f"-o {tmp_path / 'a' / 'out'} against {tmp_path / 'b' / 'out'}"):
+        check_same_command(machine("a", "out", "m"), {1: machine("b", "out", "../a/m")})
