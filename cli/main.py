@@ -602,6 +602,7 @@ def reopen_closed_streams() -> None:
             if null != fd:
                 os.dup2(null, fd)
                 os.close(null)
+            os.set_inheritable(fd, True)  # as the stream was: a worker, an encoder process inherit it
             setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False, encoding="utf-8",
                                     errors="backslashreplace"))
             CLOSED_STREAMS.add(name)

@@ -556,12 +556,15 @@ def test_an_allocator_setting_of_another_form_is_refused_only_when_torch_cannot_
             environment.check_allocator_config()
 
 
-def test_a_run_with_standard_error_closed_renders_and_keeps_its_files_its_own(prompts_file, tmp_path):
-    """`2>&-` in a script: the lines go nowhere, and no file the run opens takes descriptor 2 and gets them."""
+@pytest.mark.parametrize("workers", [(), ("--cpu-workers", "2")])
+def test_a_run_with_standard_error_closed_renders_and_keeps_its_files_its_own(prompts_file, tmp_path, workers):
+    """`2>&-` in a script: the lines go nowhere, and no file the run opens takes descriptor 2 and gets them. The
+    workers inherit the stand-in (they started without a descriptor 2, and the first failed silently, exit 1)."""
     out = tmp_path / "out"
-    result = h3gen("render", prompts_file("a fox\n"), "-o", out, preexec_fn=lambda: os.close(2))
+    result = h3gen("render", prompts_file("a fox\na heron\n"), "-o", out, *workers, preexec_fn=lambda: os.close(2),
+                   env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0
-    assert [p.name for p in out.glob("*.mp4")] and validate_clip(next(out.glob("*.mp4"))) == []
+    assert len(list(out.glob("*.mp4"))) == 2 and all(validate_clip(p) == [] for p in out.glob("*.mp4"))
 
 
 @pytest.mark.parametrize("closed, args, problem", [
