@@ -613,6 +613,9 @@ def main():
     # MKL's matrix products otherwise round differently with the memory layout a process happens to have (an
     # encoder that ran before the DiT changes it): conditional numerical reproducibility keeps one seed one clip.
     os.environ.setdefault("MKL_CBWR", "AUTO")
+    # torch's C++ warnings print a stack with each (a store's lost connection on every try): h3gen says what
+    # happened in its own line. Read as torch loads, so set before it does.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     # Streamed blocks, row passes and tile batches leave the allocator's fixed segments split into pieces that a
     # later, larger tensor cannot use: under a budget that was the difference between fitting and not (2.8 GiB
     # reserved but unused at the out of memory of a 24 GiB batch). Growable segments map pages where they are needed.

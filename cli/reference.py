@@ -105,6 +105,9 @@ ENVIRONMENT = [
     ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF's older name: when either is set, h3gen leaves the allocator's "
                                 "settings as given. A text torch cannot split into key:value entries (torch stops "
                                 "as it starts on one) is refused."),
+    ("TORCH_CPP_LOG_LEVEL", "Set to ERROR when unset: torch's C++ warnings, each with a stack (a multi-node "
+                            "run's lost connection on every try), are left out, and h3gen says what happened in a "
+                            "line of its own. WARNING shows them."),
     ("MKL_CBWR", "Set to AUTO when unset (MKL's conditional numerical reproducibility), so one seed renders one "
                  "clip whatever ran before in the process."),
 ]

@@ -30,10 +30,26 @@ COMMAND_WAIT = timedelta(minutes=5)  # every rank sends its settings as it start
 # What the sampler wrote on a clip, sent with each stage's time: a clip whose worker died before it reported the
 # clip done is recorded with them.
 SAMPLED = ("forwards", "forwards_reused", "attention")
-STOP_KEY = "h3gen/stop"  # the signal that stopped rank 0, for the workers of the other machines
+STOP_KEY = "h3gen/stop"  # why machine 0 stopped ("machine 0 was stopped by SIGINT"), for the other machines' workers
 PUMP_DRAIN_S = 20  # how long a stopped rank 0 waits for the last results of a group whose first rank it cannot see
 BEAT_S = 2  # how often a group's first rank says it is there
 SILENT_S = 60  # a group on another machine not heard from this long is lost (the machine died, or its network)
+
+
+class StoreGone(BaseException):
+    """The run's store answers no more: the machine holding it (rank 0's, or the c10d endpoint) stopped or died.
+    A BaseException, as a stop signal is: the render loop's per-clip `except Exception` lets it through, so the
+    clip in flight is discarded rather than recorded as a failed one."""
+
+    def error(self):
+        from h3gen.errors import H3genError
+
+        error = H3genError(f"the run's store at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
+                           "answers no more: the machine that holds it (machine 0) stopped or died",
+                           "run the same command again on every machine to render the rest; clips already written "
+                           "are kept and skipped")
+        error.exit_code = 1
+        return error
 
 
 def connect(timeout: timedelta = timedelta(minutes=30)):
@@ -71,13 +87,27 @@ def commands_of_others(store, world: int) -> dict[int, dict]:
     return {rank: json.loads(store.get(key)) for rank, key in enumerate(keys, start=1)}
 
 
-def publish_stop(store, signal_name: str) -> None:
-    store.set(STOP_KEY, signal_name)
+def publish_stop(store, why: str) -> None:
+    """Stop the other machines' workers: `why` machine 0 stopped, as they say it."""
+    if not store.check([STOP_KEY]):
+        store.set(STOP_KEY, why)
+
+
+def machine_key(machine: int | str) -> str:
+    return f"h3gen/machine/{machine}"
+
+
+def tell_machine_ended(store, machine: int, what: str) -> None:
+    """A machine's launcher, its workers ended other than by finishing (`what`: "was stopped by SIGINT"), says so
+    to rank 0, which stops waiting for that machine's groups; machine 0's stops the others' workers too."""
+    store.set(machine_key(machine), what)
+    if machine == 0:
+        publish_stop(store, f"machine 0 {what}")
 
 
 def stopped_there(job: dict) -> Path:
-    """The file a worker of another machine than rank 0's writes the signal that stopped rank 0 in, for its
-    launcher to say."""
+    """The file a worker of another machine than rank 0's writes why machine 0 stopped in, for its launcher to
+    say."""
     return Path(job["status_file"]).with_name("stopped-on-machine-0")
 
 
@@ -161,8 +191,13 @@ class RemoteReporter:
         """Whole: a stop signal lands after the event is in the store and counted, so none goes missing."""
         from h3gen.run.loop import signals_held
 
+        from torch.distributed import DistError
+
         with signals_held():
-            self.store.set(event_key(self.group, self.sent + 1), json.dumps(event))
+            try:
+                self.store.set(event_key(self.group, self.sent + 1), json.dumps(event))
+            except DistError:
+                raise StoreGone() from None
             self.sent += 1
 
     def say(self, text: str) -> None:
@@ -269,6 +304,9 @@ class EventPump(threading.Thread):
             node, pid = self.store.get(leader_key(group)).decode().split()
             self.pids[group] = (int(pid) if node == os.environ["GROUP_RANK"] else None, node)
         pid, node = self.pids.get(group, (None, None))
+        if pid is None and node is not None and self.store.check([machine_key(node)]):  # its launcher said why
+            self.gone[group] = (node, self.store.get(machine_key(node)).decode())
+            return True
         if pid is None and self.quiet(group):
             self.gone[group] = (node or "?", f"was not heard from for {SILENT_S} s")
             return True

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 from h3gen.errors import H3genError, UsageError
 from h3gen.parallel.layout import check_ulysses
@@ -172,14 +173,15 @@ def run(config, job: dict, entry: str, warn) -> int:
     try:
         # -P: the working directory stays off the workers' sys.path, as it is off the command's, so a folder there
         # named as a package (kernels/, a plugin's source) does not shadow the installed one.
-        with rendezvous.polled_exit(lambda: ended_short(job), hosts_store(config, job)):
+        with rendezvous.polled_exit(lambda: ended_short(job), hosts_store(config, job),
+                                    lambda failures: first_cause(failures, job["device"])):
             elastic_launch(config, sys.executable)("-P", "-m", entry, json.dumps(job))
         return 0
     except ChildFailedError as failed:
         there = stopped_there(job)
-        if there:  # rank 0's machine was stopped, and told this one's workers to stop
-            warn(f"h3gen: stopped by {there} on machine 0: any clip in flight was discarded; run the same command "
-                 "again on every machine to render the rest (clips already written are kept and skipped)")
+        if there:  # rank 0's machine stopped, and told this one's workers to stop
+            warn(f"h3gen: stopped: {there}; any clip in flight was discarded; run the same command again on every "
+                 "machine to render the rest (clips already written are kept and skipped)")
             return 1
         status = worker_status(job)
         if status is not None and 0 not in failed.failures:  # rank 0 reported the run's end: a worker died after
@@ -260,7 +262,14 @@ def stop_of_workers(job: dict) -> tuple[int | None, int | None]:
     status = worker_status(job)
     if status is not None:
         return status[1], status[2]
-    return (0 if not job["settings"]["parallel"].get("node_rank") else None), None
+    parallel = job["settings"]["parallel"]
+    rank_0_here = (parallel.get("nnodes") or 1) == 1 or parallel.get("node_rank") == 0  # not known under c10d
+    return (0 if rank_0_here else None), None
+
+
+def first_cause(failures: dict, device: str) -> str:
+    """A run result's first failure, as a machine tells the others of it."""
+    return root_cause(SimpleNamespace(failures=failures), device).problem.removesuffix(", so the run was stopped")
 
 
 def first_failure(failed):

@@ -12,6 +12,7 @@ machine, once it reported a run that some clips lack a result of, tells the othe
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import time
 from datetime import timedelta
@@ -105,19 +106,29 @@ def register() -> None:
 
 
 @contextlib.contextmanager
-def polled_exit(ended_short, hosts_store: bool):
+def polled_exit(ended_short, hosts_store: bool, cause):
     """While torchrun's agent runs in this process, it meets the other machines' agents at the end as
-    `meet_at_exit` does, and an agent that ends another way (stopped, its workers failed) counts itself done, so no
-    machine waits for it. `ended_short()`: whether rank 0 reported here a run that some clips lack a result of;
-    `hosts_store`: whether this machine's agent holds the store the others talk through."""
+    `meet_at_exit` does; an agent whose workers end another way (stopped, failed) tells rank 0 so, and counts itself
+    done, so no machine waits for it. `ended_short()`: whether rank 0 reported here a run that some clips lack a
+    result of; `hosts_store`: whether this machine's agent holds the store the others talk through; `cause(failures)`:
+    the first of a run result's failures, in words."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
     torch_run, torch_wait = SimpleElasticAgent.run, SimpleElasticAgent._exit_barrier
 
     def run(agent, *args, **kwargs):
+        ended = "lost its workers"
         try:
-            return torch_run(agent, *args, **kwargs)
-        finally:  # stopped, or its workers failed: the store's host waits a while for the others to count
+            result = torch_run(agent, *args, **kwargs)
+            ended = f"lost a worker: {cause(result.failures)}" if result.is_failed() else ""
+            return result
+        except SignalException as stop:
+            ended = f"was stopped by {signal.Signals(int(stop.sigval)).name}"
+            raise
+        finally:  # the store's host waits a while for the others to count
+            if ended:
+                tell_ended(agent, ended)
             if count_done(agent) and hosts_store:
                 wait_for_all(agent, LEAVE_S, hosts_store)
 
@@ -129,6 +140,20 @@ def polled_exit(ended_short, hosts_store: bool):
         yield
     finally:
         SimpleElasticAgent.run, SimpleElasticAgent._exit_barrier = torch_run, torch_wait
+
+
+def tell_ended(agent, what: str) -> None:
+    """Into the store the workers talk through (the agents' without its prefix), where the store is there."""
+    from torch.distributed import DistError, PrefixStore
+
+    from h3gen.parallel.events import tell_machine_ended
+
+    store = getattr(agent, "_store", None)
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    if store is not None:
+        with contextlib.suppress(DistError):
+            tell_machine_ended(store, agent._worker_group.group_rank, what)
 
 
 def count_done(agent) -> bool:

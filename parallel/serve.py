@@ -153,7 +153,7 @@ class Worker:
                 pump.join()
         except Interrupted as stop:  # in its own render, or while it waited for the others
             results, stopped = results + stop.results, stop
-            events.publish_stop(self.store, stop.signal_name)  # the other machines' workers stop too
+            events.publish_stop(self.store, f"machine 0 was stopped by {stop.signal_name}")  # the others stop too
             if pump:  # the other groups were stopped too: their last results are on the way
                 pump.drain()
         except H3genError as error:  # its group lost a rank, say: the launcher names the first failure after this

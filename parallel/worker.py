@@ -22,6 +22,7 @@ from h3gen.errors import H3genError
 
 
 def main(argv: list[str], make_reporter) -> int:
+    from h3gen.parallel.events import StoreGone
     from h3gen.run.loop import Interrupted, stop_on_signals
 
     job = json.loads(argv[0])
@@ -33,6 +34,9 @@ def main(argv: list[str], make_reporter) -> int:
     except H3genError as error:
         record_error(error)
         return error.exit_code
+    except StoreGone as gone:
+        record_error(gone.error())
+        return 1
     except Interrupted as stop:
         # Die by the signal itself, so the launcher reports a stopped worker as stopped rather than as a crash;
         # at once, without the interpreter's teardown of the store and process-group threads.

@@ -14,6 +14,7 @@ __import__("h3gen")  # first: importing h3gen takes the checkout's root off sys.
 # test session, exactly as a user's first run writes it.
 os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="h3gen-test-cache-"))
 os.environ.setdefault("MKL_CBWR", "AUTO")  # as the h3gen command sets it, before torch loads MKL
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # likewise, before torch loads c10
 
 ROOT = Path(__file__).resolve().parents[1]
 

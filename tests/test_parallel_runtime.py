@@ -426,14 +426,14 @@ events.SILENT_S = 8  # rank 0 gives up on a machine not heard from sooner than a
 
 class Stalling(EulerSampler):
     """On the machines H3GEN_TEST_STALL names: says so in a file named after its machine, holding its pid, and
-    stalls on its first clip until stopped."""
+    stalls on its first clip until stopped, or for H3GEN_TEST_STALL_S."""
     kind, name = "sampler", "stalling"
 
     def run(self, clip):
         machine = os.environ["GROUP_RANK"]
         if machine in os.environ["H3GEN_TEST_STALL"].split(","):
             Path(os.environ["H3GEN_TEST_MARKS"], machine).write_text(str(os.getpid()))
-            time.sleep(120)
+            time.sleep(float(os.environ.get("H3GEN_TEST_STALL_S", 120)))
         return super().run(clip)
 
 
@@ -443,7 +443,7 @@ def h3gen_register_stages(register):
 '''
 
 
-def two_machines(tmp_path, stall: str):
+def two_machines(tmp_path, stall: str, **env):
     """Machines 0 and 1 of a static meeting on this host, each rendering 6 prompts' share with a sampler that stalls
     on the machines `stall` names; returns them once every stalling worker has begun its first clip."""
     from test_reliability_faults import install
@@ -452,7 +452,7 @@ def two_machines(tmp_path, stall: str):
     marks.mkdir()
     site = install(tmp_path / "site", "stalling", STALLING)["PYTHONPATH"]
     env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join(filter(None, (site, os.environ.get("PYTHONPATH")))),
-           "H3GEN_LOAD_PLUGINS": "stalling", "H3GEN_TEST_STALL": stall, "H3GEN_TEST_MARKS": str(marks)}
+           "H3GEN_LOAD_PLUGINS": "stalling", "H3GEN_TEST_STALL": stall, "H3GEN_TEST_MARKS": str(marks), **env}
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("".join(f"a fox number {i}\n" for i in range(6)))
     port = free_port()
@@ -498,20 +498,46 @@ def test_rank_0_stopped_stops_the_other_machines_workers(tmp_path):
     first, second = ended(machines, 60)
     assert [m.returncode for m in machines] == [130, 1], (first[-2000:], second[-2000:])
     assert "0 of 6 clips written, 6 not rendered" in first and "the 2 clips in flight were discarded" in first
-    assert ("h3gen: stopped by SIGINT on machine 0: any clip in flight was discarded; run the same command again on "
-            "every machine to render the rest") in second
+    assert ("h3gen: stopped: machine 0 was stopped by SIGINT; any clip in flight was discarded; run the same command "
+            "again on every machine to render the rest") in second
     assert not list((tmp_path / "out").glob("*.mp4"))
 
 
-def test_rank_0_gives_up_on_a_machine_it_no_longer_hears_from(tmp_path):
-    """Machine 1's worker killed (as when that machine dies): rank 0 waited for its events forever; now it reports
-    the clips not rendered once machine 1 is silent for SILENT_S."""
+def test_a_machine_that_lost_a_worker_tells_rank_0_at_once(tmp_path):
+    """Machine 1's worker killed: its launcher tells rank 0, which reports the clips not rendered without waiting
+    for the silence (it waited for that worker's events forever)."""
     machines, pids = two_machines(tmp_path, "1")
     os.kill(pids[1], signal.SIGKILL)
-    first, second = ended(machines, 90)
+    first, second = ended(machines, 30)
     assert [m.returncode for m in machines] == [1, 1], (first[-2000:], second[-2000:])
-    assert "h3gen: 3 clips not rendered: group 1 on machine 1 was not heard from for 8 s" in first
+    assert (f"h3gen: 3 clips not rendered: group 1 on machine 1 lost a worker: CPU worker 1 (pid {pids[1]}) was "
+            "killed by SIGKILL; run the same command again on every machine") in first
     assert "was killed by SIGKILL" in second
+
+
+def test_rank_0_gives_up_on_a_machine_it_no_longer_hears_from(tmp_path):
+    """Machine 1 killed whole (as when it dies): rank 0 reports the clips not rendered once machine 1 is silent for
+    SILENT_S."""
+    machines, pids = two_machines(tmp_path, "1")
+    os.kill(machines[1].pid, signal.SIGKILL)
+    os.kill(pids[1], signal.SIGKILL)
+    first = ended(machines[:1], 60)[0]
+    assert machines[0].returncode == 1, first[-2000:]
+    assert "h3gen: 3 clips not rendered: group 1 on machine 1 was not heard from for 8 s" in first
+
+
+def test_a_machine_whose_store_went_away_says_so_in_one_line(tmp_path):
+    """Machine 0 killed whole: machine 1's workers find the store gone at their next word to rank 0; one line, no
+    stack, and no clip recorded as failed (an interrupted clip was recorded as a failure asking for a bug report)."""
+    machines, pids = two_machines(tmp_path, "0,1", H3GEN_TEST_STALL_S="4")  # machine 1 goes on after 4 s
+    os.kill(machines[0].pid, signal.SIGKILL)
+    os.kill(pids[0], signal.SIGKILL)
+    second = ended(machines[1:], 60)[0]
+    assert machines[1].returncode == 1, second[-2000:]
+    assert second.strip().splitlines()[-1].startswith("h3gen: error: the run's store at localhost:")
+    assert "answers no more: the machine that holds it (machine 0) stopped or died" in second
+    manifest = tmp_path / "out" / "manifest.jsonl"
+    assert not manifest.exists() or '"failed"' not in manifest.read_text()
 
 
 ONE_RANK_OOM = '''

@@ -18,6 +18,7 @@ import sys
 import threading
 
 os.environ.setdefault("MKL_CBWR", "AUTO")  # as the h3gen command sets it, before torch loads MKL
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # likewise, before torch loads c10
 
 import diffusers  # noqa: E402,F401
 import torch  # noqa: E402
