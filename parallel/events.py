@@ -111,9 +111,28 @@ def stopped_there(job: dict) -> Path:
     return Path(job["status_file"]).with_name("stopped-on-machine-0")
 
 
+# A worker's threads that talk to the store: ended before the worker exits (`end_threads`), since a thread inside
+# a store call as the interpreter finalizes aborts the process ("terminate called without an active exception").
+_threads: list[threading.Thread] = []
+_ending = threading.Event()
+
+
+def on_a_thread(name: str, target) -> None:
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    _threads.append(thread)
+
+
+def end_threads() -> None:
+    _ending.set()
+    for thread in _threads:
+        if thread is not threading.current_thread():
+            thread.join(timeout=10)
+
+
 def stop_with_rank0(job: dict) -> None:
-    """On a machine other than rank 0's: stop this worker as a signal would once rank 0 was stopped (a Ctrl-C on
-    machine 0 reaches only that machine's workers), on a thread that waits for rank 0's word."""
+    """On a machine other than rank 0's: stop this worker as a signal would once machine 0 stopped (a Ctrl-C on
+    machine 0 reaches only that machine's workers), on a thread that looks for rank 0's word every second."""
     if os.environ["GROUP_RANK"] == "0":
         return
 
@@ -122,13 +141,15 @@ def stop_with_rank0(job: dict) -> None:
 
         try:
             store = connect()
-            store.wait([STOP_KEY], PLAN_WAIT)
+            while not store.check([STOP_KEY]):
+                if _ending.wait(1):
+                    return
             stopped_there(job).write_text(store.get(STOP_KEY).decode())
         except DistError:  # the run ended, its store gone
             return
         os.kill(os.getpid(), signal.SIGTERM)
 
-    threading.Thread(target=watch, name="h3gen-stop", daemon=True).start()
+    on_a_thread("h3gen-stop", watch)
 
 
 def event_key(group: int, number: int) -> str:
@@ -152,9 +173,10 @@ def beat(group: int) -> None:
         with contextlib.suppress(DistError):  # the run ended, its store gone
             while True:
                 store.add(beat_key(group), 1)
-                time.sleep(BEAT_S)
+                if _ending.wait(BEAT_S):
+                    return
 
-    threading.Thread(target=count, name="h3gen-beat", daemon=True).start()
+    on_a_thread("h3gen-beat", count)
 
 
 def alive(pid: int) -> bool:

@@ -195,6 +195,9 @@ def run(config, job: dict, entry: str, warn) -> int:
 
         warn(stopped_line(stop.name, *stop_of_workers(job)))
         return 128 + stop
+    except rendezvous.RunUnderway as e:
+        raise WorkerFailed(str(e), "wait until it ends, or stop it there, then start the same command on every "
+                                   "machine") from None
     except RendezvousError as e:
         raise WorkerFailed(f"the machines of the run did not meet: {str(e).splitlines()[0]}",
                            "start the same command on every machine, each able to reach --rdzv-endpoint") from None

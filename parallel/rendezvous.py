@@ -17,9 +17,9 @@ import socket
 import time
 from datetime import timedelta
 
-from torch.distributed.elastic.rendezvous.api import (RendezvousHandler, RendezvousInfo, RendezvousParameters,
-                                                      RendezvousStoreInfo, RendezvousTimeoutError,
-                                                      rendezvous_handler_registry)
+from torch.distributed.elastic.rendezvous.api import (RendezvousError, RendezvousHandler, RendezvousInfo,
+                                                      RendezvousParameters, RendezvousStoreInfo,
+                                                      RendezvousTimeoutError, rendezvous_handler_registry)
 
 BACKEND = "h3gen-static"
 JOIN_TIMEOUT_S = 900  # how long the machines of a run wait for each other (the c10d rendezvous too)
@@ -27,6 +27,11 @@ POLL_S = 0.2
 EXIT = "h3gen/exit"  # the keys of the end's meeting, in the agents' store
 LEAVE_S = 10  # how long the store's machine, stopped or failed, waits for the others to be done with it
 LINGER_S = 3 * POLL_S  # how long the store's machine stays once all are done, for the others to see that
+
+
+class RunUnderway(RendezvousError):
+    """A machine came to a run whose machines have all met: one machine started again while machine 0 still runs
+    the first start."""
 
 
 class NodeRendezvous(RendezvousHandler):
@@ -47,11 +52,15 @@ class NodeRendezvous(RendezvousHandler):
         deadline = time.monotonic() + self.timeout_s
         self.store = self.store or self.connect(deadline)
         store = PrefixStore(self.run_id, self.store)
+        if store.check(["h3gen/met"]):
+            raise RunUnderway(f"machine 0 at {self.host}:{self.port} is still running this run, whose "
+                              f"{self.nnodes} machines have met")
         store.set(f"h3gen/node/{self.rank}", "here")
         keys = [f"h3gen/node/{rank}" for rank in range(self.nnodes)]
         while not store.check(keys):
             wait_a_little(deadline, f"{self.nnodes - sum(store.check([key]) for key in keys)} of the {self.nnodes} "
                                     f"machines did not come to {self.host}:{self.port}")
+        store.set("h3gen/met", "yes")
         return RendezvousInfo(store, self.rank, self.nnodes, RendezvousStoreInfo(self.host, self.port))
 
     def connect(self, deadline: float):

@@ -99,6 +99,9 @@ def serve(job: dict, make_reporter) -> int:
         record_error(error)
         return error.exit_code
     finally:
+        from h3gen.parallel.events import end_threads
+
+        end_threads()
         # What the stages built may hold a group in a reference cycle; a gloo group freed only at interpreter exit
         # aborts the process, so it goes now, while the groups are alive.
         gc.collect()

@@ -456,10 +456,15 @@ def two_machines(tmp_path, stall: str, **env):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("".join(f"a fox number {i}\n" for i in range(6)))
     port = free_port()
-    machines = [subprocess.Popen([sys.executable, "-m", "h3gen.cli.main", "render", str(prompts), "-o",
-                                  str(tmp_path / "out"), "--set", "sampler.use=stalling", *PRESET, "--cpu-workers", "1",
-                                  "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"localhost:{port}"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
+
+    def start(rank: int):
+        return subprocess.Popen([sys.executable, "-m", "h3gen.cli.main", "render", str(prompts), "-o",
+                                 str(tmp_path / "out"), "--set", "sampler.use=stalling", *PRESET, "--cpu-workers", "1",
+                                 "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", f"localhost:{port}"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    machines = [start(0), start(1)]
+    machines[0].start = start  # a machine started again
     deadline = time.monotonic() + 180
     while {p.name for p in marks.iterdir()} != set(stall.split(",")):
         assert time.monotonic() < deadline and all(m.poll() is None for m in machines), \
@@ -513,6 +518,23 @@ def test_a_machine_that_lost_a_worker_tells_rank_0_at_once(tmp_path):
     assert (f"h3gen: 3 clips not rendered: group 1 on machine 1 lost a worker: CPU worker 1 (pid {pids[1]}) was "
             "killed by SIGKILL; run the same command again on every machine") in first
     assert "was killed by SIGKILL" in second
+
+
+def test_a_machine_started_again_while_machine_0_runs_is_refused(tmp_path):
+    """Machine 1 stopped and started again while machine 0 still renders: it joined the old run, rendered clips rank
+    0 never counted and wrote a second manifest line for one. Now it is refused, and the run goes on."""
+    machines, _ = two_machines(tmp_path, "0")
+    machines[1].send_signal(signal.SIGINT)
+    assert machines[1].wait(timeout=60) == 130
+    again = machines[0].start(1)
+    _, said = again.communicate(timeout=60)
+    assert again.returncode == 1, said[-2000:]
+    port = said.split("localhost:")[1].split()[0]
+    assert said.strip().splitlines()[-1] == (
+        f"h3gen: error: machine 0 at localhost:{port} is still running this run, whose 2 machines have met (wait until "
+        "it ends, or stop it there, then start the same command on every machine)")
+    machines[0].send_signal(signal.SIGINT)
+    assert machines[0].wait(timeout=60) == 130
 
 
 def test_rank_0_gives_up_on_a_machine_it_no_longer_hears_from(tmp_path):
