@@ -128,6 +128,7 @@ def end_threads() -> None:
     for thread in _threads:
         if thread is not threading.current_thread():
             thread.join(timeout=10)
+    _threads.clear()
 
 
 def stop_with_rank0(job: dict) -> None:
@@ -223,10 +224,15 @@ class RemoteReporter:
             self.sent += 1
 
     def say(self, text: str) -> None:
-        self.send({"say": f"{text} (group {self.group})"})
+        self.send({"say": f"{text} ({self.where()})"})
 
     def warn(self, text: str) -> None:
-        self.send({"warn": f"{text} (group {self.group})"})
+        self.send({"warn": f"{text} ({self.where()})"})
+
+    def where(self) -> str:
+        """The group, and its machine when not rank 0's: a line about a signal there is not about this one."""
+        machine = os.environ["GROUP_RANK"]
+        return f"group {self.group}" + (f" on machine {machine}" if machine != "0" else "")
 
     def start(self):
         return self

@@ -31,7 +31,9 @@ def store(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(store.port))
     monkeypatch.setenv("GROUP_RANK", "0")
-    return store
+    yield store
+    events.end_threads()  # the first ranks' beats, as a worker ends them
+    events._ending.clear()
 
 
 def gone_pid() -> int:
@@ -98,3 +100,13 @@ def test_machines_compare_their_output_and_model_as_absolute_paths(tmp_path, mon
     check_same_command(machine("a", "out", "m"), {1: machine("b", str(tmp_path / "a" / "out"), "../a/m")})
     with pytest.raises(UsageError, match=f"-o {tmp_path / 'a' / 'out'} against {tmp_path / 'b' / 'out'}"):
         check_same_command(machine("a", "out", "m"), {1: machine("b", "out", "../a/m")})
+
+
+def test_a_group_on_another_machine_says_where_its_lines_come_from(store, monkeypatch):
+    """A line of group 1 on machine 1 ("another signal ends at once", say) is not about rank 0's machine."""
+    monkeypatch.setenv("GROUP_RANK", "1")
+    events.RemoteReporter(store, 1).say("finishing")
+    monkeypatch.setenv("GROUP_RANK", "0")
+    events.RemoteReporter(store, 2).say("loaded")
+    assert [store.get(events.event_key(group, 1)).decode() for group in (1, 2)] == [
+        '{"say": "finishing (group 1 on machine 1)"}', '{"say": "loaded (group 2)"}']
