@@ -206,7 +206,7 @@ class RemoteReporter:
     """The reporter of a group's first rank other than rank 0: every event goes to rank 0, in order."""
 
     def __init__(self, store, group: int):
-        self.store, self.group, self.sent = store, group, 0
+        self.store, self.group, self.sent, self.lost = store, group, 0, False
         store.set(leader_key(group), f"{os.environ['GROUP_RANK']} {os.getpid()}")  # rank 0 sees when it is gone
         beat(group)  # or hears, on another machine
 
@@ -216,10 +216,13 @@ class RemoteReporter:
 
         from torch.distributed import DistError
 
+        if self.lost:  # said once: what the worker does on its way out (close its claims, finish a mux) goes unsaid
+            return
         with signals_held():
             try:
                 self.store.set(event_key(self.group, self.sent + 1), json.dumps(event))
             except DistError:
+                self.lost = True
                 raise StoreGone() from None
             self.sent += 1
 

@@ -110,3 +110,21 @@ def test_a_group_on_another_machine_says_where_its_lines_come_from(store, monkey
     events.RemoteReporter(store, 2).say("loaded")
     assert [store.get(events.event_key(group, 1)).decode() for group in (1, 2)] == [
         '{"say": "finishing (group 1 on machine 1)"}', '{"say": "loaded (group 2)"}']
+
+
+def test_a_store_gone_is_said_once_and_what_follows_goes_unsaid(store):
+    """The first word to a store that answers no more ends the worker's render (StoreGone); the words of its way out
+    (a background mux finished, its claims released) go nowhere, instead of raising again before the claims are
+    released (their lock files stayed)."""
+    import torch.distributed as dist
+
+    class Gone:
+        def set(self, key, value):
+            if key.startswith("h3gen/event/"):
+                raise dist.DistNetworkError("Broken pipe")
+
+    reporter = events.RemoteReporter(Gone(), 1)
+    with pytest.raises(events.StoreGone):
+        reporter.say("finishing")
+    reporter.say("finished the mux")
+    reporter.finished()
