@@ -105,7 +105,7 @@ def tell_machine_ended(store, machine: int, what: str) -> None:
         publish_stop(store, f"machine 0 {what}")
 
 
-def stopped_there(job: dict) -> Path:
+def machine_0_stop_file(job: dict) -> Path:
     """The file a worker of another machine than rank 0's writes why machine 0 stopped in, for its launcher to
     say."""
     return Path(job["status_file"]).with_name("stopped-on-machine-0")
@@ -145,7 +145,7 @@ def stop_with_rank0(job: dict) -> None:
             while not store.check([STOP_KEY]):
                 if _ending.wait(1):
                     return
-            stopped_there(job).write_text(store.get(STOP_KEY).decode())
+            machine_0_stop_file(job).write_text(store.get(STOP_KEY).decode())
         except DistError:  # the run ended, its store gone
             return
         os.kill(os.getpid(), signal.SIGTERM)

@@ -231,11 +231,11 @@ def worker_status(job: dict) -> tuple[int, int, int] | None:
 
 
 def stopped_there(job: dict) -> str:
-    """The signal that stopped rank 0 on another machine, as this machine's workers heard of it ('' if they did
-    not)."""
-    from h3gen.parallel.events import stopped_there as marker
+    """Why machine 0 stopped ("machine 0 was stopped by SIGINT"), as this machine's workers heard of it ('' if they
+    did not)."""
+    from h3gen.parallel.events import machine_0_stop_file
 
-    path = marker(job)
+    path = machine_0_stop_file(job)
     return path.read_text() if path.is_file() else ""
 
 
