@@ -33,6 +33,7 @@ SAMPLED = ("forwards", "forwards_reused", "attention")
 STOP_KEY = "h3gen/stop"  # why machine 0 stopped ("machine 0 was stopped by SIGINT"), for the other machines' workers
 PUMP_DRAIN_S = 20  # how long a stopped rank 0 waits for the last results of a group whose first rank it cannot see
 BEAT_S = 2  # how often a group's first rank says it is there
+ASK_S = 1  # how often rank 0 asks the store after a group of another machine
 SILENT_S = 60  # a group on another machine not heard from this long is lost (the machine died, or its network)
 
 
@@ -305,6 +306,7 @@ class EventPump(threading.Thread):
         self.clips, self.results, self.pids, self.deadline = {}, [], {}, None
         self.gone = {}  # group -> (its machine, what became of it) where rank 0 learnt it from the group itself
         self.heard = {}  # group -> (its beat count, when it last changed)
+        self.asked = {}  # group of another machine -> when rank 0 last asked after it
         self.store = connect()  # a client of its own: the main thread keeps its own
 
     def run(self):
@@ -335,13 +337,22 @@ class EventPump(threading.Thread):
             node, pid = self.store.get(leader_key(group)).decode().split()
             self.pids[group] = (int(pid) if node == os.environ["GROUP_RANK"] else None, node)
         pid, node = self.pids.get(group, (None, None))
-        if pid is None and node is not None and self.store.check([machine_key(node)]):  # its launcher said why
-            self.gone[group] = (node, self.store.get(machine_key(node)).decode())
-            return True
-        if pid is None and self.quiet(group):
-            self.gone[group] = (node or "?", f"was not heard from for {SILENT_S} s")
-            return True
+        if pid is None and self.due(group):
+            if node is not None and self.store.check([machine_key(node)]):  # its launcher said why
+                self.gone[group] = (node, self.store.get(machine_key(node)).decode())
+                return True
+            if self.quiet(group):
+                self.gone[group] = (node or "?", f"was not heard from for {SILENT_S} s")
+                return True
         return (pid is not None and not alive(pid)) or (self.deadline is not None and time.monotonic() > self.deadline)
+
+    def due(self, group: int) -> bool:
+        """Once every ASK_S: what a group of another machine has to say comes through the store, at a question each."""
+        now = time.monotonic()
+        if now - self.asked.get(group, float("-inf")) < ASK_S:
+            return False
+        self.asked[group] = now
+        return True
 
     def quiet(self, group: int) -> bool:
         """Not heard from for SILENT_S: neither its first rank's beat nor, before that rank said where it runs, a
