@@ -13,6 +13,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -24,6 +25,9 @@ from types import SimpleNamespace
 from h3gen.errors import H3genError, UsageError
 from h3gen.parallel.layout import check_ulysses
 from h3gen.run.settings import Parallel, RunSettings
+
+
+SCRATCH = "h3gen-run-"  # a launcher's scratch folder: h3gen-run-PID-XXXXXXXX in the temporary folder
 
 
 class WorkerFailed(H3genError):
@@ -101,7 +105,8 @@ def check_endpoint(text: str) -> None:
                          "give the name or address of machine 0 as every machine reaches it") from None
 
 
-def launch_config(parallel: Parallel, per_node: int):
+def launch_config(parallel: Parallel, per_node: int, logs: Path):
+    """torchrun's settings; the agent's files (the workers' error.json) under `logs`, which the run removes."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -118,7 +123,7 @@ def launch_config(parallel: Parallel, per_node: int):
     return LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=per_node, run_id=run_id,
                         role="h3gen", rdzv_endpoint=endpoint, rdzv_backend=backend, rdzv_configs=configs,
                         max_restarts=0, monitor_interval=0.5, start_method="spawn",
-                        logs_specs=DefaultLogsSpecs())
+                        logs_specs=DefaultLogsSpecs(log_dir=str(logs)))
 
 
 def launch_workers(batch, settings: RunSettings, entry: str, began: float) -> int:
@@ -132,7 +137,8 @@ def launch_workers(batch, settings: RunSettings, entry: str, began: float) -> in
     # On the CPU a clip depends on the intra-op thread count (MKL and ATen split their sums by thread): give each
     # worker its share of the cores, and say so in the README, rather than torchrun's silent one thread each.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_node)))
-    with tempfile.TemporaryDirectory(prefix="h3gen-run-") as scratch:
+    sweep_scratch()
+    with tempfile.TemporaryDirectory(prefix=f"{SCRATCH}{os.getpid()}-") as scratch:
         if not settings.prompts.is_file():  # a pipe, read by the checks: the workers read what it held
             from h3gen.inputs.prompts import prompts_bytes
 
@@ -147,7 +153,7 @@ def launch_workers(batch, settings: RunSettings, entry: str, began: float) -> in
 
             reporter.say(f"h3gen: waiting for the {parallel.nnodes} machines of the run to meet at "
                          f"{parallel.rdzv_endpoint} (at most {JOIN_TIMEOUT_S // 60} minutes)")
-        stopped = run(launch_config(parallel, per_node), job, entry, reporter.warn)
+        stopped = run(launch_config(parallel, per_node, Path(scratch) / "agent"), job, entry, reporter.warn)
         if stopped:
             return stopped
         status = worker_status(job)
@@ -156,6 +162,21 @@ def launch_workers(batch, settings: RunSettings, entry: str, began: float) -> in
     # Rank 0 ran on another machine of the job and reported there.
     reporter.say("h3gen: this machine's workers finished; the run is reported where rank 0 ran")
     return 0
+
+
+def sweep_scratch() -> None:
+    """Remove the scratch folders of this user's launchers that were killed (SIGKILL leaves them: a run's held
+    prompts, its status file, the agent's files)."""
+    from h3gen.parallel.events import alive
+
+    for folder in Path(tempfile.gettempdir()).glob(f"{SCRATCH}*-*"):
+        pid = folder.name.removeprefix(SCRATCH).split("-")[0]
+        try:
+            mine = folder.is_dir() and folder.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if mine and pid.isdigit() and not alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def run(config, job: dict, entry: str, warn) -> int:
