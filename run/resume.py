@@ -74,8 +74,8 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
 
 
 def latents_problems(path: Path, wanted: dict) -> list[str]:
-    """What is wrong with a clip's latents file beside it: gone or damaged from outside (it is written whole), or
-    stamped with settings other than the clip's (`wanted`)."""
+    """What is wrong with a clip's latents file beside it: gone or damaged from outside (it is written whole), without
+    a stamp, or stamped with settings other than the clip's (`wanted`)."""
     from h3gen.models.repo import check_safetensors
 
     if not path.is_file():
@@ -85,7 +85,9 @@ def latents_problems(path: Path, wanted: dict) -> list[str]:
     except ModelError:
         return [f"its latents {path.name} are cut short or not safetensors"]
     stored = read_latents_stamp(path)
-    settings = fingerprint.differences(stored, wanted) if stored is not None else []
+    if stored is None:  # an older h3gen's, or another tool's: nothing says they are this clip's
+        return [f"its latents {path.name} carry no h3gen stamp, so their settings are not known"]
+    settings = fingerprint.differences(stored, wanted)
     if settings:
         return [f"its latents {path.name} are of other settings ({first_reasons(settings)})"]
     return []

@@ -937,8 +937,9 @@ def test_a_rerun_with_save_latents_says_why_it_renders_a_clip_whose_latents_are_
 
 def test_latents_of_other_settings_are_rendered_again_and_a_clip_rendered_without_them_takes_its_old_ones(
         prompts_file, tmp_path):
-    """Latents carry the clip's stamp: another render's latents beside the clip are not taken as its own, and a clip
-    rendered again without --save-latents leaves no latents of its earlier settings beside it."""
+    """Latents carry the clip's stamp: another render's latents beside the clip, or latents without a stamp, are not
+    taken as its own, and a clip rendered again without --save-latents leaves no latents of its earlier settings
+    beside it."""
     out, other, prompts = tmp_path / "out", tmp_path / "other", prompts_file('{"id": "a", "prompt": "a fox"}\n')
     h3gen("render", prompts, "-o", out, "--save-latents", check_code=0)
     h3gen("render", prompts, "-o", other, "--seed", "1", "--save-latents", check_code=0)
@@ -948,6 +949,13 @@ def test_latents_of_other_settings_are_rendered_again_and_a_clip_rendered_withou
                      r"\); rendered again$", planned.stdout.strip()), planned.stdout
     h3gen("render", prompts, "-o", other, "--redo-conflicts", check_code=0)  # seed 0 now, no latents asked for
     assert sorted(p.name for p in other.iterdir()) == ["a.mp4", "manifest.jsonl"]
+
+    from safetensors.torch import load_file, save_file
+
+    save_file(load_file(out / "a.latents.safetensors"), out / "a.latents.safetensors")  # no metadata: no stamp
+    planned = h3gen("render", prompts, "-o", out, "--save-latents", "--dry-run", check_code=0)
+    assert planned.stdout.strip().endswith("a.mp4: there, but its latents a.latents.safetensors carry no h3gen stamp, "
+                                           "so their settings are not known; rendered again"), planned.stdout
 
 
 def test_a_manifest_cut_short_mid_line_takes_the_next_record_on_a_line_of_its_own(prompts_file, tmp_path):
