@@ -305,6 +305,7 @@ class EventPump(threading.Thread):
         self.next = dict.fromkeys(groups, 1)  # group still waited for -> the number of its next event
         self.clips, self.results, self.pids, self.deadline = {}, [], {}, None
         self.gone = {}  # group -> (its machine, what became of it) where rank 0 learnt it from the group itself
+        self.words = {}  # machine -> what its launcher said became of its workers
         self.heard = {}  # group -> (its beat count, when it last changed)
         self.asked = {}  # group of another machine -> when rank 0 last asked after it
         self.store = connect()  # a client of its own: the main thread keeps its own
@@ -339,12 +340,18 @@ class EventPump(threading.Thread):
         pid, node = self.pids.get(group, (None, None))
         if pid is None and self.due(group):
             if node is not None and self.store.check([machine_key(node)]):  # its launcher said why
-                self.gone[group] = (node, self.store.get(machine_key(node)).decode())
+                self.words[node] = self.store.get(machine_key(node)).decode()
+                self.gone[group] = (node, self.words[node])
                 return True
             if self.quiet(group):
                 self.gone[group] = (node or "?", f"was not heard from for {SILENT_S} s")
                 return True
         return (pid is not None and not alive(pid)) or (self.deadline is not None and time.monotonic() > self.deadline)
+
+    def fates(self) -> dict[int, tuple[str, str]]:
+        """What became of the groups that stopped short: group -> (its machine, in words). A machine's launcher
+        knows best: a group its agent stopped because a sibling died says only that it was stopped by SIGTERM."""
+        return {group: (machine, self.words.get(machine, what)) for group, (machine, what) in self.gone.items()}
 
     def due(self, group: int) -> bool:
         """Once every ASK_S: what a group of another machine has to say comes through the store, at a question each."""

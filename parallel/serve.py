@@ -173,7 +173,7 @@ class Worker:
         code = report_end(reporter, results, len(self.batch.requests), stopped, say_stopped=False)
         unfinished = len(self.batch.requests) - len(results)
         if unfinished and not stopped and pump and pump.gone:  # another machine's workers stopped or went silent
-            reporter.warn(lost_elsewhere(pump.gone, unfinished))
+            reporter.warn(lost_elsewhere(pump.fates(), unfinished))
             code = code or 1
         Path(self.job["status_file"]).write_text(f"{code} {discarded} {unfinished}")
         if stopped:
@@ -210,9 +210,18 @@ class Worker:
 def lost_elsewhere(gone: dict[int, tuple[str, str]], unfinished: int) -> str:
     """The line of a run whose other groups stopped in a way rank 0's launcher does not see: a signal on another
     machine (a Ctrl-C there), or a machine not heard from. `gone`: group -> (its machine, what became of it)."""
-    which = "; ".join(f"group {group} on machine {machine} {what}" for group, (machine, what) in sorted(gone.items()))
+    alike = {}  # (machine, what became of it) -> its groups
+    for group, fate in sorted(gone.items()):
+        alike.setdefault(fate, []).append(str(group))
+    which = "; ".join(f"{'group' if len(groups) == 1 else 'groups'} {and_list(groups)} on machine {machine} {what}"
+                      for (machine, what), groups in alike.items())
     return (f"h3gen: {unfinished} clip{'s' if unfinished > 1 else ''} not rendered: {which}; run the same command "
             "again on every machine to render them (clips already written are kept and skipped)")
+
+
+def and_list(words: list[str]) -> str:
+    """'2', '2 and 3', '2, 3 and 4'."""
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"
 
 
 # How a setting is given on the command line, for the keys of RunSettings that differ between machines.
