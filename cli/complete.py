@@ -43,7 +43,9 @@ def set_keys(ctx, incomplete: str) -> list[str]:
         return [f"{key}={name}" for k, name in sorted(found.stages) if k == kind and
                 f"{key}={name}".startswith(incomplete)]
     params = ctx.params or {}
-    name = params.get("preset") or params.get("name") or (params.get("presets") or ["tiny"])[0]
+    # `presets show NAME --set`: click, stopped by the --set still without its value, leaves NAME among ctx.args
+    shown = params.get("name") or (ctx.args[0] if "name" in params and ctx.args else None)
+    name = params.get("preset") or shown or (params.get("presets") or ["tiny"])[0]
     earlier = list(params.get("overrides") or params.get("sets") or [])
     # a half-typed preset or --set: the keys without the --set values, else the keys every preset has
     for tried, sets in ((name, earlier), (name, []), ("tiny", [])):

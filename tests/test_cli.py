@@ -239,6 +239,7 @@ def test_completion_knows_presets_set_keys_and_stage_names():
     assert "adapter.paths=" in complete("h3gen render p.txt --preset fasth3 --set adapter.pa")
     assert set(complete("h3gen render p.txt --set vae.use=")) >= {"vae.use=fast", "vae.use=reference"}
     assert "sampler.steps=" in complete("h3gen presets show h3-base --set sampler.st")
+    assert complete("h3gen presets show fasth3-fp8 --set quant.ma") == ["quant.matmul="]  # its keys, not tiny's
     # the keys of the stage an earlier --set picked; a --set still being typed does not stop the rest completing
     assert "vae.tile_batch=" in complete("h3gen render p.txt --set vae.use=fast --set vae.ti")
     assert "cache.threshold=" in complete("h3gen render p.txt --preset h3-base --set cache.use=residual --set cache.")
