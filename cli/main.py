@@ -359,7 +359,8 @@ def validate(
                                                           "problems.")] = False,
 ):
     """Check that clips are valid MP4s: one H.264 stream at 24 fps, one AAC stereo stream at 32 kHz, matching
-    durations, not blank or silent.
+    durations, not blank or silent; and, where the manifest.jsonl beside a clip recorded its bytes, unchanged since
+    h3gen wrote it.
     Every file is checked; exit 0 when all are valid, 1 when one is not, 2 when one does not exist (or is a
     directory).
 
@@ -369,6 +370,7 @@ def validate(
     """
     import json
 
+    from h3gen.run.outputs import changed_since_written
     from h3gen.run.validate import validate_clip
     from h3gen.text import shown
 
@@ -379,7 +381,7 @@ def validate(
             problems = ["does not exist" if not path.exists() else
                         f"is a directory (name its clips, e.g. {shown(str(path / '*.mp4'))})"]
         else:
-            problems = validate_clip(path, expected_frames=frames)
+            problems = validate_clip(path, expected_frames=frames) or changed_since_written(path)
         bad += bool(problems)
         if json_out:
             typer.echo(json.dumps({"path": str(path), "ok": not problems, "problems": problems}))

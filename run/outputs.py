@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import json
 import math
 import os
@@ -179,6 +180,48 @@ def recorded(out_dir: Path, result, preset: str):
     # Failed all the same: the summary and --json say so, after the clip's own reason and its fix.
     return dataclasses.replace(result, error=f"{result.error}; its manifest line was not written either "
                                              f"({error.strerror or error})")
+
+
+def file_digest(path: Path) -> str:
+    """The sha256 of a file's bytes, in hex."""
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def written_digests(out_dir: Path) -> dict[str, str | None]:
+    """Each clip's file name -> the sha256 the manifest in `out_dir` recorded when a run last wrote it (None for a
+    clip an older h3gen wrote); read once while the manifest stays as it is."""
+    path = out_dir / MANIFEST
+    try:
+        seen = path.stat()
+    except OSError:
+        return {}
+    return _digests(str(path), seen.st_mtime_ns, seen.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _digests(path: str, mtime_ns: int, size: int) -> dict[str, str | None]:
+    found = {}
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut short by a crash or a full disk
+                continue
+            if isinstance(record, dict) and record.get("status") == "ok":
+                found[Path(str(record.get("path", ""))).name] = record.get("sha256")
+    return found
+
+
+def changed_since_written(path: Path) -> list[str]:
+    """A clip whose bytes are not those its manifest recorded: damaged or changed since h3gen wrote it (MP4 has no
+    checksum, and a few bytes changed inside a frame decode without an error)."""
+    wanted = written_digests(path.parent).get(path.name)
+    if wanted is None or file_digest(path) == wanted:
+        return []
+    return [f"its bytes are not those h3gen wrote (the sha256 in {MANIFEST} beside it): damaged or changed since"]
 
 
 def check_manifest(out_dir: Path) -> None:

@@ -32,6 +32,7 @@ class ClipResult:
     status: str = ""
     fingerprint: str = ""  # the digest of what decided the clip's bytes (h3gen.run.fingerprint)
     memory_plan: dict | None = None  # the run's memory plan (h3gen.run.budget.MemoryPlan.record), on a GPU
+    sha256: str = ""  # the MP4's bytes as this run wrote them (h3gen validate compares a clip with it)
 
     def __post_init__(self):
         if not self.status:
@@ -67,4 +68,4 @@ def clip_record(result, preset: str) -> dict:
             "forwards_reused": result.forwards_reused if rendered else None,
             "peak_gib": round(result.peak_gib, 3) if result.peak_gib is not None else None,
             "attention": result.attention or None, "fingerprint": result.fingerprint or None,
-            "memory_plan": result.memory_plan}
+            "memory_plan": result.memory_plan, "sha256": result.sha256 or None}

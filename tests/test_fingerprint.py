@@ -423,3 +423,35 @@ def test_a_line_removed_above_default_seeded_prompts_is_named_before_they_render
 
     planned = h3gen("render", prompts_file("# gone\na fox\na fox\nrain\n"), "-o", out, "--dry-run", "-q")
     assert "h3gen: note: 2 of the clips to render have a clip in" in planned.stderr, planned.stderr
+
+
+def test_a_clip_changed_inside_a_frame_fails_validate_and_a_rerun_renders_it_again(prompts_file, tmp_path):
+    """MP4 has no checksum, and a byte changed inside a frame decodes without an error: the manifest's sha256 of the
+    clip as h3gen wrote it is what tells. `h3gen validate` says so, and a rerun renders the clip again."""
+    import av
+
+    from h3gen.run.validate import validate_clip
+
+    out, prompts = tmp_path / "out", prompts_file('{"id": "a", "prompt": "a fox"}\n')
+    h3gen("render", prompts, "-o", out, check_code=0)
+    clip, whole = out / "a.mp4", (out / "a.mp4").read_bytes()
+    assert json.loads((out / "manifest.jsonl").read_text())["sha256"] == __import__("hashlib").sha256(whole).hexdigest()
+    with av.open(str(clip)) as container:
+        frames = [(p.pos, p.size) for p in container.demux(container.streams.video[0]) if p.size]
+    for pos, size in frames[1:]:  # the first byte whose change the decoder does not notice
+        changed = bytearray(whole)
+        changed[pos + size // 2] ^= 0x01
+        clip.write_bytes(changed)
+        if validate_clip(clip) == []:
+            break
+    else:
+        pytest.fail("every changed frame failed to decode")
+    checked = h3gen("validate", clip, check_code=1)
+    assert checked.stderr == (f"{clip}: INVALID: its bytes are not those h3gen wrote (the sha256 in manifest.jsonl "
+                              "beside it): damaged or changed since\n"), checked.stderr
+    planned = h3gen("render", prompts, "-o", out, "--dry-run", check_code=0)
+    assert planned.stdout.strip().endswith("a.mp4: there but damaged: its bytes are not those h3gen wrote (the sha256 "
+                                           "in manifest.jsonl beside it): damaged or changed since; rendered again")
+    h3gen("render", prompts, "-o", out, check_code=0)
+    assert clip.read_bytes() == whole
+    assert h3gen("validate", clip, check_code=0).stdout == f"{clip}: ok\n"
