@@ -162,6 +162,8 @@ RECORD = [
                     "stage versions. A rerun skips a clip there with the same one, leaves one with another as a "
                     "conflict (--redo-conflicts renders those again, --force every clip) and renders again one "
                     "that is damaged."),
+    ("sha256", "The MP4's bytes as this run wrote them: h3gen validate and a rerun tell a clip changed since by it; "
+               "null unless ok."),
     ("memory_plan", "On a GPU, the run's memory plan (vram_gib, streamed_blocks, estimated_peak_gib and more); null "
                     "on the CPU."),
 ]
