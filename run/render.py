@@ -162,15 +162,19 @@ class Renderer:
             return "", None, f"not rendered: {self.unrecorded}"
         claim = outputs.ClipClaim(clip.path)
         try:
-            if not claim.acquire(clip.fingerprint):
-                other = held_with_other_settings(clip.path, clip.fingerprint, bool(clip.request.id))
-                return ("conflict", None, other) if other else ("busy", None, "")
+            with signals_held():  # a claim taken is one close() knows of, wherever a stop signal lands
+                if claim.acquire(clip.fingerprint):
+                    self.claim_on_device = claim  # close() releases it (the check below decodes)
         except OSError as e:
             return "", None, outputs.write_error(claim.lock_path, e)
-        self.claim_on_device = claim  # from here a signal can land (the check below decodes): close() releases it
+        if self.claim_on_device is not claim:
+            other = held_with_other_settings(clip.path, clip.fingerprint, bool(clip.request.id))
+            return ("conflict", None, other) if other else ("busy", None, "")
         there = already_done(clip.request, self.out_dir, self.preset.name, self.save_latents, self.run_fields, redo)
         if not to_render(there):
-            claim.release()
+            with signals_held():
+                claim.release()
+                self.claim_on_device = None  # not a clip in flight
             return there.status, None, there.error
         return "", claim, ""
 
