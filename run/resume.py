@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import os
 from pathlib import Path
 
 from h3gen.errors import ModelError
@@ -129,19 +130,26 @@ def to_render(found: ClipResult | None) -> bool:
     return found is None or found.status == "damaged"
 
 
+MOVED_SPAN = 16  # how many places each way a default seed is looked for when its line moved
+
+
 def moved_seeds(pending: list[Request], requests: list[Request], out_dir: Path, preset: str, base_seed: int) -> str:
     """A note when clips about to render on their default seed (`base_seed` plus their place in the file) have a clip
-    here from the same prompt under a seed a few places away that no line of the file asks for: a line above them was
-    removed or added since, so each renders anew under another name. '' when none has."""
+    here from the same prompt under a seed up to MOVED_SPAN places away that no line of the file asks for: lines above
+    them were removed or added since, so each renders anew under another name. '' when none has."""
     ours = {clip_name(request, preset) for request in requests}
+    others = {entry.name for entry in os.scandir(out_dir) if entry.name.endswith(".mp4")} - ours \
+        if out_dir.is_dir() else set()
+    if not others:  # every clip here is one this file asks for
+        return ""
     moved = collections.Counter()
     for request in pending:
         if (request.id or request.seed != base_seed + request.index or request.first_frame or request.last_frame
                 or request.references or (out_dir / clip_name(request, preset)).exists()):
             continue  # an id or a seed of its own, or rendered over its own name (--force, a conflict, damaged)
-        for offset in (1, -1, 2, -2, 3, -3):
+        for offset in (way * places for places in range(1, MOVED_SPAN + 1) for way in (1, -1)):
             name = clip_name(dataclasses.replace(request, seed=request.seed + offset), preset)
-            if request.seed + offset >= 0 and name not in ours and (out_dir / name).is_file():
+            if request.seed + offset >= 0 and name in others:
                 moved[offset] += 1
                 break
     if not moved:
@@ -149,8 +157,8 @@ def moved_seeds(pending: list[Request], requests: list[Request], out_dir: Path, 
     if len({offset > 0 for offset in moved}) == 1:  # every one moved the same way (a repeated prompt: further)
         offset = min(moved, key=lambda o: (-moved[o], abs(o)))  # the commonest, the nearest of equals
         what = "removed or commented out (or --seed lowered)" if offset > 0 else "added (or --seed raised)"
-        where = (f"under a seed {abs(offset)} {'higher' if offset > 0 else 'lower'}: a prompt line above them was "
-                 f"{what}")
+        lines = "a prompt line above them was" if abs(offset) == 1 else f"{abs(offset)} prompt lines above them were"
+        where = f"under a seed {abs(offset)} {'higher' if offset > 0 else 'lower'}: {lines} {what}"
         back = "put the line back" if offset > 0 else "move the new line below them"
     else:
         where = "under a seed a few places away: prompt lines were moved, added or removed (or --seed changed)"

@@ -421,6 +421,15 @@ def test_a_line_removed_above_default_seeded_prompts_is_named_before_they_render
     assert moved_seeds(list(after), after, out, "tiny", 0) == note  # the two new ones alone
     assert moved_seeds([r for r in after if (out / clip_name(r, "tiny")).exists()], after, out, "tiny", 0) == ""
 
+    far_out = tmp_path / "far"  # five lines gone above: seeds five places away
+    far_out.mkdir()
+    five_gone = read_prompts(prompts_file("".join(f"# gone {i}\n" for i in range(5)) + "a fox\nrain\n"), 0, {})
+    for request in five_gone:
+        (far_out / clip_name(dataclasses.replace(request, seed=request.seed + 5), "tiny")).write_bytes(b"clip")
+    far = moved_seeds(five_gone, five_gone, far_out, "tiny", 0)
+    assert far.startswith(f"2 of the clips to render have a clip in {far_out} from the same prompt under a seed 5 higher: "
+                          "5 prompt lines above them were removed or commented out"), far
+
     planned = h3gen("render", prompts_file("# gone\na fox\na fox\nrain\n"), "-o", out, "--dry-run", "-q")
     assert "h3gen: note: 2 of the clips to render have a clip in" in planned.stderr, planned.stderr
 
