@@ -8,7 +8,9 @@ line only when the run stopped: a signal it was sent, or a worker's failure, nam
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import importlib
 import json
 import logging
@@ -27,7 +29,8 @@ from h3gen.parallel.layout import check_ulysses
 from h3gen.run.settings import Parallel, RunSettings
 
 
-SCRATCH = "h3gen-run-"  # a launcher's scratch folder: h3gen-run-PID-XXXXXXXX in the temporary folder
+SCRATCH = "h3gen-run-"  # a launcher's scratch folder in the temporary folder
+HELD = "held"  # the file in it its launcher holds locked while it lives
 
 
 class WorkerFailed(H3genError):
@@ -137,8 +140,7 @@ def launch_workers(batch, settings: RunSettings, entry: str, began: float) -> in
     # On the CPU a clip depends on the intra-op thread count (MKL and ATen split their sums by thread): give each
     # worker its share of the cores, and say so in the README, rather than torchrun's silent one thread each.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // per_node)))
-    sweep_scratch()
-    with tempfile.TemporaryDirectory(prefix=f"{SCRATCH}{os.getpid()}-") as scratch:
+    with scratch_folder() as scratch:
         if not settings.prompts.is_file():  # a pipe, read by the checks: the workers read what it held
             from h3gen.inputs.prompts import prompts_bytes
 
@@ -164,19 +166,36 @@ def launch_workers(batch, settings: RunSettings, entry: str, began: float) -> in
     return 0
 
 
-def sweep_scratch() -> None:
-    """Remove the scratch folders of this user's launchers that were killed (SIGKILL leaves them: a run's held
-    prompts, its status file, the agent's files)."""
-    from h3gen.parallel.events import alive
-
-    for folder in Path(tempfile.gettempdir()).glob(f"{SCRATCH}*-*"):
-        pid = folder.name.removeprefix(SCRATCH).split("-")[0]
+@contextlib.contextmanager
+def scratch_folder():
+    """A folder for the run's files (held prompts, rank 0's status, the agent's files), removed at the run's end; the
+    next launcher removes one a killed launcher left, which no longer holds its lock."""
+    sweep_scratch()
+    with tempfile.TemporaryDirectory(prefix=SCRATCH) as scratch:
+        held = os.open(Path(scratch) / HELD, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            mine = folder.is_dir() and folder.stat().st_uid == os.getuid()
-        except OSError:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            yield scratch
+        finally:
+            os.close(held)
+
+
+def sweep_scratch() -> None:
+    """Remove this user's scratch folders whose launcher is gone: the kernel dropped its lock when it died."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{SCRATCH}*"):
+        try:
+            if folder.stat().st_uid != os.getuid():
+                continue
+            held = os.open(folder / HELD, os.O_RDONLY)
+        except OSError:  # not a scratch folder of this user's, or one whose launcher is still making it
             continue
-        if mine and pid.isdigit() and not alive(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # its launcher lives
+            continue
+        finally:
+            os.close(held)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def run(config, job: dict, entry: str, warn) -> int:

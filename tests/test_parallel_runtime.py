@@ -267,19 +267,24 @@ def test_quiet_workers_print_nothing_when_the_run_goes_well(prompts_file, tmp_pa
 def test_workers_render_prompts_piped_in_and_leave_no_scratch_behind(tmp_path):
     """/dev/stdin read by the launcher's checks: the workers render what the pipe held (kept in the launcher's
     scratch folder), as one process does. The scratch folder and the agent's files go with the run, and so does the
-    scratch folder of a launcher that was killed."""
+    scratch folder of a launcher that was killed; that of a launcher still running stays."""
+    import fcntl
+
     out, scratch = tmp_path / "out", tmp_path / "tmp"
-    killed = subprocess.Popen(["true"])
-    killed.wait()
-    (scratch / f"h3gen-run-{killed.pid}-x1y2z3").mkdir(parents=True)
-    (scratch / f"h3gen-run-{killed.pid}-x1y2z3" / "status").write_text("0 0 0")
+    for name in ("h3gen-run-killed", "h3gen-run-running"):
+        (scratch / name).mkdir(parents=True)
+        (scratch / name / "held").write_text("")
+        (scratch / name / "status").write_text("0 0 0")
+    running = os.open(scratch / "h3gen-run-running" / "held", os.O_RDONLY)  # as a live launcher holds it
+    fcntl.flock(running, fcntl.LOCK_EX)
     result = h3gen("render", "/dev/stdin", "-o", out, "--json", "--cpu-workers", "2", *PRESET,
                    env={**ENV, "TMPDIR": str(scratch)}, input="a red fox in the snow\nwaves on rocks\n",
                    check_code=0)
     assert [json.loads(line)["ok"] for line in result.stdout.splitlines()] == [True, True]
     assert len(list(out.glob("*.mp4"))) == 2
     left = [p.name for p in scratch.iterdir() if p.name.startswith(("h3gen-run-", "torchelastic_"))]
-    assert left == []  # (torch's compile cache, torchinductor_USER, is a cache kept on purpose)
+    assert left == ["h3gen-run-running"]  # (torch's compile cache, torchinductor_USER, is a cache kept on purpose)
+    os.close(running)
 
 
 def test_a_preset_s_parallel_values_are_named_as_the_preset_gave_them(prompts_file, tmp_path):
