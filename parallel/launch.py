@@ -182,20 +182,16 @@ def scratch_folder():
 
 def sweep_scratch() -> None:
     """Remove this user's scratch folders whose launcher is gone: the kernel dropped its lock when it died."""
+    from h3gen.run.outputs import lock_held
+
     for folder in Path(tempfile.gettempdir()).glob(f"{SCRATCH}*"):
         try:
-            if folder.stat().st_uid != os.getuid():
-                continue
-            held = os.open(folder / HELD, os.O_RDONLY)
-        except OSError:  # not a scratch folder of this user's, or one whose launcher is still making it
+            mine = folder.stat().st_uid == os.getuid()
+        except OSError:
             continue
-        try:
-            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # its launcher lives
-            continue
-        finally:
-            os.close(held)
-        shutil.rmtree(folder, ignore_errors=True)
+        # without the file: not a scratch folder, or one whose launcher is still making it
+        if mine and (folder / HELD).is_file() and not lock_held(folder / HELD):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def run(config, job: dict, entry: str, warn) -> int:

@@ -72,8 +72,13 @@ class ClipClaim:
 
 def held_elsewhere(path: Path) -> bool:
     """Whether a live run holds the clip at `path`, found without taking or creating its lock."""
+    return lock_held(path.with_name(f".{path.name}.lock"))
+
+
+def lock_held(lock: Path) -> bool:
+    """Whether a live process holds the lock file `lock` (False when there is none)."""
     try:
-        fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDONLY)
+        fd = os.open(lock, os.O_RDONLY)
     except OSError:
         return False
     try:
@@ -182,8 +187,9 @@ def recorded(out_dir: Path, result, preset: str):
                                              f"({error.strerror or error})")
 
 
-def file_digest(path: Path) -> str:
-    """The sha256 of a file's bytes, in hex."""
+def sha256_of(path: Path) -> str:
+    """The sha256 of all of a file's bytes, in hex, read now (fingerprint.file_digest is a settings digest: a
+    summary of the file, kept while its size and time stay)."""
     import hashlib
 
     with open(path, "rb") as f:
@@ -219,7 +225,7 @@ def changed_since_written(path: Path) -> list[str]:
     """A clip whose bytes are not those its manifest recorded: damaged or changed since h3gen wrote it (MP4 has no
     checksum, and a few bytes changed inside a frame decode without an error)."""
     wanted = written_digests(path.parent).get(path.name)
-    if wanted is None or file_digest(path) == wanted:
+    if wanted is None or sha256_of(path) == wanted:
         return []
     return [f"its bytes are not those h3gen wrote (the sha256 in {MANIFEST} beside it): damaged or changed since"]
 
