@@ -636,6 +636,10 @@ def main():
         print(f"h3gen: error: {type(e).__name__}: {one_line(str(e))} (a bug; rerun with {where} for where, and "
               "report it)", file=sys.stderr)
         sys.exit(1)
+    finally:
+        from h3gen.run.memory import exit_soon
+
+        exit_soon()
 
 
 if __name__ == "__main__":

@@ -12,4 +12,7 @@ if __name__ == "__main__":
 
     with results_only_on_stdout():  # a stage's own prints go to stderr
         code = record(main)(sys.argv[1:], reporter_for)
+    from h3gen.run.memory import exit_soon
+
+    exit_soon()
     sys.exit(code)
