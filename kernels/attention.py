@@ -6,9 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-BACKENDS = ("fa3", "flash-attn-4", "sdpa-cudnn", "sdpa-flash", "sdpa", "triton-fp8", "cudnn-fp8", "fa3-fp8")
-# FP8 attention trades accuracy for speed, so "auto" never picks it: a preset or --set asks for it by name.
-FP8_BACKENDS = ("triton-fp8", "cudnn-fp8", "fa3-fp8")
+from h3gen.kernels.attention_names import BACKENDS
+
 # "auto" on Hopper, fastest first, as measured at L = 73,642, 56 x 128 heads on an H200: FlashAttention-3 (fa3-fwd)
 # 693 TFLOP/s and SDPA's cuDNN 560 (bench/results/2026-12-01T2134-fa3-probe.json), flash-attn-4 682 (README); SDPA's
 # own default there is its FA2 kernel, 361.
@@ -106,14 +105,6 @@ def choose_backend(device=None, requested="auto", dtype=None, head_dim=None) -> 
     if major == 9:
         return Choice(next(name for name in HOPPER_ORDER if installed[name]))
     return Choice("flash-attn-4" if major == 10 and installed["flash-attn-4"] else "sdpa")
-
-
-def check_backend_name(key: str, name: str) -> None:
-    """A preset's attention value (`key` names it): UsageError unless it is "auto" or one of BACKENDS."""
-    if name not in ("auto", *BACKENDS):
-        from h3gen.errors import UsageError
-
-        raise UsageError(f"unknown {key} '{name}'", f"choose auto or one of {', '.join(BACKENDS)}")
 
 
 def attention_backend(device=None, requested="auto", dtype=None, head_dim=None):

@@ -128,7 +128,7 @@ class EulerSampler(Stage):
     @classmethod
     def check_config(cls, config) -> None:
         """The preset's sampler values (Stage.check_config)."""
-        from h3gen.kernels.attention import check_backend_name
+        from h3gen.kernels.attention_names import check_backend_name
 
         positions = config.sigma_positions
         listed = "list the positions from the highest to 0, each one below the last, e.g. [0.999, 0.5, 0]"

@@ -163,7 +163,7 @@ class FastVAE(ReferenceVAE):
 
     @classmethod
     def check_config(cls, config) -> None:
-        from h3gen.kernels.attention import check_backend_name
+        from h3gen.kernels.attention_names import check_backend_name
 
         check_backend_name("vae.attention", config.attention)
         sizes = (config.tile_height, config.tile_width, config.overlap)

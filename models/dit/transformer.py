@@ -2,7 +2,7 @@
 
 Switches, each measurable on its own: `use_triton` (fused norm/modulate, QK-norm+RoPE, SwiGLU, gated residual),
 `adaln_table` (modulation rows read from tables built by `precompute_adaln`), `compile_blocks` (regional
-torch.compile of each block), `attention_backend` ("auto" or a name from `h3gen.kernels.attention.BACKENDS`),
+torch.compile of each block), `attention_backend` ("auto" or a name from `h3gen.kernels.attention_names.BACKENDS`),
 `ffn_chunk_rows` (the feed-forward over row chunks, for memory), `exact_norms` (with `use_triton`: each norm's
 statistic computed by torch, so the forward rounds as diffusers' does). With fa3-fp8 attention the QK-norm kernel
 writes q, k and v in e4m3.
