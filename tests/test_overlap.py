@@ -26,15 +26,15 @@ def test_background_muxing_writes_the_same_bytes_as_muxing_in_line(prompts_file,
 
 def test_a_second_run_takes_its_embeddings_from_the_cache(prompts_file, tmp_path):
     prompts = prompts_file(THREE)
-    env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}  # an empty cache of this test's own
-    first = h3gen("render", prompts, "-o", tmp_path / "first", env=env, check_code=0)
+    cache = ["--set", f'encode.cache_dir="{tmp_path / "cache"}"']  # an empty cache of this test's own
+    first = h3gen("render", prompts, "-o", tmp_path / "first", *cache, check_code=0)
     assert "encoded 3 prompt(s)" in first.stderr and "(0 from the embedding cache)" in first.stderr
-    second = h3gen("render", prompts, "-o", tmp_path / "second", "--json", env=env, check_code=0)
+    second = h3gen("render", prompts, "-o", tmp_path / "second", "--json", *cache, check_code=0)
     assert "(3 from the embedding cache)" in second.stderr
     for name in "abc":
         assert (tmp_path / f"first/{name}.mp4").read_bytes() == (tmp_path / f"second/{name}.mp4").read_bytes()
     # Another encode setting is another key: nothing comes from the cache.
-    third = h3gen("render", prompts, "-o", tmp_path / "third", "--set", "encode.layer=49", env=env, check_code=0)
+    third = h3gen("render", prompts, "-o", tmp_path / "third", "--set", "encode.layer=49", *cache, check_code=0)
     assert "(0 from the embedding cache)" in third.stderr
 
 
