@@ -330,7 +330,7 @@ class Renderer:
                             attention=clip.attention, status=status or ("ok" if ok else "failed"),
                             fingerprint=fingerprint.digest(clip.fingerprint) if clip.fingerprint else "",
                             memory_plan=self.memory_plan,
-                            sha256=outputs.sha256_of(clip.path) if status == "" and ok else "")
+                            sha256=(clip.sha256 or outputs.sha256_of(clip.path)) if status == "" and ok else "")
         recorded = outputs.recorded(self.out_dir, result, self.preset.name)
         if result.ok and not recorded.ok:
             self.unrecorded = recorded.error

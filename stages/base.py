@@ -115,7 +115,10 @@ class Stage:
             raise self.failed(f"returned {type(result).__name__} from run(), not the clip",
                               "run(clip) must return the clip it was given (or a copy), with its fields set")
         if self.kind == "mux":
+            from h3gen.run.outputs import sha256_of
+
             self.check_written(result)
+            result.sha256 = sha256_of(result.path)  # here, on a background mux's thread, not the run loop's
         return result
 
     def check_written(self, clip) -> None:

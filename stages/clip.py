@@ -61,6 +61,7 @@ class Clip:
     sample_rate: int = 0  # the audio's samples per second
     arriving: Any = None  # frames and audio as the decode hands them to a mux started with it (h3gen.run.arriving)
     peak_gib: float | None = None  # the device's peak memory while the clip rendered (None on the CPU)
+    sha256: str = ""  # the MP4's bytes as its mux wrote them, hashed on the thread that muxed it
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def drop_tensors(self, keep_media: bool = False) -> None:

@@ -365,6 +365,41 @@ def test_a_rerun_checks_a_clip_it_stamped_for_damage_without_decoding_its_pictur
     assert found.status == "conflict" and "video is constant" in found.error
 
 
+def test_a_rerun_reads_a_clip_the_manifest_holds_the_sha256_of_once(tmp_path, monkeypatch):
+    """Bytes equal to those h3gen wrote whole need no demux besides: hashing them is the whole check, so a rerun reads
+    each clip once. One byte changed is damaged all the same; a clip without a sha256 in the manifest (an older
+    h3gen's) is demuxed as before."""
+    import hashlib
+
+    import numpy as np
+
+    from h3gen.inputs.request import Request
+    from h3gen.run import resume
+    from h3gen.stages.mux import write_mp4
+
+    request = Request(index=0, prompt="p", seed=1, width=32, height=32, frames=22)
+    frames = np.random.default_rng(0).integers(0, 256, (22, 32, 32, 3), dtype=np.uint8)
+    path = tmp_path / resume.clip_name(request, "tiny")
+    write_mp4(path, frames, np.sin(np.arange(29334) / 9)[None].repeat(2, 0) * 0.5,
+              comment=fingerprint.stamp(fingerprint.clip_fields({}, request)))
+    whole = path.read_bytes()
+
+    def manifest(sha256):
+        (tmp_path / "manifest.jsonl").write_text(json.dumps({"path": str(path), "status": "ok", "sha256": sha256}) + "\n")
+
+    demuxed = []
+    real_validate = __import__("h3gen.run.validate", fromlist=["validate_clip"]).validate_clip
+    monkeypatch.setattr("h3gen.run.validate.validate_clip", lambda *a, **k: demuxed.append(a[0]) or real_validate(*a, **k))
+    manifest(hashlib.sha256(whole).hexdigest())
+    assert resume.already_done(request, tmp_path, "tiny", False, {}).status == "skipped" and demuxed == []
+    path.write_bytes(whole[:-9] + bytes([whole[-9] ^ 1]) + whole[-8:])
+    found = resume.already_done(request, tmp_path, "tiny", False, {})
+    assert found.status == "damaged" and "not those h3gen wrote" in found.error and demuxed == [], found.error
+    path.write_bytes(whole)
+    manifest(None)
+    assert resume.already_done(request, tmp_path, "tiny", False, {}).status == "skipped" and demuxed == [path]
+
+
 def test_a_clip_whose_stamp_is_no_longer_text_is_one_conflict(tmp_path):
     """Bytes flipped inside the metadata: PyAV cannot even open the file (it decodes every tag as UTF-8). Its stamp
     unreadable, it is a whole MP4 h3gen cannot show it wrote: a conflict that says why, left alone, never an error

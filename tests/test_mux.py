@@ -246,3 +246,28 @@ def clip_with_streams(path, container_format, soundtracks):
                 container.mux(sound.encode(chunk))
             container.mux(sound.encode())
     return path
+
+
+def test_a_background_mux_hashes_the_clip_it_wrote_on_its_own_thread(tmp_path, monkeypatch):
+    """The manifest's sha256 reads the whole MP4: that read is the mux thread's, not the run loop's, whose time
+    launches the device's kernels."""
+    import contextlib
+    import hashlib
+    import threading
+    import types
+
+    from h3gen.inputs.request import Request
+    from h3gen.run import outputs
+    from h3gen.stages.clip import Clip
+
+    hashed_on, sha256_of = [], outputs.sha256_of
+    monkeypatch.setattr(outputs, "sha256_of", lambda path: hashed_on.append(threading.current_thread().name)
+                        or sha256_of(path))
+    runtime = types.SimpleNamespace(timer=types.SimpleNamespace(measure=lambda *a, **k: contextlib.nullcontext()))
+    stage = mux.PyAVMux(mux.PyAVMuxConfig(workers=1), runtime)
+    request = Request(index=0, prompt="p", seed=1, width=SIZE, height=SIZE, frames=FRAMES)
+    clip = Clip(request, tmp_path / "c.mp4", frames=moving_frames(), audio=soundtrack(), sample_rate=RATE)
+    done = stage.submit(clip).result()
+    stage.unload()
+    assert done.sha256 == hashlib.sha256(clip.path.read_bytes()).hexdigest()
+    assert len(hashed_on) == 1 and hashed_on[0].startswith("h3gen-mux"), hashed_on
