@@ -370,7 +370,7 @@ def validate(
     """
     import json
 
-    from h3gen.run.outputs import changed_since_written
+    from h3gen.run.outputs import changed_since_written, written_sha256
     from h3gen.run.validate import validate_clip
     from h3gen.text import shown
 
@@ -381,7 +381,7 @@ def validate(
             problems = ["does not exist" if not path.exists() else
                         f"is a directory (name its clips, e.g. {shown(str(path / '*.mp4'))})"]
         else:
-            problems = validate_clip(path, expected_frames=frames) or changed_since_written(path)
+            problems = validate_clip(path, expected_frames=frames) or changed_since_written(path, written_sha256(path))
         bad += bool(problems)
         if json_out:
             typer.echo(json.dumps({"path": str(path), "ok": not problems, "problems": problems}))

@@ -221,10 +221,14 @@ def _digests(path: str, mtime_ns: int, size: int) -> dict[str, str | None]:
     return found
 
 
-def changed_since_written(path: Path) -> list[str]:
-    """A clip whose bytes are not those its manifest recorded: damaged or changed since h3gen wrote it (MP4 has no
-    checksum, and a few bytes changed inside a frame decode without an error)."""
-    wanted = written_digests(path.parent).get(path.name)
+def written_sha256(path: Path) -> str | None:
+    """The sha256 the manifest beside a clip recorded when h3gen last wrote it (None where it holds none)."""
+    return written_digests(path.parent).get(path.name)
+
+
+def changed_since_written(path: Path, wanted: str | None) -> list[str]:
+    """A clip whose bytes are not `wanted`, the sha256 its manifest recorded (`written_sha256`): damaged or changed
+    since h3gen wrote it (MP4 has no checksum, and a few bytes changed inside a frame decode without an error)."""
     if wanted is None or sha256_of(path) == wanted:
         return []
     return [f"its bytes are not those h3gen wrote (the sha256 in {MANIFEST} beside it): damaged or changed since"]

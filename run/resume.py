@@ -13,7 +13,7 @@ from h3gen.errors import ModelError
 from h3gen.inputs.request import Request
 from h3gen.run import fingerprint
 from h3gen.run.outputs import (changed_since_written, holder_fields, latents_path, read_latents_stamp,
-                               written_digests)
+                               written_sha256)
 from h3gen.run.records import ClipResult
 
 
@@ -62,8 +62,9 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
     # A clip this run would write the same is checked for damage, not decoded picture by picture: it was whole when
     # renamed into place, and a rerun over thousands of clips must not cost a decode of each (`h3gen validate` does).
     # Where the manifest holds the sha256 of its bytes as written, reading them once for it is the whole check.
-    if stored is not None and written_digests(path.parent).get(path.name):
-        problems = changed_since_written(path)
+    written = written_sha256(path) if stored is not None else None
+    if written:
+        problems = changed_since_written(path, written)
     else:
         problems = validate_clip(path, expected_frames=request.frames, pictures=stored is None)
     state = "there but damaged:"

@@ -375,6 +375,7 @@ def test_a_rerun_reads_a_clip_the_manifest_holds_the_sha256_of_once(tmp_path, mo
 
     from h3gen.inputs.request import Request
     from h3gen.run import resume
+    from h3gen.run.validate import validate_clip
     from h3gen.stages.mux import write_mp4
 
     request = Request(index=0, prompt="p", seed=1, width=32, height=32, frames=22)
@@ -385,11 +386,12 @@ def test_a_rerun_reads_a_clip_the_manifest_holds_the_sha256_of_once(tmp_path, mo
     whole = path.read_bytes()
 
     def manifest(sha256):
-        (tmp_path / "manifest.jsonl").write_text(json.dumps({"path": str(path), "status": "ok", "sha256": sha256}) + "\n")
+        record = {"path": str(path), "status": "ok", "sha256": sha256}
+        (tmp_path / "manifest.jsonl").write_text(json.dumps(record) + "\n")
 
     demuxed = []
-    real_validate = __import__("h3gen.run.validate", fromlist=["validate_clip"]).validate_clip
-    monkeypatch.setattr("h3gen.run.validate.validate_clip", lambda *a, **k: demuxed.append(a[0]) or real_validate(*a, **k))
+    monkeypatch.setattr("h3gen.run.validate.validate_clip",
+                        lambda *a, **k: demuxed.append(a[0]) or validate_clip(*a, **k))
     manifest(hashlib.sha256(whole).hexdigest())
     assert resume.already_done(request, tmp_path, "tiny", False, {}).status == "skipped" and demuxed == []
     path.write_bytes(whole[:-9] + bytes([whole[-9] ^ 1]) + whole[-8:])
