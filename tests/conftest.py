@@ -146,6 +146,18 @@ def prompts_file(tmp_path):
     return write
 
 
+@pytest.fixture
+def faults(tmp_path):
+    """(env, preset path): the tiny preset with the fault-injecting sampler and muxer (faulty_plugin.py) installed."""
+    from faulty import FAULTS_PLUGIN, install
+
+    env = install(tmp_path / "site", "faults", FAULTS_PLUGIN)
+    preset = tmp_path / "faulty.toml"
+    preset.write_text((ROOT / "presets" / "tiny.toml").read_text()
+                      .replace('use = "euler"', 'use = "oom"').replace('use = "pyav"', 'use = "slow"'))
+    return env, preset
+
+
 def run_parity_under_triton_interpreter(test_file: str) -> None:
     """Triton decides at import whether `@triton.jit` compiles or interprets, so a file's `parity` tests run in a
     child pytest started with TRITON_INTERPRET=1; this passes only if they all ran and passed there."""

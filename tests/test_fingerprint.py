@@ -501,3 +501,14 @@ def test_a_clip_changed_inside_a_frame_fails_validate_and_a_rerun_renders_it_aga
     h3gen("render", prompts, "-o", out, check_code=0)
     assert clip.read_bytes() == whole
     assert h3gen("validate", clip, check_code=0).stdout == f"{clip}: ok\n"
+
+
+def test_the_embedding_cache_is_keyed_by_the_quant_stages_knobs(prompts_file, tmp_path):
+    """Which roles the quant stage quantizes changes the text encoder's output: another roles list misses the cache."""
+    prompts, cache = prompts_file("a fox\n"), tmp_path / "cache"
+    args = ["--set", f"encode.cache_dir={cache}", "--set", "quant.use=fp8-rowwise"]
+    h3gen("render", prompts, "-o", tmp_path / "a", *args, check_code=0)
+    again = h3gen("render", prompts, "-o", tmp_path / "b", *args, check_code=0)
+    assert "(1 from the embedding cache)" in again.stderr
+    other = h3gen("render", prompts, "-o", tmp_path / "c", *args, "--set", 'quant.roles=["dit"]', check_code=0)
+    assert "(0 from the embedding cache)" in other.stderr, other.stderr

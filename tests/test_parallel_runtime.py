@@ -461,7 +461,7 @@ def two_machines(tmp_path, stall: str, workers: int = 1, **env):
     """Machines 0 and 1 of a static meeting on this host, each rendering 6 prompts' share in `workers` groups with a
     sampler that stalls on the machines `stall` names; returns them once a stalling worker of each has begun its first
     clip, with that worker's pid."""
-    from test_reliability_faults import install
+    from faulty import install
 
     marks = tmp_path / "marks"
     marks.mkdir()
@@ -606,7 +606,7 @@ def h3gen_register_stages(register):
 
 def test_an_error_on_one_rank_of_a_group_ends_the_run_instead_of_hanging(tmp_path):
     # The other rank waits in the DiT's all-to-all for rank 1, which never comes: the run must end, naming rank 1.
-    from test_reliability_faults import install
+    from faulty import install
 
     env = {**ENV, **install(tmp_path / "site", "oneoom", ONE_RANK_OOM)}
     (tmp_path / "p.txt").write_text("a fox\na heron\n")

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from test_parallel_runtime import ENV, workers_of
-from test_reliability_faults import install
+from faulty import install
 from conftest import child_env
 
 STALLS = '''
