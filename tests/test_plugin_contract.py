@@ -5,7 +5,7 @@ clash is refused at registration."""
 import pytest
 
 from conftest import h3gen, installed_plugins
-from test_reliability_faults import install
+from faulty import install
 
 FAULTY = '''
 import dataclasses, os

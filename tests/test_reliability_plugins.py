@@ -6,7 +6,7 @@ import re
 import pytest
 
 from conftest import ROOT, h3gen
-from test_reliability_faults import install
+from faulty import install
 
 RAISES = '''
 from h3gen.plugins.hookspecs import hookimpl
