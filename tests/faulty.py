@@ -1,5 +1,5 @@
-"""What the fault tests share: the fault-injecting plugin (faulty_plugin.py) installed as `pip install` would, and
-a render started by hand to be signalled."""
+"""What the fault tests share: the fault-injecting plugin (faulty_plugin.py) installed as `pip install` would (by
+`install`, which every test that installs a plugin uses), and a render started by hand to be signalled."""
 
 import json
 import resource

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import h3gen
+from faulty import install
 
 PLUGIN = '''
 import dataclasses, json, os
@@ -41,20 +42,9 @@ def h3gen_register_stages(register):
 '''
 
 
-def install_plugin(site):
-    """What `pip install` leaves behind for a package with an `h3gen` entry point."""
-    (site / "h3gen_sidecar.py").write_text(PLUGIN)
-    info = site / "h3gen_sidecar-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: h3gen-sidecar\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[h3gen]\nsidecar = h3gen_sidecar\n")
-    return {"PYTHONPATH": str(site)}
-
-
 def test_entry_point_plugin_stage_is_listed_and_used_from_a_preset(tmp_path, prompts_file):
     site = tmp_path / "site"
-    site.mkdir()
-    env = install_plugin(site)
+    env = install(site, "sidecar", PLUGIN)
     listed = h3gen("plugins", env=env, check_code=0).stdout
     assert any(line.split()[:3] == ["mux", "sidecar", "sidecar"] for line in listed.splitlines())
     assert any(line.split()[:3] == ["sampler", "euler", "h3gen"] for line in listed.splitlines())
@@ -90,10 +80,9 @@ def test_entry_point_plugin_stage_is_listed_and_used_from_a_preset(tmp_path, pro
 def test_a_plugin_that_prints_leaves_the_json_records_alone(tmp_path, prompts_file, workers):
     """stdout carries the records alone: a stage's own writes to it go to stderr, in one process or in workers."""
     site = tmp_path / "site"
-    site.mkdir()
     result = h3gen("render", prompts_file('{"id": "a", "prompt": "x"}\n{"id": "b", "prompt": "y"}\n'), "-o",
                    tmp_path / "out", "--set", "mux.use=sidecar", "--set", "mux.note=loud", "--json", *workers,
-                   env=install_plugin(site), check_code=0)
+                   env=install(site, "sidecar", PLUGIN), check_code=0)
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert sorted(Path(r["path"]).name for r in records) == ["a.mp4", "b.mp4"] and all(r["ok"] for r in records)
     assert result.stderr.count("RAW") == 2 and "LOUD a.mp4" in result.stderr and "LOUD b.mp4" in result.stderr
@@ -104,8 +93,7 @@ def test_what_a_plugin_prints_as_it_loads_stays_off_the_lists_on_stdout(tmp_path
     """A plugin's own prints as it is imported and registers go to stderr: `presets list` and a completion stay
     what a script or the shell reads."""
     site = tmp_path / "site"
-    site.mkdir()
-    env = install_plugin(site)
+    env = install(site, "sidecar", PLUGIN)
     listed = h3gen("presets", "list", env=env, check_code=0)
     assert "sidecar" not in listed.stdout and "sidecar imported" in listed.stderr
     words = "h3gen render p.txt --preset ti"
@@ -116,15 +104,13 @@ def test_what_a_plugin_prints_as_it_loads_stays_off_the_lists_on_stdout(tmp_path
 
 def test_load_plugins_variable_restricts_plugins(tmp_path):
     site = tmp_path / "site"
-    site.mkdir()
-    env = {**install_plugin(site), "H3GEN_LOAD_PLUGINS": "other"}
+    env = {**install(site, "sidecar", PLUGIN), "H3GEN_LOAD_PLUGINS": "other"}
     assert "sidecar" not in h3gen("plugins", env=env, check_code=0).stdout
 
 
 def test_broken_plugin_is_reported_and_skipped(tmp_path):
     site = tmp_path / "site"
-    site.mkdir()
-    env = install_plugin(site)
+    env = install(site, "sidecar", PLUGIN)
     (site / "h3gen_sidecar.py").write_text("raise ImportError('no such dependency')\n")
     result = h3gen("plugins", env=env, check_code=0)
     assert "plugin 'sidecar' failed to load: ImportError: no such dependency" in result.stderr
