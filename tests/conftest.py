@@ -1,6 +1,8 @@
+import atexit
 import functools
 import gc
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -10,9 +12,13 @@ import pytest
 
 __import__("h3gen")  # first: importing h3gen takes the checkout's root off sys.path, where `python -m pytest` puts it
 
-# Every test, and every h3gen process a test starts, uses a cache of its own: the tiny model is written once per
-# test session, exactly as a user's first run writes it.
-os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="h3gen-test-cache-"))
+# Every test, and every h3gen process a test starts, uses a cache of the test session's own, not the user's: the tiny
+# model is written once per session, exactly as a user's first run writes it. The first pytest process makes the
+# folder and removes it as it exits; pytest-xdist's workers inherit it.
+if "H3GEN_TEST_CACHE" not in os.environ:
+    os.environ["H3GEN_TEST_CACHE"] = tempfile.mkdtemp(prefix="h3gen-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["H3GEN_TEST_CACHE"], ignore_errors=True)
+os.environ["XDG_CACHE_HOME"] = os.environ["H3GEN_TEST_CACHE"]
 os.environ.setdefault("MKL_CBWR", "AUTO")  # as the h3gen command sets it, before torch loads MKL
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # likewise, before torch loads c10
 
