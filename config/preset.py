@@ -166,6 +166,11 @@ def stage_takes(stage, key: str) -> bool:
     return not dataclasses.is_dataclass(config) or key in {field.name for field in dataclasses.fields(config)}
 
 
+def config_fields(stage) -> set[str]:
+    """The keys a stage class takes: its Config's fields."""
+    return {field.name for field in dataclasses.fields(stage.Config)}
+
+
 def is_wrapper(registry, kind: str, name) -> bool:
     from h3gen.stages.base import Wrapper
 
@@ -350,12 +355,15 @@ def _stage(kind: str, data: dict, registry, where: str, sources: dict, key: str 
         raise UsageError(f"{given}: {e.problem}", e.fix) from None
     wrapping = is_wrapper(registry, kind, name)
     wraps = section.pop("wraps", None) if wrapping else None
-    if isinstance(wraps, dict):
-        fields = {field.name for field in dataclasses.fields(stage.Config)}
-        for unknown in (k for k in section if k not in fields):
-            raise UsageError(f"unknown key '{unknown}' in {where} [{key}]: {kind} stage '{name}' wraps "
-                             f"'{wraps.get('use')}', which may take it",
-                             f"set the wrapped stage's keys under [{key}.wraps], or --set {key}.wraps.{unknown}=...")
+    if isinstance(wraps, dict):  # a key of the wrapped stage set on the wrapper: said so (any other: build_config)
+        inner = registry.stages.get((kind, wraps.get("use"))) if isinstance(wraps.get("use"), str) else None
+        theirs = config_fields(inner.stage) - config_fields(stage) if inner else set()
+        for misplaced in (k for k in section if k in theirs):
+            given = set_key(sources, f"{key}.{misplaced}")
+            raise UsageError(f"{f'--set {given}: ' if given else ''}unknown key '{misplaced}' in "
+                             f"{origin_of(sources, f'{key}.{misplaced}', where)} [{key}]: {kind} stage '{name}' "
+                             f"wraps '{wraps['use']}', which takes it",
+                             f"set it under [{key}.wraps], or --set {key}.wraps.{misplaced}=...")
     config = build_config(stage.Config, section, f"{where} [{key}]", *_origins(section, key, sources, where))
     if wrapping:
         from h3gen.stages.base import Wrapped

@@ -100,8 +100,8 @@ def test_a_file_named_after_the_builtin_it_extends_is_named_by_its_file(tmp_path
     assert source["runtime.device"] == "--set"
 
 
-def test_a_wrapping_stage_wraps_the_stage_the_preset_would_have_used(tmp_path):
-    from h3gen.config.preset import resolve
+def with_tint():
+    """The registry with a vae stage 'tint' that wraps another decode and takes one key of its own, strength."""
     from h3gen.plugins.manager import Registered, registry
     from h3gen.stages.base import Wrapped
     from h3gen.stages.vae import FrameFilter
@@ -109,6 +109,7 @@ def test_a_wrapping_stage_wraps_the_stage_the_preset_would_have_used(tmp_path):
 
     @dataclasses.dataclass
     class TintConfig:
+        strength: float = 1.0
         wraps: Wrapped = dataclasses.field(default_factory=Wrapped)
 
     class Tint(FrameFilter):
@@ -116,12 +117,41 @@ def test_a_wrapping_stage_wraps_the_stage_the_preset_would_have_used(tmp_path):
 
     found = registry()
     found.stages[("vae", "tint")] = Registered("vae", "tint", Tint, "test")
+    return found
+
+
+def test_a_wrapping_stage_wraps_the_stage_the_preset_would_have_used(tmp_path):
+    from h3gen.config.preset import resolve
+
+    found = with_tint()
     preset = resolve("h3-base", found, ["vae.use=tint", "vae.wraps.tile_batch=3"])
     name, config = preset.stages["vae"]
     assert name == "tint" and config.wraps.name == "fast" and config.wraps.config.tile_batch == 3
-    assert Tint.refuses_split(config) == "the vae stage 'fast' renders a clip on one rank"
+    assert found.stage("vae", "tint").refuses_split(config) == "the vae stage 'fast' renders a clip on one rank"
     explicit = write(tmp_path, "tinted.toml", 'extends = "tiny"\n[vae]\nuse = "tint"\n[vae.wraps]\nuse = "fast"\n')
     assert resolve(str(explicit), found).stages["vae"][1].wraps.name == "fast"
+
+
+def test_an_unknown_key_on_a_wrapping_stage_says_where_it_was_set_and_which_stage_takes_it(tmp_path):
+    """A typo gets the wrapper's own keys, as any stage's; a key of the stage it wraps, where to set it instead."""
+    from h3gen.config.preset import resolve
+    from h3gen.errors import UsageError
+
+    found = with_tint()
+    with pytest.raises(UsageError) as typo:
+        resolve("h3-base", found, ["vae.use=tint", "vae.strenght=2"])
+    assert str(typo.value) == "--set vae.strenght: unknown key 'strenght' in preset h3-base [vae] (allowed keys: " \
+                              "strength, wraps)", str(typo.value)
+    with pytest.raises(UsageError) as theirs:
+        resolve("h3-base", found, ["vae.use=tint", "vae.tile_batch=2"])
+    assert str(theirs.value) == "--set vae.tile_batch: unknown key 'tile_batch' in preset h3-base [vae]: vae stage " \
+                                "'tint' wraps 'fast', which takes it (set it under [vae.wraps], or --set " \
+                                "vae.wraps.tile_batch=...)", str(theirs.value)
+    tinted = write(tmp_path, "tinted.toml", 'extends = "tiny"\n[vae]\nuse = "tint"\ntile_batch = 2\n'
+                                            '[vae.wraps]\nuse = "fast"\n')
+    with pytest.raises(UsageError, match=rf"^unknown key 'tile_batch' in preset {re.escape(str(tinted))} \[vae\]: "
+                                         r"vae stage 'tint' wraps 'fast', which takes it \(set it under"):
+        resolve(str(tinted), found)
 
 
 def test_presets_show_toml_resolves_back_to_every_builtin_preset(tmp_path):
