@@ -27,7 +27,7 @@ user-install: install
 
 demo: install
 	$(BIN)/h3gen render examples/prompts.txt -o out/
-	$(BIN)/h3gen validate out/*.mp4
+	$(BIN)/h3gen validate out/
 
 # Two processes (pytest-xdist), each taking whole test files: most tests wait on h3gen processes they start, so
 # two at once finish the suite in about three quarters of the time, also on two cores.

@@ -352,7 +352,8 @@ def bench_model(ctx: typer.Context, model: Path | None, random_weights: str | No
 
 @app.command(cls=PlainCommand)
 def validate(
-    files: Annotated[list[Path], typer.Argument(metavar="FILE", help="MP4 files to check.")],
+    files: Annotated[list[Path], typer.Argument(metavar="FILE", help="MP4 files to check, or directories: their "
+                                                                     "clips.")],
     frames: Annotated[Optional[int], typer.Option("--frames", metavar="N", min=1, help="Expected frame count "
                                                   "(without it, any count H3 renders: 17n+5).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per file on stdout: path, ok, "
@@ -361,25 +362,24 @@ def validate(
     """Check that clips are valid MP4s: one H.264 stream at 24 fps, one AAC stereo stream at 32 kHz, matching
     durations, not blank or silent; and, where the manifest.jsonl beside a clip recorded its bytes, unchanged since
     h3gen wrote it.
-    Every file is checked; exit 0 when all are valid, 1 when one is not, 2 when one does not exist (or is a
-    directory).
+    Every file is checked, and every .mp4 in a directory named (but the hidden ones a run is still writing); exit 0
+    when all are valid, 1 when one is not, 2 when one does not exist (or is a directory without clips).
 
     \b
     Example:
-      h3gen validate out/*.mp4 --frames 124
+      h3gen validate out/ --frames 124
     """
     import json
 
-    from h3gen.run.outputs import changed_since_written, written_sha256
+    from h3gen.run.outputs import changed_since_written, clips_in, written_sha256
     from h3gen.run.validate import validate_clip
     from h3gen.text import shown
 
     bad = missing = 0
-    for path in files:
+    for path in (clip for named in files for clip in (clips_in(named) if named.is_dir() else []) or [named]):
         if not path.exists() or path.is_dir():  # not a clip at all: as a file that is not there
             missing += 1
-            problems = ["does not exist" if not path.exists() else
-                        f"is a directory (name its clips, e.g. {shown(str(path / '*.mp4'))})"]
+            problems = ["does not exist" if not path.exists() else "is a directory with no .mp4 clips in it"]
         else:
             problems = validate_clip(path, expected_frames=frames) or changed_since_written(path, written_sha256(path))
         bad += bool(problems)

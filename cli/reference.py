@@ -176,7 +176,7 @@ EXIT_STATUS = [
           "not valid (validate); a matched pair of clips in two folders could not be compared, the others were "
           "(compare)."),
     ("2", "A usage error: bad options, prompts file, preset, model directory or output directory; a file to "
-          "validate that does not exist; clips to compare that are not MP4s of the same shape, or two folders with "
+          "validate that does not exist, or a directory without clips; clips to compare that are not MP4s of the same shape, or two folders with "
           "no clip in common."),
     ("130, 143, 129", "Stopped by SIGINT, SIGTERM or SIGHUP: the clip on the device is discarded, a clip already "
                       "decoded has its background mux finished first, the clips written are kept, and the same "
@@ -198,7 +198,7 @@ EXAMPLES = [
             "One of four independent runs over one file (a Slurm array of 0-3):"),
     Example("h3gen presets show h3-base --set sampler.steps=25 --toml",
             "A preset of one's own, to save and pass as --preset FILE:"),
-    Example("h3gen validate out/*.mp4", "Check the clips:"),
+    Example("h3gen validate out/", "Check the clips:"),
     Example("h3gen compare fast/ ref/ --json", "How far fast presets' clips are from the reference ones:"),
     Example("h3gen --install-completion zsh", "Tab completion in zsh:"),
 ]

@@ -24,8 +24,9 @@ def pairs(a: Path, b: Path) -> tuple[list[tuple[Path, Path]], list[Path]]:
     else by that request without the seed, each only where the match is the one candidate on both sides."""
     if a.is_dir() and b.is_dir():
         from h3gen.run.fingerprint import read_stamp
+        from h3gen.run.outputs import clips_in
 
-        left, right = sorted(a.glob("*.mp4")), sorted(b.glob("*.mp4"))
+        left, right = clips_in(a), clips_in(b)
         matched, stamp = [], functools.cache(read_stamp)  # each clip's stamp read once for both request keys
         for key in (lambda p: p.name, request_key(stamp, seed=True), request_key(stamp, seed=False)):
             found = one_to_one(left, right, key)

@@ -55,6 +55,7 @@ def test_folders_of_two_presets_are_matched_by_the_request_in_each_clip(tmp_path
     stamped(a / "h3-3.mp4", "a cat", 7, "fast")  # two candidates in ref/: neither is picked
     stamped(b / "h3-7.mp4", "a cat", 7, "ref"), stamped(b / "h3-6.mp4", "a cat", 7, "ref-again")
     clip(b / "lone.mp4", 5)
+    (a / ".h3-1.mp4.partial.mp4").write_bytes(b"half a clip")  # a run still writing it: not one of the clips
     result = h3gen("compare", a, b, "--json", check_code=0)
     compared = sorted((Path(r["a"]).name, Path(r["b"]).name) for r in records(result) if r["compared"])
     assert compared == [("h3-1.mp4", "h3-9.mp4"), ("h3-2.mp4", "h3-8.mp4"), ("named.mp4", "named.mp4")]

@@ -27,6 +27,9 @@ def test_render_writes_valid_clips_and_json_lines(prompts_file, tmp_path):
     assert "smoke-test model" in result.stderr
     assert sorted(p.name for p in out.glob("*.mp4"))[-1] == "waves.mp4"
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    (out / ".waves.mp4.partial.mp4").write_bytes(b"half a clip")  # as a run still writing one leaves it
+    checked = h3gen("validate", out, check_code=0)  # a directory: each of its clips, not the hidden partial file
+    assert checked.stdout.splitlines() == [f"{p}: ok" for p in sorted(out.glob("[!.]*.mp4"))] and checked.stderr == ""
 
 
 def test_same_prompt_and_seed_give_byte_identical_mp4_under_a_stable_name(prompts_file, tmp_path):
@@ -120,8 +123,9 @@ def test_validate_command_reports_bad_files(tmp_path):
     assert result.returncode == 1 and "INVALID" in result.stderr
 
 
-def test_validate_of_a_directory_says_to_name_its_clips(tmp_path):
+def test_validate_of_a_directory_without_clips_says_so(tmp_path):
     folder = tmp_path / "clips"
-    folder.mkdir()
+    (folder / "day1").mkdir(parents=True)
+    (folder / ".a.mp4.partial.mp4").write_bytes(b"half a clip")
     result = h3gen("validate", folder, check_code=2)
-    assert result.stderr == f"{folder}: INVALID: is a directory (name its clips, e.g. {folder / '*.mp4'})\n"
+    assert result.stderr == f"{folder}: INVALID: is a directory with no .mp4 clips in it\n"
