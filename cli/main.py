@@ -191,8 +191,10 @@ def render(
                                                             "render, skip or conflict (or finds it busy); render and "
                                                             "change nothing. Exits 1 when a clip would conflict, as "
                                                             "the run would.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Render clips whose output already exists and validates "
-                                                        "(by default they are skipped).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Render every clip again, over whatever file is at its "
+                                                        "name: a valid clip (by default skipped), one rendered with "
+                                                        "other settings or a file h3gen did not write (by default "
+                                                        "left alone as conflicts).")] = False,
     redo_conflicts: Annotated[bool, typer.Option("--redo-conflicts", help="Render again the clips whose file h3gen "
                                                                           "rendered with other settings (by default "
                                                                           "they are left alone and the run exits 1); "
@@ -293,7 +295,7 @@ def bench(
     text_tokens: Annotated[int, typer.Option("--text-tokens", metavar="N", min=1,
                                              help="Prompt length in tokens.")] = 256,
     output: Annotated[Path, typer.Option("-o", "--output", metavar="DIR", parser=output_directory,
-                                         help="Results directory.")] = Path("bench/results"),
+                                         help="Results directory.")] = Path("h3gen-bench"),
     batch: Annotated[Optional[int], typer.Option("--batch", metavar="N", min=1,
                                                  help="Render N clips per preset as `render` does and time the batch "
                                                       "instead.")] = None,

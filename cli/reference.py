@@ -131,7 +131,7 @@ FILES = [
                              "encode.cache=false turns it off, --set encode.cache_dir=DIR puts it in DIR."),
     (f"{CACHE}/tiny-v{TINY_VERSION}/", "The embedded tiny model, written on first use (h3gen tiny DIR writes it to "
                                        "DIR)."),
-    ("bench/results/", "h3gen bench's -o directory (this one, in the current directory, by default): STAMP.json "
+    ("h3gen-bench/", "h3gen bench's -o directory (this one, in the current directory, by default): STAMP.json "
                        "(the records, the device, the versions and the commit), STAMP.md (the table) and STAMP.png "
                        "(the chart); with --batch, STAMP-batch.json and STAMP-batch.md. STAMP is the UTC time they "
                        "are written, as 2026-01-31T120000Z."),
