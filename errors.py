@@ -13,10 +13,18 @@ class H3genError(Exception):
     """A problem with the user's input or environment; the CLI prints it as one line and exits non-zero."""
 
     exit_code = 2
+    also: tuple["H3genError", ...] = ()  # more problems of the same input, found in the same pass (`together`)
 
     def __init__(self, problem: str, fix: str = ""):
         self.problem, self.fix = one_line(problem), one_line(fix)
         super().__init__(f"{self.problem}{' (' + self.fix + ')' if self.fix else ''}")
+
+
+def together(errors: list[H3genError]) -> H3genError:
+    """The first of several problems found in one pass (a prompts file's bad lines), the others as its `also`: the
+    CLI prints each as a line of its own, so one run names them all."""
+    errors[0].also = tuple(errors[1:])
+    return errors[0]
 
 
 class UsageError(H3genError):

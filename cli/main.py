@@ -74,7 +74,8 @@ def fail(error: H3genError) -> None:
 
     if debugging():  # where the failure came from, else where it was refused
         traceback.print_exception(error.__cause__ or error, file=sys.stderr)
-    typer.echo(f"h3gen: error: {shown(str(error))}", err=True)
+    for each in (error, *error.also):
+        typer.echo(f"h3gen: error: {shown(str(each))}", err=True)
     raise typer.Exit(error.exit_code)
 
 

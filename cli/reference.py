@@ -71,8 +71,8 @@ PROMPTS_FILE = [
     "the file it leads to; for prompts read from a pipe, the current folder). The task follows from the "
     "fields: none of them, t2va; keyframes, fl2va; references, ref2va (which runs the repository's "
     "transformer_ref/ partition). A preset's adapter contract can restrict the tasks. Every line is checked before "
-    "any weight loads: a bad line, or a file without prompts, stops the run with exit status 2, naming the file "
-    "and line; the preset's [request] values, the defaults a line takes, are checked alike, naming the preset or "
+    "any weight loads: bad lines, or a file without prompts, stop the run with exit status 2, an error line naming "
+    "the file and line for each bad line (the first 20); the preset's [request] values, the defaults a line takes, are checked alike, naming the preset or "
     "the --set that gave them. A prompt's length in tokens is checked by the text encoder's tokenizer, as the "
     "prompts are encoded: one over encode.max_tokens fails its own clip, and the run goes on. --shard I/N keeps the "
     "prompts whose index is I modulo N.",

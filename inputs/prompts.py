@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from h3gen.inputs.request import MAX_SECONDS, MIN_SECONDS, Request, frames_for_duration
-from h3gen.errors import UsageError
+from h3gen.errors import UsageError, together
 
 FIELDS = {"prompt": str, "id": str, "seed": int, "duration": (int, float), "width": int, "height": int,
           "first_frame": str, "last_frame": str, "references": list}
@@ -17,6 +17,7 @@ KEYFRAMES = ("first_frame", "last_frame")
 SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MIN_ASPECT, MAX_ASPECT = 1 / 4, 4
 SEEDS = range(2**63)  # what a seed may be: 0 to 2**63 - 1
+MOST_BAD_LINES = 20  # a prompts file's bad lines one run names
 
 
 STREAMED: dict[str, bytes] = {}  # a prompts file that is a pipe (/dev/stdin, <(...)) reads once: kept for the next read
@@ -61,19 +62,26 @@ def read_prompts(path: Path, base_seed: int, defaults: dict) -> list[Request]:
     if path.suffix.lower() == ".toml":  # a preset in the prompts file's place would render its lines as prompts
         raise UsageError(f"prompts file {path} is a TOML file, which is how presets are written",
                          f"pass it as --preset {path}, and a prompts file (text or JSON Lines) first")
-    requests, seen = [], {}
-    for number, raw in enumerate(prompt_lines(text), start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        fields = _parse_line(line, f"{path}:{number}")
-        request = _request(fields, len(requests), number, base_seed, defaults, f"{path}:{number}", media_base(path))
-        if request.id is not None:
+    requests, seen, bad = [], {}, []
+    prompts = [(number, line) for number, line in enumerate(map(str.strip, prompt_lines(text)), start=1)
+               if line and not line.startswith("#")]
+    for index, (number, line) in enumerate(prompts):
+        try:  # every line is checked, so one run names each bad one
+            fields = _parse_line(line, f"{path}:{number}")
+            request = _request(fields, index, number, base_seed, defaults, f"{path}:{number}", media_base(path))
             if request.id in seen:
                 raise UsageError(f"{path}:{number}: duplicate id '{request.id}' (first on line {seen[request.id]})",
                                  "give every clip its own id")
+        except UsageError as e:
+            bad.append(e)
+            continue
+        if request.id is not None:
             seen[request.id] = number
         requests.append(request)
+    if bad:
+        more = len(bad) - MOST_BAD_LINES
+        raise together(bad[:MOST_BAD_LINES] + [UsageError(f"{path}: {more} more bad lines after these",
+                                                          "fix these and run again to see them")] * (more > 0))
     if not requests:
         where = "standard input" if str(path) == "/dev/stdin" else f"prompts file {path}"
         raise UsageError(f"{where} has no prompts", "write one prompt per line, or JSON Lines")

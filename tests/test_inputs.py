@@ -54,6 +54,34 @@ def test_bad_prompts_files(tmp_path, text, message):
         parse(tmp_path, text)
 
 
+def test_one_run_names_every_bad_line_each_on_a_line_of_its_own(tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text('ok\n{"prompt": "x", "colour": 1}\nfine\n{"prompt": "y", "duration": 20}\n{"prompt": "z",\n'
+                       '{"id": "a", "prompt": "b"}\n{"id": "a", "prompt": "c"}\n')
+    result = h3gen("render", prompts, "-o", tmp_path / "out", check_code=2)
+    assert [line.split(" (")[0] for line in result.stderr.splitlines()] == [
+        f"h3gen: error: {prompts}:2: unknown field 'colour'",
+        f"h3gen: error: {prompts}:4: duration 20 s is outside H3's 5-15 s",
+        f"h3gen: error: {prompts}:5: malformed JSON at column 16: the line ends before its object does",
+        f"h3gen: error: {prompts}:7: duplicate id 'a'"], result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_past_twenty_bad_lines_the_rest_are_counted_and_a_bad_line_keeps_its_place_in_the_seeds(tmp_path):
+    with pytest.raises(UsageError) as refused:
+        parse(tmp_path, "".join(f'{{"prompt": "p{n}", "duration": 99}}\n' for n in range(25)))
+    shown = [refused.value, *refused.value.also]
+    assert [e.problem.split(": ")[0] for e in shown[:20]] == [f"{tmp_path / 'p.txt'}:{n}" for n in range(1, 21)]
+    assert str(shown[20]) == f"{tmp_path / 'p.txt'}: 5 more bad lines after these (fix these and run again to see them)"
+    assert len(shown) == 21
+    path = tmp_path / "seeds.txt"
+    path.write_text('x\n{"prompt": "y", "duration": 99}\nz\n')  # z is the third clip, whatever is wrong with y
+    with pytest.raises(UsageError) as carried:
+        read_prompts(path, base_seed=2**63 - 2, defaults=DEFAULTS)
+    assert [e.problem.split(": ")[0] for e in (carried.value, *carried.value.also)] == [f"{path}:2", f"{path}:3"]
+    assert "plus the clip's index 2" in carried.value.also[0].problem
+
+
 def test_wrong_type_names_the_type_it_takes(tmp_path):
     with pytest.raises(UsageError) as refused:
         parse(tmp_path, '{"prompt": "x", "duration": "10"}\n')
