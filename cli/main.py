@@ -375,7 +375,7 @@ def validate(
     import json
 
     from h3gen.run.outputs import changed_since_written, clips_in, written_sha256
-    from h3gen.run.validate import validate_clip
+    from h3gen.run.validate import not_an_mp4, validate_clip
     from h3gen.text import shown
 
     bad = missing = 0
@@ -385,6 +385,8 @@ def validate(
             problems = ["does not exist" if not path.exists() else "is a directory with no .mp4 clips in it"]
         else:
             problems = validate_clip(path, expected_frames=frames) or changed_since_written(path, written_sha256(path))
+            if path.suffix.lower() in (".txt", ".jsonl") and not_an_mp4(path):  # a prompts file given to check
+                problems.append(f"a prompts file is checked with h3gen render {shown(str(path))} --dry-run")
         bad += bool(problems)
         if json_out:
             typer.echo(json.dumps({"path": str(path), "ok": not problems, "problems": problems}))

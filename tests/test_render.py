@@ -123,6 +123,14 @@ def test_validate_command_reports_bad_files(tmp_path):
     assert result.returncode == 1 and "INVALID" in result.stderr
 
 
+def test_validate_of_a_prompts_file_says_how_one_is_checked(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox\n")
+    result = h3gen("validate", prompts, check_code=1)
+    assert result.stderr == f"{prompts}: INVALID: not an MP4 (it does not start with an ftyp box); a prompts file is " \
+                            f"checked with h3gen render {prompts} --dry-run\n"
+
+
 def test_validate_of_a_directory_without_clips_says_so(tmp_path):
     folder = tmp_path / "clips"
     (folder / "day1").mkdir(parents=True)
