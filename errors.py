@@ -10,7 +10,8 @@ LINE_BREAKS = frozenset("\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029")  # where str.spl
 
 
 class H3genError(Exception):
-    """A problem with the user's input or environment; the CLI prints it as one line and exits non-zero."""
+    """A problem with the user's input or environment; the CLI prints it as one line (and each of `also` as one)
+    and exits non-zero."""
 
     exit_code = 2
     also: tuple["H3genError", ...] = ()  # more problems of the same input, found in the same pass (`together`)
