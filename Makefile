@@ -9,12 +9,12 @@ PREFIX ?= $(HOME)/.local
 
 .PHONY: demo test install user-install man clean
 
+# The checkout is the package (its root is h3gen): setuptools' note on editable installs of such a layout, that a
+# folder named h3gen in the working directory would be imported instead, is true of any package and left out.
 $(BIN)/h3gen: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PINS)
-	# The checkout is the package (its root is h3gen): setuptools' note on editable installs of such a layout, that a
-	# folder named h3gen in the working directory would be imported instead, is true of any package and left out.
 	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q -e '.[test]'
 	touch $@
 
