@@ -156,6 +156,9 @@ class EulerSampler(Stage):
                                  f"set sampler.{key} nearer 1 (H3: video 12, audio 3), or take fewer steps")
         if config.dit not in ("h3gen", "diffusers"):
             raise UsageError(f"unknown sampler.dit '{config.dit}'", "choose diffusers or h3gen")
+        if config.stream_blocks < 0:
+            raise UsageError(f"sampler.stream_blocks is {config.stream_blocks}",
+                             "set it to 0 to keep every block resident, or to a count of blocks to stream")
         if config.stream_blocks and config.dit != "h3gen":
             raise UsageError('sampler.stream_blocks streams the blocks of h3gen\'s DiT', 'set sampler.dit = "h3gen"')
         if config.stream_with not in ("h3gen", "diffusers"):
@@ -164,6 +167,15 @@ class EulerSampler(Stage):
         if config.ffn_chunk_rows < 0:
             raise UsageError(f"sampler.ffn_chunk_rows is {config.ffn_chunk_rows}",
                              "set it to 0 (all rows at once) or a positive row count")
+
+    @classmethod
+    def check_model(cls, config, repo) -> None:
+        """Blocks to stream must be blocks the DiT has."""
+        blocks = repo.transformer_config().get("num_layers", 0)
+        if config.stream_blocks > blocks:
+            raise UsageError(f"sampler.stream_blocks is {config.stream_blocks}, and the DiT in "
+                             f"{repo.path('transformer')} has {blocks} blocks",
+                             f"set sampler.stream_blocks from 0 to {blocks}; {blocks} streams every block")
 
     def load(self, repo):
         self.repo, self.partition = repo, None

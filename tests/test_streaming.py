@@ -43,6 +43,18 @@ def test_a_clip_rendered_with_streamed_blocks_is_byte_identical(prompts_file, tm
     assert a.read_bytes() == b.read_bytes()
 
 
+@pytest.mark.parametrize("count, problem, fix", [
+    (99, "sampler.stream_blocks is 99, and the DiT in {model}/transformer has 2 blocks",
+     "set sampler.stream_blocks from 0 to 2; 2 streams every block"),
+    (-1, "sampler.stream_blocks is -1", "set it to 0 to keep every block resident, or to a count of blocks to stream")])
+def test_blocks_to_stream_that_the_dit_does_not_have_are_refused_before_a_run(prompts_file, tmp_path, tiny_model,
+                                                                              count, problem, fix):
+    refused = h3gen("render", prompts_file("a red fox\n"), "-o", tmp_path / "out", "--dry-run", "--set",
+                    "sampler.dit=h3gen", "--set", f"sampler.stream_blocks={count}", check_code=2)
+    assert refused.stderr.splitlines()[-1] == \
+        f"h3gen: error: --set sampler.stream_blocks: {problem.format(model=tiny_model)} ({fix})"
+
+
 def test_streamed_blocks_leave_for_host_memory_as_they_load(tiny_model, monkeypatch):
     # Each block is placed (quantized) and, when it streams, moved to host memory before the next block is read:
     # a DiT larger than the device loads one block at a time.
