@@ -19,7 +19,8 @@ CONFIG_ONLY = {"tokenizer": ("tokenizer.json", "tokenizer_config.json"),
 
 
 def check_safetensors(path: Path) -> None:
-    """Read the header of one safetensors file, naming the file when it is truncated or not safetensors."""
+    """Read the header of one safetensors file, naming the file when it is truncated, has bytes past its tensors' end or
+    is not safetensors."""
     try:
         with path.open("rb") as f:
             raw = f.read(8)
@@ -28,8 +29,11 @@ def check_safetensors(path: Path) -> None:
             (header_len,) = struct.unpack("<Q", raw)
             header = json.loads(f.read(header_len))
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        if path.stat().st_size < 8 + header_len + end:
+        size = path.stat().st_size
+        if size < 8 + header_len + end:
             raise ValueError("truncated")
+        if size > 8 + header_len + end:  # safetensors refuses such a file as it loads, naming no cause
+            raise ValueError(f"{size - 8 - header_len - end} stray bytes after its tensors")
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, MemoryError, OverflowError) as e:
         reason = str(e) if isinstance(e, ValueError) and str(e) else "its header is not a safetensors header"
         raise ModelError(f"corrupt or truncated checkpoint {path} ({reason})",

@@ -52,6 +52,16 @@ def test_truncated_safetensors_names_the_file(repo_copy):
         ModelRepo(repo_copy)
 
 
+def test_safetensors_with_bytes_after_its_tensors_names_the_file_and_why(repo_copy):
+    weights = repo_copy / "transformer" / "diffusion_pytorch_model.safetensors"
+    with weights.open("ab") as f:
+        f.write(b"garbage\n")  # `echo garbage >> file`: the loader itself would refuse it without saying why
+    with pytest.raises(ModelError) as error:
+        ModelRepo(repo_copy)
+    assert str(error.value) == (f"corrupt or truncated checkpoint {weights} (8 stray bytes after its tensors) "
+                                "(re-download this file from the repository)")
+
+
 @pytest.mark.parametrize("content", [b"\x10" * 64, (2).to_bytes(8, "little") + b"[]"], ids=["garbage", "list"])
 def test_garbage_safetensors_names_the_file_and_why(repo_copy, content):
     weights = repo_copy / "audio_vae" / "diffusion_pytorch_model.safetensors"
