@@ -97,8 +97,18 @@ def differences(old: dict | None, new: dict) -> list[str]:
     if old is None:
         return ["fingerprint: none -> " + digest(new)]
     keys = sorted(new, key=lambda key: (not key.endswith(".use"), key))
-    return [f"{key}: {shown(old.get(key))} -> {shown(new[key])}{in_seconds(key, old.get(key), new[key])}"
-            for key in keys if old.get(key) != new[key] and not same_model(key, old.get(key), new[key])]
+    was = {key: before(key, old) for key in keys}
+    return [f"{key}: {shown(was[key])} -> {shown(new[key])}{in_seconds(key, was[key], new[key])}"
+            for key in keys if was[key] != new[key] and not same_model(key, was[key], new[key])]
+
+
+def before(key: str, old: dict):
+    """`key`'s value in `old`, at its other place where a stage was wrapped or unwrapped since (`mux.crf` once
+    `mux.wraps.crf`): a key that only moved is no difference, the `use` that changed with it is."""
+    if key in old or key.endswith(".use"):
+        return old.get(key)
+    bare = key.replace(".wraps.", ".")
+    return next((value for k, value in old.items() if k.replace(".wraps.", ".") == bare), None)
 
 
 def same_model(key: str, old, new) -> bool:

@@ -300,6 +300,16 @@ def test_a_stage_swapped_is_the_first_difference_said():
     assert fingerprint.differences(old, new)[:2] == ["vae.use: reference 1 -> fast 1", "vae.attention: (none) -> sdpa"]
 
 
+def test_a_key_that_only_moved_with_a_wrapper_added_or_taken_away_is_not_a_difference():
+    """Unwrapping the mux moves its keys from mux.wraps to mux: the swap is the difference, not crf's new place, and
+    a key that changed too is said from its old place."""
+    wrapped = {"mux.use": "sidecar 1", "mux.wraps.use": "pyav 1", "mux.wraps.crf": 18, "mux.wraps.preset": "slow"}
+    plain = {"mux.use": "pyav 1", "mux.crf": 18, "mux.preset": "medium"}
+    assert fingerprint.differences(wrapped, plain) == ["mux.use: sidecar 1 -> pyav 1", "mux.preset: slow -> medium"]
+    assert fingerprint.differences(plain, wrapped) == ["mux.use: pyav 1 -> sidecar 1", "mux.wraps.use: (none) -> pyav 1",
+                                                       "mux.wraps.preset: medium -> slow"]
+
+
 def test_the_encoder_s_token_limit_is_not_part_of_the_fingerprint(tiny_model):
     """Raising encode.max_tokens lets a longer prompt render; the clips already written stay this run's."""
     from h3gen.config.preset import resolve
