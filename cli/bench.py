@@ -101,6 +101,8 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
         raise UsageError(f"--stages {stages} belongs to the per-stage benchmark: a batch times whole clips, "
                          "every stage",
                          "drop --stages, or --batch to time the stages apart")
+    tiny = random_weights == "tiny" or random_weights is None and model is None  # `weights_source`'s tiny model
+    durations, size = durations or ("5" if tiny else "10"), size or ("32x32" if tiny else "1344x768")
     plan = parse_plan(presets, baseline, durations, size, repeat, warmup, stages, forwards, text_tokens)
     plan.warm_cache, plan.baseline_clips, plan.overrides = warm_cache, baseline_clips, list(sets)
     plan.baseline_forwards = baseline_forwards

@@ -276,9 +276,12 @@ def bench(
                                                          help="Preset to measure; h3-base when none is given.")] = None,
     baseline: Annotated[str, typer.Option("--baseline", metavar="NAME", autocompletion=baseline_names,
                                           help="Baseline preset; 'none' for no baseline.")] = "diffusers",
-    durations: Annotated[str, typer.Option("--durations", metavar="S,...",
-                                           help="Media seconds, comma-separated (5, 10, 15).")] = "10",
-    size: Annotated[str, typer.Option("--size", metavar="WxH", help="WIDTHxHEIGHT.")] = "1344x768",
+    durations: Annotated[Optional[str], typer.Option("--durations", metavar="S,...",
+                                                     help="Media seconds, comma-separated (5, 10, 15).  [default: "
+                                                          "10; 5 on the tiny model]", show_default=False)] = None,
+    size: Annotated[Optional[str], typer.Option("--size", metavar="WxH", help="WIDTHxHEIGHT.  [default: 1344x768; "
+                                                                             "32x32 on the tiny model]",
+                                                show_default=False)] = None,
     repeat: Annotated[int, typer.Option("--repeat", metavar="N", min=1, help="Timed runs per stage.")] = 3,
     warmup: Annotated[int, typer.Option("--warmup", metavar="N", min=0, help="Untimed runs per stage first (with "
                                                                              "--batch: untimed clips).")] = 1,
@@ -322,7 +325,7 @@ def bench(
 
     \b
     Example:
-      h3gen bench --preset tiny --baseline none --durations 5 --size 32x32 --random-weights tiny
+      h3gen bench --preset tiny --baseline none --random-weights tiny
     """
     from h3gen.cli.bench import run_bench_command
     from h3gen.cli.ui import plugin_registry

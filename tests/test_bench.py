@@ -417,6 +417,22 @@ def test_a_cpu_bench_of_a_large_clip_says_it_takes_minutes_before_it_starts(tmp_
     assert said.startswith(note + "bench: timing") if noted else note not in said and said.startswith("bench: timing")
 
 
+@pytest.mark.parametrize("random_weights, shape", [("tiny", ("32x32", (5.0,))), ("full", ("1344x768", (10.0,)))])
+def test_without_size_or_durations_the_tiny_model_is_timed_at_its_own_shape(tmp_path, monkeypatch, random_weights,
+                                                                          shape):
+    """The tiny model at its preset's 32x32 and 5 s, a smoke run in seconds; full-size weights at the shape every
+    benchmark of H3 times."""
+    from h3gen.bench import sweep
+    from h3gen.cli.bench import run_bench_command
+
+    planned = []
+    monkeypatch.setattr(sweep, "run_bench", lambda plan, *rest: planned.append(plan) or [])
+    monkeypatch.setattr("h3gen.run.budget.check_host_fits", lambda *args: None)  # full size: no host holds it here
+    run_bench_command(["tiny"], "none", None, None, 1, 0, random_weights, None, "encode", None, 8, tmp_path)
+    [plan] = planned
+    assert (f"{plan.width}x{plan.height}", tuple(plan.durations)) == shape
+
+
 class HeldWeights:
     """Stands for what a failed run loaded: in a reference cycle, as a failure's frames and tracebacks hold it, and
     kept from the collector (`gc.freeze`) as the renderer's settle keeps what its stages loaded."""
