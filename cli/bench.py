@@ -88,7 +88,7 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     from h3gen.config.preset import parse_override, resolve
     from h3gen.bench.batch import batch_requests
     from h3gen.run.budget import check_budget, check_host_fits
-    from h3gen.run.loop import check_model_kind, check_writable
+    from h3gen.run.loop import Interrupted, check_model_kind, check_writable, remove_if_empty, stop_on_signals
     from h3gen.run.quiet import quiet_libraries
     from h3gen.run.render import pick_device
 
@@ -135,18 +135,25 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     on_cpu = [preset for preset in resolved if pick_device(preset.runtime["device"]) == "cpu"]
     for preset in on_cpu:  # a clip the host cannot hold on the CPU: refused as render refuses it, not killed later
         check_host_fits(preset, [longest], source)
+    created = [d for d in [Path(output), *Path(output).parents] if not d.exists()]
     check_writable(Path(output))  # now, not after the benchmark's minutes
     if on_cpu and longest.width * longest.height * longest.frames > CPU_QUICK_PIXELS:
         say(f"bench: note: on the CPU a {longest.width}x{longest.height} clip of {max(plan.durations):g} s takes "
             "minutes a stage, even on the tiny model; --size 32x32 --durations 5 times the CPU path in seconds")
 
-    with results_only_on_stdout():  # a stage's own prints go to stderr; stdout has the files written
-        if batch:
-            from h3gen.bench.batch import run_batch, write_batch_results
+    try:  # a stage's own prints go to stderr; stdout has the files written
+        with stop_on_signals(), results_only_on_stdout():
+            if batch:
+                from h3gen.bench.batch import run_batch, write_batch_results
 
-            paths = write_batch_results(run_batch(plan, found, source, random_weights, batch, say), output)
-        else:
-            paths = write_results(run_bench(plan, found, source, random_weights, say), output)
+                paths = write_batch_results(run_batch(plan, found, source, random_weights, batch, say), output)
+            else:
+                paths = write_results(run_bench(plan, found, source, random_weights, say), output)
+    except Interrupted as stop:  # the results are written whole at the end, so none are
+        say(f"h3gen: bench stopped by {stop.signal_name}: no results written; run the same command again")
+        return stop.exit_code
+    finally:
+        remove_if_empty(created)  # a bench that wrote nothing leaves no directory it made
     say(paths["md"].read_text())
     for path in paths.values():
         print(path)

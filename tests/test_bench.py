@@ -433,6 +433,30 @@ def test_without_size_or_durations_the_tiny_model_is_timed_at_its_own_shape(tmp_
     assert (f"{plan.width}x{plan.height}", tuple(plan.durations)) == shape
 
 
+@pytest.mark.parametrize("batch", [None, 2])
+def test_a_bench_stopped_by_a_signal_says_so_and_leaves_no_folder_it_made(tmp_path, monkeypatch, capsys, batch):
+    import os
+    import signal
+    import time
+
+    from h3gen.bench import batch as batches, sweep
+    from h3gen.cli.bench import run_bench_command
+
+    def stopped(*args, **kwargs):  # the signal while a stage is timed
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+    monkeypatch.setattr(sweep, "run_bench", stopped)
+    monkeypatch.setattr(batches, "time_batch", stopped)
+    out, handler = tmp_path / "results" / "today", signal.getsignal(signal.SIGTERM)
+    code = run_bench_command(["tiny"], "none", "5", "32x32", 1, 0, "tiny", None, "encode,dit,vae,mux", None, 8, out,
+                             batch=batch)
+    assert code == 143 and not (tmp_path / "results").exists()
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        "h3gen: bench stopped by SIGTERM: no results written; run the same command again"
+    assert signal.getsignal(signal.SIGTERM) == handler  # the bench's own handler is gone with it
+
+
 class HeldWeights:
     """Stands for what a failed run loaded: in a reference cycle, as a failure's frames and tracebacks hold it, and
     kept from the collector (`gc.freeze`) as the renderer's settle keeps what its stages loaded."""
