@@ -27,11 +27,14 @@ class Layout:
     def ranks_of(self, group: int) -> list[int]:
         return list(range(group * self.ulysses, (group + 1) * self.ulysses))
 
-    def describe(self, worker: str) -> str:
+    def describe(self, worker: str, clips: int) -> str:
+        """The layout in words, for a run of `clips` clips to render: groups past them load nothing and stay idle."""
+        busy = min(self.groups, clips) if clips else self.groups
+        idle = f", {self.groups - busy} group(s) idle with no clip to render" if busy < self.groups else ""
         if self.ulysses == 1:
-            return f"{self.groups} group(s) x 1 {worker}: data parallel, {self.groups} clip(s) at a time"
+            return f"{self.groups} group(s) x 1 {worker}: data parallel, {busy} clip(s) at a time{idle}"
         return (f"{self.groups} group(s) x {self.ulysses} {worker}s: Ulysses {self.ulysses} within a group, "
-                f"{self.groups} clip(s) at a time")
+                f"{busy} clip(s) at a time{idle}")
 
 
 def ulysses_degrees(per_node: int, heads: int) -> list[int]:

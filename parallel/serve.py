@@ -90,7 +90,7 @@ class Worker:
         unsplit = job["split_refusal"] and choose_layout(self.world, self.per_node, len(pending), job["heads"],
                                                          settings.parallel.ulysses or 0).ulysses > 1
         why = f" (no Ulysses: {job['split_refusal']})" if unsplit else ""
-        reporter.say(f"h3gen: layout {layout.describe(worker)}{why}")
+        reporter.say(f"h3gen: layout {layout.describe(worker, len(pending))}{why}")
         if pending:
             from h3gen.run.loop import note_tiny
 

@@ -39,8 +39,8 @@ def test_workers_with_a_sampler_that_cannot_split_render_whole_clips_and_say_why
     result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--cpu-workers", 4,
                    "--preset", "diffusers", "--set", "model.needs=any", "--set", "request.width=32", "--set", "request.height=32",
                    "--set", "sampler.steps=3", env=ENV, check_code=0)
-    assert ("h3gen: layout 4 group(s) x 1 CPU worker: data parallel, 4 clip(s) at a time (no Ulysses: the sampler "
-            "stage 'diffusers' renders a clip on one rank)") in result.stderr
+    assert ("h3gen: layout 4 group(s) x 1 CPU worker: data parallel, 1 clip(s) at a time, 3 group(s) idle with no "
+            "clip to render (no Ulysses: the sampler stage 'diffusers' renders a clip on one rank)") in result.stderr
     assert len(list((tmp_path / "out").glob("*.mp4"))) == 1
     # As many clips as workers: whole clips in parallel all the same, so nothing to say
     result = h3gen("render", prompts_file("a fox\nrain\n"), "-o", tmp_path / "two", "--cpu-workers", 2,

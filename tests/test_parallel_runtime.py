@@ -318,6 +318,10 @@ def test_layout_rule():
     assert choose_layout(4, 4, 1, 1) == Layout(4, 1)  # a sampler that cannot split: data parallel only
     assert choose_layout(16, 8, 2, 56) == Layout(2, 8)  # two machines: a group stays on one
     assert choose_layout(8, 8, 100, 56, ulysses=2) == Layout(4, 2)
+    assert Layout(4, 2).describe("GPU", 4) == "4 group(s) x 2 GPUs: Ulysses 2 within a group, 4 clip(s) at a time"
+    assert Layout(4, 1).describe("CPU worker", 3) == \
+        "4 group(s) x 1 CPU worker: data parallel, 3 clip(s) at a time, 1 group(s) idle with no clip to render"
+    assert Layout(4, 1).describe("CPU worker", 0).endswith("4 clip(s) at a time")  # nothing left to render: the layout as it is
 
 
 def test_the_first_failure_is_the_rank_that_failed_first_within_the_second():
