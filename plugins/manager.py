@@ -153,7 +153,7 @@ def collect(pm: pluggy.PluginManager, failed=(), left_out=()) -> Registry:
             for path in presets:
                 if not path.is_file():
                     raise ValueError(f"registered preset {path} is not a file (a preset in a package ships as its "
-                                     "package data)")
+                                     "package data: list it under [tool.setuptools.package-data] in pyproject.toml)")
                 if path.stem in registry.presets:
                     raise ValueError(f"preset '{path.stem}' is already registered by "
                                      f"{registry.preset_origins[path.stem]}")

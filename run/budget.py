@@ -195,7 +195,7 @@ def check_budget(budget_gib: float, device: str) -> None:
         return
     if not device.startswith("cuda"):
         raise UsageError(f"{budget_named(budget_gib)} is for a GPU, and this run is on the CPU",
-                         "run on a GPU, or give --vram 0 for none (a preset's runtime.vram_gib gives one too)")
+                         "run on a GPU, or give --vram 0 for none; a preset's runtime.vram_gib gives one too")
     total = device_bytes(device)
     if budget_gib * GIB > total * (1 + CARD_SIZE_SLACK):
         raise UsageError(f"{budget_named(budget_gib)} is more than the GPU's {total / GIB:.1f} GiB",

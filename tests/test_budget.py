@@ -62,8 +62,9 @@ def test_a_budget_on_a_cpu_run_is_refused_before_any_weight_loads(prompts_file, 
     # The budget is said as either source may have given it: --vram, or runtime.vram_gib of the preset or a --set.
     for budget in (["--vram", "8"], ["--set", "runtime.vram_gib=8"]):
         result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", *budget, check_code=2)
-        assert result.stderr.splitlines()[-1].startswith(
-            "h3gen: error: a device memory budget of 8 GiB (--vram, runtime.vram_gib) is for a GPU, and this run is on the CPU")
+        assert result.stderr.splitlines()[-1] == (
+            "h3gen: error: a device memory budget of 8 GiB (--vram, runtime.vram_gib) is for a GPU, and this run is on "
+            "the CPU (run on a GPU, or give --vram 0 for none; a preset's runtime.vram_gib gives one too)")
     assert not (tmp_path / "out").exists()  # nor the output directory the refused run would have made
     (tmp_path / "kept").mkdir()
     h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "kept", "--vram", "8", check_code=2)

@@ -200,7 +200,8 @@ def test_a_registered_preset_that_is_missing_or_unreadable_is_named(tmp_path, pr
         site = install(tmp_path / "site", name, PRESETS.replace("{name}", name))
     listed = h3gen("presets", "list", env=site, check_code=0)
     assert (f"h3gen: plugin 'missing' failed during registration: registered preset {tmp_path}/site/missing.toml is "
-            "not a file (a preset in a package ships as its package data) (skipped)") in listed.stderr.splitlines()
+            "not a file (a preset in a package ships as its package data: list it under [tool.setuptools.package-data] in "
+            "pyproject.toml) (skipped)") in listed.stderr.splitlines()
     [broken] = [line for line in listed.stdout.splitlines() if line.startswith("broken ")]
     assert "(unusable: preset " in broken and "is not valid TOML" in broken
     assert "h3-base " in listed.stdout
