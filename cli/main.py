@@ -589,9 +589,13 @@ def tiny(directory: Annotated[Optional[Path], typer.Argument(metavar="DIR", help
       h3gen tiny ./tiny-model
     """
     from h3gen.models.tiny import TINY_NOTICE, ensure_tiny_model
+    from h3gen.text import shown
+
+    def repairing(target: Path) -> None:
+        typer.echo(f"h3gen: note: the tiny model in {shown(str(target))} is damaged: written again", err=True)
 
     try:
-        typer.echo(str(ensure_tiny_model(directory)))
+        typer.echo(str(ensure_tiny_model(directory, on_repair=repairing)))
     except H3genError as e:
         fail(e)
     typer.echo(f"note: {TINY_NOTICE}", err=True)

@@ -46,10 +46,11 @@ def default_tiny_dir() -> Path:
     return Path(user_cache_dir("h3gen")) / f"tiny-v{TINY_VERSION}"
 
 
-def ensure_tiny_model(target: Path | None = None) -> Path:
-    """Return the tiny model's directory (absolute), writing it first when it is not there yet or is damaged. A
-    folder that holds anything else is never written over. Runs that start together write it once: the writer holds
-    a lock on the folder above it, and a run that waited for the lock uses what the writer wrote."""
+def ensure_tiny_model(target: Path | None = None, on_repair=None) -> Path:
+    """Return the tiny model's directory (absolute), writing it first when it is not there yet or is damaged
+    (`on_repair(target)` is called before a damaged copy is written again). A folder that holds anything else is
+    never written over. Runs that start together write it once: the writer holds a lock on the folder above it, and
+    a run that waited for the lock uses what the writer wrote."""
     from h3gen.errors import UsageError
 
     default = target is None
@@ -62,6 +63,8 @@ def ensure_tiny_model(target: Path | None = None) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         with writer_lock(target.parent):
             if not in_place(target):
+                if on_repair is not None and target.is_dir() and any(target.iterdir()):
+                    on_repair(target)
                 write_into(target)
     except UsageError:  # the folder came to hold other files meanwhile
         raise

@@ -37,8 +37,10 @@ def test_a_damaged_tiny_model_is_written_anew(tmp_path, tiny_model, component, d
     weights = copy / component / "diffusion_pytorch_model.safetensors"
     whole = weights.read_bytes()
     weights.write_bytes(damage(whole)) if damage else weights.unlink()
-    h3gen("tiny", copy, check_code=0)
+    result = h3gen("tiny", copy, check_code=0)
     assert weights.read_bytes() == whole
+    assert f"h3gen: note: the tiny model in {copy} is damaged: written again\n" in result.stderr
+    assert "damaged" not in h3gen("tiny", copy, check_code=0).stderr  # whole now: nothing to say
 
 
 def test_a_tiny_model_with_its_readme_and_a_config_damaged_is_written_anew(tmp_path, tiny_model):
