@@ -1,5 +1,5 @@
-"""What the user sees on stderr while a run works: a live rich display on a terminal, plain lines otherwise. Both
-implement the run loop's reporter protocol (h3gen.run.report).
+"""What the user sees on stderr while a run works: a live rich display on a terminal, plain lines otherwise, or only
+what went wrong (-q). Each implements the run loop's reporter protocol (h3gen.run.report).
 
 stdout is kept for results (`--json`), so every display here writes to stderr; while clips render, anything else
 written to stdout goes to stderr too (`results_only_on_stdout`).

@@ -3,7 +3,6 @@ workers, and the workers load the kernels (h3gen.kernels.attention)."""
 
 BACKENDS = ("fa3", "flash-attn-4", "sdpa-cudnn", "sdpa-flash", "sdpa", "triton-fp8", "cudnn-fp8", "fa3-fp8")
 # FP8 attention trades accuracy for speed, so "auto" never picks it: a preset or --set asks for it by name.
-FP8_BACKENDS = ("triton-fp8", "cudnn-fp8", "fa3-fp8")
 
 
 def check_backend_name(key: str, name: str) -> None:

@@ -69,9 +69,6 @@ class FP8RowwiseLinear(nn.Module):
         return cls(linear.in_features, linear.out_features, quantized.view(torch.uint8), scale, bias, matmul,
                    fast_accum)
 
-    def dequantized_weight(self) -> torch.Tensor:
-        return self.weight_bits.view(FP8).float() * self.weight_scale[:, None]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows, row_scale = quantize_rows(x.reshape(-1, self.in_features))
         return self.project(rows, row_scale, x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -161,9 +158,6 @@ class Int8WeightOnlyLinear(nn.Module):
         quantized, scale = quantize_weight(linear.weight.detach(), INT8_MAX, torch.int8)
         bias = linear.bias.detach() if linear.bias is not None else None
         return cls(linear.in_features, linear.out_features, quantized, scale, bias)
-
-    def dequantized_weight(self) -> torch.Tensor:
-        return self.weight_int8.float() * self.weight_scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight_int8.to(x.dtype)) * self.weight_scale.to(x.dtype)

@@ -1,6 +1,6 @@
 """The run loop: check everything that can be checked before a weight loads, skip what is written, render the
 rest, report the end. The command line (h3gen.cli) and the workers (h3gen.parallel) both drive a run through here,
-and talk to it only through a reporter (h3gen.run.report)."""
+and hear of its progress only through a reporter (h3gen.run.report)."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
                          f"file does not name ({shown}): a killed run left them, or another run is writing them; a "
                          "run of their prompts removes them, or delete them once no other run writes there")
         check_plugins(found, settings.strict_plugins, reporter)
-        repo = model_repo(settings.model, reporter)
+        repo = model_repo(settings.model)
         check_model_kind(preset, repo, settings.model is None)
         # An adapter's step/shift/task contract, and the partition ref2va runs: before any weight loads.
         check_adapters(preset, requests, repo.root, settings.prompts)
@@ -308,7 +308,7 @@ def check_model_kind(preset, repo, embedded: bool, baseline: bool = False, bench
                      f"pass --model DIR (or H3GEN_MODEL) with the MiniMax-H3 repository, {instead}, {anyway}")
 
 
-def model_repo(model, reporter):
+def model_repo(model):
     from h3gen.models.repo import ModelRepo
 
     if model is None:

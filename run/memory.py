@@ -1,8 +1,8 @@
 """GPU memory: an estimate of a clip's peak before the run, and giving memory back between clips.
 
 The estimate is deliberately simple: the weights already resident plus the larger of the DiT's activations (linear
-in packed rows) and the video decode's (linear in output pixels). Both coefficients come from one measurement of
-the released model's architecture on an H200 (diffusers' full-size classes, random weights): 62.4 GiB of DiT
+in packed rows) and the video decode's (linear in output pixels). The coefficients come from measurements of the
+released model's architecture on an H200 (diffusers' full-size classes, random weights): 62.4 GiB of DiT
 weights and a 74.8 GiB peak for one forward over 73,642 packed rows; 8.4 GiB peak for the VAE decode of 243 frames
 at 1344x768.
 """

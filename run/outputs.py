@@ -5,8 +5,9 @@ Two overlapping runs (cron jobs that outlast their interval) on one directory ne
 clip is claimed with an advisory lock that the kernel drops when its process ends, so a crashed run never leaves
 a stale claim. The manifest is JSON Lines, appended one whole line per event.
 
-Every write here fails soft: an OSError (a full disk, a read-only directory) comes back as the clip's one-line
-reason, never as a traceback that ends the run.
+A write for one clip fails soft: an OSError (a full disk, a read-only directory) comes back as the clip's one-line
+reason. A write the run cannot do without (the manifest, room for any clip at all) ends it with one line
+(WriteError), never a traceback.
 """
 
 from __future__ import annotations

@@ -268,7 +268,8 @@ class Renderer:
                    self.unfit_per_pixel)
 
     def check_fatal(self, clip: Clip, error: Exception) -> None:
-        """Raise to end the run rather than fail the clip; on one device a clip's error never ends the run."""
+        """Raise to end the run rather than fail the clip (a group renderer: a rank of the group lost). On one device
+        nothing more ends it: only a ModelError, raised before this is asked."""
 
     def collect(self, wait: bool) -> Iterator[ClipResult]:
         """Results of the clips whose mux has finished (all of them with `wait`), in the order they were rendered."""

@@ -1,7 +1,8 @@
 """What the run loop tells whoever watches it: the reporter protocol, and a reporter that says nothing.
 
-The live display and the plain lines (h3gen.cli.ui), the JSON records, the bench's recorder and the events a worker
-sends to rank 0 (h3gen.parallel.events) all implement `Reporter`; the loop never knows which one it talks to.
+The live display, the plain lines and -q's (h3gen.cli.ui, which also print the JSON records), the bench's recorder
+and the events a worker sends to rank 0 (h3gen.parallel.events) all implement `Reporter`; the loop never knows which
+one it talks to.
 """
 
 from __future__ import annotations

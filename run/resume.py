@@ -18,7 +18,8 @@ from h3gen.run.records import ClipResult
 
 
 def clip_name(request: Request, preset: str) -> str:
-    """The id when given, else a hash of what determines the clip, so reruns find the same file."""
+    """The id when given, else a hash of the preset's name, the seed, the prompt and the media files' content, so
+    reruns find the same file (the fingerprint, not the name, says whether the clip there has these settings)."""
     if request.id:  # an id that already ends in .mp4 is the file name itself
         return request.id if request.id.endswith(".mp4") else f"{request.id}.mp4"
     media = [request.first_frame, request.last_frame, *(r.path for r in request.references)]

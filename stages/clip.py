@@ -1,7 +1,7 @@
 """What flows between stages: a clip, the typed fields each stage reads and writes, and the order they run in.
 
-`FLOW` is the pipeline written once, as data: the one-process renderer, the group renderer and the bench take a clip
-through it, and a plugin author reads in it what a stage of each kind is handed and must hand on.
+`FLOW` is the pipeline written once, as data: the order the renderers run the stages in (PIPELINE and the device
+stages below derive from it), and what a stage of each kind is handed and must hand on, for a plugin author.
 """
 
 from __future__ import annotations
