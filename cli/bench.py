@@ -88,7 +88,8 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     from h3gen.config.preset import parse_override, resolve
     from h3gen.bench.batch import batch_requests
     from h3gen.run.budget import check_budget, check_host_fits
-    from h3gen.run.loop import Interrupted, check_model_kind, check_writable, remove_if_empty, stop_on_signals
+    from h3gen.run.loop import (Interrupted, check_model_kind, check_writable, missing_directories, remove_if_empty,
+                                stop_on_signals)
     from h3gen.run.quiet import quiet_libraries
     from h3gen.run.render import pick_device
 
@@ -135,7 +136,7 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
     on_cpu = [preset for preset in resolved if pick_device(preset.runtime["device"]) == "cpu"]
     for preset in on_cpu:  # a clip the host cannot hold on the CPU: refused as render refuses it, not killed later
         check_host_fits(preset, [longest], source)
-    created = [d for d in [Path(output), *Path(output).parents] if not d.exists()]
+    created = missing_directories(Path(output))
     check_writable(Path(output))  # now, not after the benchmark's minutes
     if on_cpu and longest.width * longest.height * longest.frames > CPU_QUICK_PIXELS:
         say(f"bench: note: on the CPU a {longest.width}x{longest.height} clip of {max(plan.durations):g} s takes "

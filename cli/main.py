@@ -382,13 +382,13 @@ def validate(
     from h3gen.text import shown
 
     bad = missing = 0
-    for path in (clip for named in files for clip in (clips_in(named) if named.is_dir() else []) or [named]):
+    for path in (clip for named in files for clip in (named.is_dir() and clips_in(named)) or [named]):
         if not path.exists() or path.is_dir():  # not a clip at all: as a file that is not there
             missing += 1
             problems = ["does not exist" if not path.exists() else "is a directory with no .mp4 clips in it"]
         else:
             problems = validate_clip(path, expected_frames=frames) or changed_since_written(path, written_sha256(path))
-            if path.suffix.lower() in (".txt", ".jsonl") and not_an_mp4(path):  # a prompts file given to check
+            if problems and path.suffix.lower() in (".txt", ".jsonl") and not_an_mp4(path):  # a prompts file
                 problems.append(f"a prompts file is checked with h3gen render {shown(str(path))} --dry-run")
         bad += bool(problems)
         if json_out:

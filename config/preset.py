@@ -166,11 +166,6 @@ def stage_takes(stage, key: str) -> bool:
     return not dataclasses.is_dataclass(config) or key in {field.name for field in dataclasses.fields(config)}
 
 
-def config_fields(stage) -> set[str]:
-    """The keys a stage class takes: its Config's fields."""
-    return {field.name for field in dataclasses.fields(stage.Config)}
-
-
 def is_wrapper(registry, kind: str, name) -> bool:
     from h3gen.stages.base import Wrapper
 
@@ -357,8 +352,7 @@ def _stage(kind: str, data: dict, registry, where: str, sources: dict, key: str 
     wraps = section.pop("wraps", None) if wrapping else None
     if isinstance(wraps, dict):  # a key of the wrapped stage set on the wrapper: said so (any other: build_config)
         inner = registry.stages.get((kind, wraps.get("use"))) if isinstance(wraps.get("use"), str) else None
-        theirs = config_fields(inner.stage) - config_fields(stage) if inner else set()
-        for misplaced in (k for k in section if k in theirs):
+        for misplaced in (k for k in section if inner and stage_takes(inner.stage, k) and not stage_takes(stage, k)):
             given = set_key(sources, f"{key}.{misplaced}")
             raise UsageError(f"{f'--set {given}: ' if given else ''}unknown key '{misplaced}' in "
                              f"{origin_of(sources, f'{key}.{misplaced}', where)} [{key}]: {kind} stage '{name}' "

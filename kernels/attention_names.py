@@ -1,8 +1,8 @@
 """The attention backends a preset may name, without loading torch: the command checks a preset before it starts
 workers, and the workers load the kernels (h3gen.kernels.attention)."""
 
+# The FP8 ones (the last three) trade accuracy for speed, so "auto" never picks them: a preset or --set asks by name.
 BACKENDS = ("fa3", "flash-attn-4", "sdpa-cudnn", "sdpa-flash", "sdpa", "triton-fp8", "cudnn-fp8", "fa3-fp8")
-# FP8 attention trades accuracy for speed, so "auto" never picks it: a preset or --set asks for it by name.
 
 
 def check_backend_name(key: str, name: str) -> None:

@@ -29,11 +29,11 @@ def check_safetensors(path: Path) -> None:
             (header_len,) = struct.unpack("<Q", raw)
             header = json.loads(f.read(header_len))
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        size = path.stat().st_size
-        if size < 8 + header_len + end:
+        stray = path.stat().st_size - (8 + header_len + end)
+        if stray < 0:
             raise ValueError("truncated")
-        if size > 8 + header_len + end:  # safetensors refuses such a file as it loads, naming no cause
-            raise ValueError(f"{size - 8 - header_len - end} stray bytes after its tensors")
+        if stray > 0:  # safetensors refuses such a file as it loads, naming no cause
+            raise ValueError(f"{stray} stray bytes after its tensors")
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, MemoryError, OverflowError) as e:
         reason = str(e) if isinstance(e, ValueError) and str(e) else "its header is not a safetensors header"
         raise ModelError(f"corrupt or truncated checkpoint {path} ({reason})",

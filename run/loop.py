@@ -105,7 +105,7 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
     every = read_prompts(settings.prompts, settings.seed, preset.request)
     check_unique_outputs(every, preset.name, settings.prompts)  # across shards too: two shards must not write one file
     requests = shard_requests(every, settings.shard)
-    created = [d for d in [settings.output, *settings.output.parents] if not d.exists()]
+    created = missing_directories(settings.output)
     check_writable(settings.output)
     try:
         check_device(preset.runtime["device"])
@@ -164,6 +164,12 @@ def check_ref2va_partition(requests, repo, prompts: Path) -> None:
                          "download transformer_ref/ of MiniMaxAI/MiniMax-H3 into the model directory, or drop the "
                          "ref2va lines")
     ModelRepo(repo.root, components=("transformer_ref",))  # safetensors only, complete and readable
+
+
+def missing_directories(output: Path) -> list[Path]:
+    """`output` and the folders above it that are not there yet (innermost first): what a run that writes into
+    `output` makes, for `remove_if_empty`."""
+    return [d for d in [output, *output.parents] if not d.exists()]
 
 
 def remove_if_empty(created: list[Path]) -> None:
