@@ -444,10 +444,11 @@ def as_toml(preset: Preset) -> str:
     return tomli_w.dumps(tables)
 
 
-def check_stage_configs(preset, registry, repo=None) -> None:
-    """Each stage's own check of its section (`Stage.check_config`), and with `repo` of the model (`check_model`); a
-    refusal that names a key of the section says where the value came from, a --set or a preset (not a stage's
-    default); a check that raises anything else is the stage's failure, named."""
+def check_stage_configs(preset, registry, repo=None, device: str = "") -> None:
+    """Each stage's own check of its section (`Stage.check_config`), with `repo` of the model (`check_model`), with
+    `device` of the device the run picked (`check_device`, in the preset's dtype); a refusal that names a key of the
+    section says where the value came from, a --set or a preset (not a stage's default); a check that raises
+    anything else is the stage's failure, named."""
     from h3gen.stages.base import raised, wrapped_chain
 
     for kind, (name, config) in preset.stages.items():
@@ -457,6 +458,8 @@ def check_stage_configs(preset, registry, repo=None) -> None:
                 stage.check_config(stage_config)
                 if repo is not None:
                     stage.check_model(stage_config, repo)
+                if device:
+                    stage.check_device(stage_config, device, preset.runtime["dtype"])
             except UsageError as e:
                 blamed = _blamed(preset, kind, e, kind + ".wraps" * depth)
                 if blamed is e:

@@ -82,6 +82,43 @@ def fa3_refusal(device, dtype, head_dim) -> str | None:
     return None
 
 
+# Backends a preset names outright that run on CUDA only (SDPA's flash kernel has a CPU twin), that take half
+# precision there (cudnn-fp8 quantizes any input), and the package each needs beyond torch: where one cannot run,
+# the run is refused before any weight loads (Stage.check_device).
+CUDA_ONLY = ("flash-attn-4", "sdpa-cudnn", "cudnn-fp8")
+HALF_ON_CUDA = ("flash-attn-4", "sdpa-cudnn", "sdpa-flash")
+PACKAGES = {"flash-attn-4": ("flash-attn-4", "pip install 'h3gen[hopper]'"),
+            "cudnn-fp8": ("nvidia-cudnn-frontend", "pip install 'h3gen[fp8-attention]'")}
+
+
+def refusal(device, requested, dtype=None) -> str | None:
+    """Why `requested`, a backend named outright that does not fall back, cannot run on `device` with inputs of
+    `dtype` (a torch dtype or its name; None: any); None when it can, or for "auto" and the backends that fall back
+    (FALLBACK)."""
+    device = torch.device(device if device is not None else "cpu")
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if requested in CUDA_ONLY and device.type != "cuda":
+        return f"it runs on CUDA GPUs only, and this run is on {device.type}"
+    if requested in HALF_ON_CUDA and device.type == "cuda" and dtype not in (None, torch.bfloat16, torch.float16):
+        return f"on a GPU it takes bf16 or fp16 inputs, and this run is in {str(dtype).removeprefix('torch.')}"
+    from h3gen.kernels.attention_cudnn_fp8 import cudnn_module
+
+    if requested == "flash-attn-4" and _flash_attn_4() is None or requested == "cudnn-fp8" and cudnn_module() is None:
+        package, install = PACKAGES[requested]
+        return f"{package} is not installed, and `{install}` installs it"
+    return None
+
+
+def check_runs(key: str, requested: str, device, dtype=None) -> None:
+    """UsageError naming `key` when the backend it asks for cannot run here (`refusal`)."""
+    why = refusal(device, requested, dtype)
+    if why:
+        from h3gen.errors import UsageError
+
+        raise UsageError(f"{key} = {requested} cannot run here: {why}",
+                         f"set {key} = auto, which picks the fastest backend this machine runs")
+
+
 def choose_backend(device=None, requested="auto", dtype=None, head_dim=None) -> Choice:
     """The backend `attention` runs on `device` for `requested` ("auto" or one of BACKENDS), inputs of `dtype` (None:
     the half-precision types the models run in) and `head_dim` (None: any)."""

@@ -83,7 +83,7 @@ def attention_fp8_cudnn(q, k, v):
     """`q`, `k`, `v` (B, L, H, D) CUDA tensors -> (B, L, H, D) in q's dtype."""
     if cudnn_module() is None:
         raise RuntimeError("the cudnn-fp8 attention backend needs nvidia-cudnn-frontend: pip install "
-                           "nvidia-cudnn-frontend, or choose sampler.attention = 'triton-fp8'")
+                           "'h3gen[fp8-attention]', or choose another backend")
     quantized = [quantize_tensor(t) for t in (q, k, v)]
     graph = _graph(*q.shape[:1], q.shape[2], q.shape[1], q.shape[3], q.device.index)
     out = torch.empty(q.shape, dtype=FP8, device=q.device)

@@ -100,6 +100,7 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
     from h3gen.config.preset import check_stage_configs
     from h3gen.inputs.prompts import read_prompts, shard_requests
     from h3gen.run.outputs import check_room
+    from h3gen.run.render import pick_device
     from h3gen.run.resume import clip_name
 
     every = read_prompts(settings.prompts, settings.seed, preset.request)
@@ -136,7 +137,7 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
         check_adapters(preset, requests, repo.root, settings.prompts)
         check_ref2va_partition(requests, repo, settings.prompts)
         check_cache(preset, found)
-        check_stage_configs(preset, found, repo)
+        check_stage_configs(preset, found, repo, pick_device(preset.runtime["device"]))
         if check_layout is not None:
             check_layout(preset, repo, found)
         memory_plan = plan_memory_budget(preset, requests, repo, reporter, settings.parallel.workers or 1)

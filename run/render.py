@@ -406,6 +406,7 @@ class Renderer:
 def build(stage_class, config, runtime):
     """A stage of the preset; one that fails to construct with anything but an h3gen error ends the run, named."""
     try:
+        stage_class.check_device(config, runtime.device, str(runtime.dtype).removeprefix("torch."))
         return stage_class(config, runtime)
     except H3genError as e:
         stage_class.raise_named(e)

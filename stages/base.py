@@ -80,6 +80,13 @@ class Stage:
         run and a dry run. The default accepts every model."""
 
     @classmethod
+    def check_device(cls, config, device: str, dtype: str) -> None:
+        """Refuse preset values this stage cannot run with on `device` ("cpu", "cuda" or "cuda:N") in `dtype` (the
+        preset's runtime.dtype, e.g. "bfloat16"): raise UsageError as `check_config` does. Called after
+        `check_model`, for a run and a dry run, and again as the stage is built on the device it runs on. The default
+        accepts every device."""
+
+    @classmethod
     def refuses_split(cls, config) -> str:
         """Why this stage, with `config`, cannot render one clip across a group of ranks; '' when it can."""
         return "" if cls.splits_clip else f"the {cls.kind} stage '{cls.name}' renders a clip on one rank"
@@ -225,6 +232,13 @@ class Wrapper(Stage):
         self.splits_clip = self.inner.splits_clip
         self.hands_over_frames = self.inner.hands_over_frames and type(self).hands_over_frames
         self.background, self.on_host = self.inner.background, self.inner.on_host
+
+    @classmethod
+    def check_device(cls, config, device: str, dtype: str) -> None:
+        """Refuse preset values this stage cannot run with on `device` ("cpu", "cuda" or "cuda:N") in `dtype` (the
+        preset's runtime.dtype, e.g. "bfloat16"): raise UsageError as `check_config` does. Called after
+        `check_model`, for a run and a dry run, and again as the stage is built on the device it runs on. The default
+        accepts every device."""
 
     @classmethod
     def refuses_split(cls, config) -> str:

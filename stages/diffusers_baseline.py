@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from h3gen.errors import UsageError
 from h3gen.stages.base import Stage
 from h3gen.stages.clip import FORWARDS_PART
 
@@ -66,27 +67,46 @@ class DiffusersSamplerConfig:
     sdpa_backend: str = "default"  # default (PyTorch picks), flash, cudnn, efficient, math
 
 
+# SDPA's backends a preset may force: the torch.nn.attention.SDPBackend member of each, and where it runs.
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "math": "MATH"}
+SDPA_CUDA_ONLY, SDPA_HALF_ON_CUDA = ("cudnn", "efficient"), ("flash", "cudnn")
+
+
 def sdpa_context(backend: str):
     """PyTorch's own choice by default; one named SDPA backend forced otherwise."""
     import contextlib
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
     if backend == "default":
         return contextlib.nullcontext()
-    if backend not in backends:
-        from h3gen.errors import UsageError
-
-        raise UsageError(f"unknown sdpa_backend '{backend}'", f"choose default, {', '.join(backends)}")
-    return sdpa_kernel([backends[backend]])
+    return sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[backend])])
 
 
 class DiffusersSampler(Stage):
     kind, name = "sampler", "diffusers"
     Config = DiffusersSamplerConfig
     description = "diffusers MiniMaxH3CoreDenoiseStep as shipped (default attention backend)"
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        if config.sdpa_backend not in ("default", *SDPA_BACKENDS):
+            raise UsageError(f"unknown sampler.sdpa_backend '{config.sdpa_backend}'",
+                             f"choose default, {', '.join(SDPA_BACKENDS)}")
+        if config.steps < 2:
+            raise UsageError(f"sampler.steps is {config.steps}, and diffusers' sigma grid needs at least 2 points",
+                             "set sampler.steps >= 2")
+
+    @classmethod
+    def check_device(cls, config, device, dtype) -> None:
+        backend, fix = config.sdpa_backend, "set sampler.sdpa_backend = default, PyTorch's pick, or math"
+        if backend in SDPA_CUDA_ONLY and not device.startswith("cuda"):
+            raise UsageError(f"sampler.sdpa_backend = {backend} runs on CUDA GPUs only, and this run is on {device}",
+                             fix)
+        if backend in SDPA_HALF_ON_CUDA and device.startswith("cuda") and dtype not in ("bfloat16", "float16"):
+            raise UsageError(f"sampler.sdpa_backend = {backend} takes bf16 or fp16 inputs on a GPU, and this run is "
+                             f"in {dtype}", fix)
 
     def load(self, repo):
         from diffusers import MiniMaxH3Scheduler, MiniMaxH3Transformer3DModel

@@ -169,6 +169,14 @@ class EulerSampler(Stage):
                              "set it to 0 (all rows at once) or a positive row count")
 
     @classmethod
+    def check_device(cls, config, device, dtype) -> None:
+        """An attention backend named outright that cannot run here (h3gen's DiT; diffusers' runs SDPA)."""
+        if config.dit == "h3gen":
+            from h3gen.kernels.attention import check_runs
+
+            check_runs("sampler.attention", config.attention, device, dtype)
+
+    @classmethod
     def check_model(cls, config, repo) -> None:
         """Blocks to stream must be blocks the DiT has."""
         blocks = repo.transformer_config().get("num_layers", 0)

@@ -138,7 +138,7 @@ class FastVAEConfig:
     # The most tiles a forward when tile_batch is 0.
     max_tile_batch: int = 16
     # Attention backend of the fast decoder (h3gen.kernels.attention): sdpa (PyTorch's own pick, the kernel diffusers'
-    # decoder runs), auto, fa3, fa3-fp8, flash-attn-4, sdpa-cudnn, sdpa-flash.
+    # decoder runs), auto, fa3, flash-attn-4, sdpa-cudnn, sdpa-flash, and the FP8 ones triton-fp8, cudnn-fp8, fa3-fp8.
     attention: str = "sdpa"
     # torch.compile around one decoder block (one compile serves all blocks; the first clip pays for it). Inductor
     # writes its own norms: it needs exact_norms = false.
@@ -179,6 +179,14 @@ class FastVAE(ReferenceVAE):
             raise UsageError("vae.compile = true lets inductor write the decoder's norms, so its frames are not "
                              "diffusers' (vae.exact_norms = true asks for that)",
                              "set vae.exact_norms = false with vae.compile = true, or leave compile off")
+
+    @classmethod
+    def check_device(cls, config, device, dtype) -> None:
+        """An attention backend named outright that cannot run here (the fast decoder's; exact runs diffusers')."""
+        if not config.exact:
+            from h3gen.kernels.attention import check_runs
+
+            check_runs("vae.attention", config.attention, device, dtype)
 
     def load(self, repo):
         from h3gen.models.vae.vit import FastViTDecoder

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import norm_relative_error, run_parity_under_triton_interpreter
-from h3gen.kernels.attention import attention, attention_backend, choose_backend
+from h3gen.kernels.attention import attention, attention_backend, choose_backend, refusal
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 parity = pytest.mark.skipif(not INTERPRETED, reason="runs in test_fp8_kernel_under_interpreter's child process")
@@ -30,6 +30,28 @@ def test_fa3_backends_fall_back_on_the_cpu_with_the_reason(requested):
     assert choose_backend("cpu").fallback_reason is None and attention_backend("cpu") == "sdpa"
     q, k, v = torch.randn(3, 1, 9, 2, 16).unbind(0)
     assert torch.equal(attention(q, k, v, requested), attention(q, k, v))  # today's bytes
+
+
+@pytest.mark.parametrize("requested, why", [
+    ("auto", None), ("sdpa", None), ("fa3", None), ("fa3-fp8", None), ("triton-fp8", None),
+    ("sdpa-flash", None),  # SDPA's flash kernel has a CPU twin
+    ("flash-attn-4", "it runs on CUDA GPUs only, and this run is on cpu"),
+    ("sdpa-cudnn", "it runs on CUDA GPUs only, and this run is on cpu"),
+    ("cudnn-fp8", "it runs on CUDA GPUs only, and this run is on cpu"),
+])
+def test_a_backend_named_outright_is_refused_where_it_cannot_run(requested, why):
+    """The backends that fall back (fa3, fa3-fp8) and those with a CPU path are never refused on the CPU; the others
+    are, with the reason, before anything runs them."""
+    assert refusal("cpu", requested, "float32") == why
+    if why is None:
+        q, k, v = torch.randn(3, 1, 9, 2, 16).unbind(0)
+        assert attention(q, k, v, requested).shape == q.shape
+
+
+@pytest.mark.cuda
+def test_half_precision_backends_refuse_fp32_on_the_gpu():
+    assert refusal("cuda", "sdpa-flash", torch.float32).startswith("on a GPU it takes bf16 or fp16 inputs")
+    assert refusal("cuda", "sdpa-flash", torch.bfloat16) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

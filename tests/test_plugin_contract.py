@@ -38,6 +38,11 @@ class Faulty(FrameFilter):
         if config.fault == "check-model":
             raise UsageError("vae.fault = check-model does not fit this model", "pick another fault")
 
+    @classmethod
+    def check_device(cls, config, device, dtype):
+        if config.fault == "check-device":
+            raise UsageError(f"vae.fault = check-device does not run on {device} in {dtype}", "pick another fault")
+
     def __init__(self, config, runtime):
         if config.fault == "init":
             raise KeyError("no such knob")
@@ -368,6 +373,15 @@ def test_a_model_check_s_refusal_says_where_the_value_came_from(faulty, prompts_
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1] == ("h3gen: error: --set vae.fault: vae.fault = check-model does not fit "
                                               "this model (pick another fault)")
+
+
+@pytest.mark.parametrize("dry", [True, False])
+def test_a_device_check_s_refusal_comes_before_any_weight_loads(faulty, prompts_file, tmp_path, dry):
+    result = render(faulty, prompts_file, tmp_path, "check-device", *(["--dry-run"] if dry else []))
+    assert result.returncode == 2 and "loaded" not in result.stderr
+    assert result.stderr.splitlines()[-1] == ("h3gen: error: --set vae.fault: vae.fault = check-device does not run "
+                                              "on cpu in float32 (pick another fault)")
+    assert not list(tmp_path.glob("**/*.mp4"))
 
 
 def test_a_wrapper_s_own_config_check_leaves_the_wrapped_stage_s_check_in_place(faulty, prompts_file, tmp_path):

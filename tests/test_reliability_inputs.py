@@ -93,6 +93,17 @@ def test_bad_prompts_file_is_refused_before_anything_loads(tmp_path, text, messa
     (["cache.use=residual", "sampler.dit=h3gen", "cache.first_blocks=1", "cache.last_blocks=1"],
      "cache.first_blocks + cache.last_blocks (2) leave no middle block of the DiT's 2 to reuse"),
     (["cache.use=schedule", "sampler.dit=h3gen", "cache.steps=[1]"], "steps must include 0"),
+    # a backend that exists but cannot run on this device: refused before the weights load, not clip by clip
+    (["runtime.device=cpu", "sampler.dit=h3gen", "sampler.attention=flash-attn-4"],
+     "sampler.attention = flash-attn-4 cannot run here: it runs on CUDA GPUs only, and this run is on cpu (set "
+     "sampler.attention = auto, which picks the fastest backend this machine runs)"),
+    (["runtime.device=cpu", "vae.use=fast", "vae.attention=cudnn-fp8"],
+     "vae.attention = cudnn-fp8 cannot run here: it runs on CUDA GPUs only"),
+    (["sampler.use=diffusers", "sampler.sdpa_backend=bogus"],
+     "unknown sampler.sdpa_backend 'bogus' (choose default, flash, cudnn, efficient, math)"),
+    (["runtime.device=cpu", "sampler.use=diffusers", "sampler.sdpa_backend=efficient"],
+     "sampler.sdpa_backend = efficient runs on CUDA GPUs only, and this run is on cpu"),
+    (["sampler.use=diffusers", "sampler.steps=1"], "diffusers' sigma grid needs at least 2 points"),
 ])
 @pytest.mark.parametrize("dry", [False, True])
 def test_a_stage_value_it_cannot_run_with_is_refused_before_the_run_a_dry_run_too(prompts_file, tmp_path,
