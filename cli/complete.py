@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def preset_names(incomplete: str) -> list[str]:
@@ -76,13 +77,19 @@ def shells_after_option(ctx, incomplete: str) -> list[str] | None:
 
 def named_shell(args: list[str]) -> tuple[str, str] | None:
     """(option, shell) when the options before the command are `--install-completion SHELL` or
-    `--show-completion SHELL`. typer's options take no value: alone they act for the shell they detect, and the
-    name after them would be read as a command."""
-    for option, following in zip(args, args[1:]):
+    `--show-completion SHELL`, or `--install-completion` alone in a shell h3gen detects: typer's options take no
+    value (the name after them would be read as a command), and typer's own install of bash's script adds a blank
+    line to ~/.bashrc at every install."""
+    for option, following in zip(args, [*args[1:], ""]):
         if not option.startswith("-"):
             return None
-        if option in SHELL_OPTIONS and not following.startswith("-"):
+        if option in SHELL_OPTIONS and following and not following.startswith("-"):
             return option, following
+        if option == "--install-completion":
+            from typer._completion_shared import _get_shell_name
+
+            detected = _get_shell_name()
+            return (option, detected) if detected else None
     return None
 
 
@@ -93,8 +100,6 @@ def install_script(shell: str, prog_name: str, complete_var: str):
     """bash and zsh: the script in the home folder (~/.bash_completions/PROG.sh, ~/.zfunc/_PROG) and the line that
     loads it at the end of the shell's startup file, once, the rest of the file as it was. typer's own install adds
     a blank line to ~/.bashrc at every install, and for zsh also switches on menu selection for every command."""
-    from pathlib import Path
-
     from typer.completion import get_completion_script
 
     home = Path.home()
@@ -122,8 +127,13 @@ def complete_for(ctx, option: str, shell: str) -> None:
     prog_name = ctx.info_name
     complete_var = f"_{prog_name.replace('-', '_').upper()}_COMPLETE"
     if option == "--install-completion":
-        shell, path = ((shell, install_script(shell, prog_name, complete_var)) if shell in ("bash", "zsh") else
-                       install(shell=shell, prog_name=prog_name, complete_var=complete_var))
+        try:  # typer asks PowerShell itself where its profile is
+            shell, path = ((shell, install_script(shell, prog_name, complete_var)) if shell in ("bash", "zsh") else
+                           install(shell=shell, prog_name=prog_name, complete_var=complete_var))
+        except FileNotFoundError as e:
+            ctx.fail(f"{option} {shell}: {Path(e.filename or shell).name} is not installed here, so its profile "
+                     f"cannot be found (run `{prog_name} --show-completion {shell}` and add what it prints to the "
+                     "profile of the machine that has it)")
         typer.secho(f"{shell} completion installed in {path}", fg="green")
         typer.echo("Completion will take effect once you restart the terminal")
     else:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, h3gen
+from conftest import ROOT, child_env, h3gen
 from h3gen.run.validate import validate_clip
 
 
@@ -462,6 +462,25 @@ def test_zsh_completes_from_the_installed_script_on_the_first_tab(tmp_path):
     printed = [line.strip() for line in shown.splitlines() if line.startswith("[h3gen")]
     assert printed == ["[h3gen render p.txt --set sampler.steps=7]", "[h3gen render p.txt --set vae.use=fast 7]",
                        "[h3gen render p.txt --preset h3-base-fp8 7]"], shown
+
+
+def test_install_completion_in_the_shell_it_runs_under_adds_its_line_once(tmp_path):
+    """Without a shell named, the shell detected (bash here, the command's parent) gets h3gen's own install: its
+    loading line once, no blank line added at each install."""
+    command = f"'{sys.executable}' -m h3gen.cli.main --install-completion"
+    for _ in range(2):
+        result = subprocess.run([shutil.which("bash"), "-c", command], capture_output=True, text=True,
+                                env=child_env({"HOME": str(tmp_path)}))
+        assert result.returncode == 0, result.stderr
+    assert (tmp_path / ".bashrc").read_text() == f"source '{tmp_path}/.bash_completions/h3gen.sh'\n"
+
+
+def test_install_completion_for_a_powershell_that_is_not_installed_says_so(tmp_path):
+    refused = h3gen("--install-completion", "pwsh", env={"HOME": str(tmp_path), "PATH": str(tmp_path)},
+                    check_code=2)
+    assert ("--install-completion pwsh: pwsh is not installed here, so its profile cannot be found (run `h3gen "
+            "--show-completion pwsh` and add what it prints") in refused.stderr
+    assert refused.stderr.strip().count("\n") == 0, refused.stderr
 
 
 def test_install_completion_refuses_a_shell_it_does_not_know(tmp_path):
