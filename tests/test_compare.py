@@ -180,3 +180,38 @@ def test_a_missing_or_mismatched_argument_is_the_one_named(tmp_path, order):
     args = (folder, single) if order == "folder first" else (single, folder)
     result = h3gen("compare", *args, check_code=2)
     assert result.stderr.count("\n") == 1 and f"{folder} is a directory and {single} a file" in result.stderr
+
+
+def test_full_size_frames_are_compared_a_frame_at_a_time_in_float32(monkeypatch):
+    """SSIM's working set on the CPU grows with the pixels of a pass: at 1344x768 one frame in float32 (1.2 GB),
+    never eight in float64 (40 GB); the values are the float64 ones to 1e-6."""
+    import torch
+    import torchmetrics.functional.image as image
+
+    from h3gen.run import compare
+
+    rng = np.random.default_rng(0)
+    silent = np.zeros((0, 0), np.float32)
+
+    def noisy_pair(shape):
+        frames = rng.integers(0, 256, shape, dtype=np.uint8)
+        noisy = np.clip(frames.astype(np.int16) + rng.integers(-9, 10, shape), 0, 255).astype(np.uint8)
+        monkeypatch.setattr(compare, "read_clip", {Path("a"): (frames, silent, 0), Path("b"): (noisy, silent, 0)}.get)
+        return frames, noisy
+
+    passes, ssim = [], image.structural_similarity_index_measure
+
+    def recorded(x, y, **kwargs):
+        passes.append((tuple(x.shape), x.dtype))
+        return ssim(x, y, **kwargs)
+
+    monkeypatch.setattr(image, "structural_similarity_index_measure", recorded)
+    noisy_pair((2, 768, 1344, 3))
+    assert compare.compare(Path("a"), Path("b"))["frames"] == 2
+    assert passes == [((1, 3, 768, 1344), torch.float32)] * 2
+    frames, noisy = noisy_pair((5, 64, 96, 3))
+    result = compare.compare(Path("a"), Path("b"))
+    x, y = (torch.from_numpy(f).permute(0, 3, 1, 2).double() for f in (frames, noisy))
+    exact = ssim(x, y, data_range=255.0, reduction="none")
+    assert abs(result["ssim_mean"] - exact.mean().item()) < 1e-6 and abs(result["ssim_worst"] - exact.min().item()) < 1e-6
+    assert 0 < result["ssim_mean"] < 1
