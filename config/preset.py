@@ -54,6 +54,9 @@ def load_toml(path: Path) -> dict:
         return tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"preset {path} is not valid TOML: {e}", "fix the syntax at that line and column") from None
+    except RecursionError:
+        raise UsageError(f"preset {path} nests its values too deeply to read", "write each key's value as a "
+                         "number, a string or a list of them") from None
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"cannot read preset {path}: {e}", "pass a readable UTF-8 TOML file") from None
 
@@ -183,6 +186,9 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw.strip()
+    except RecursionError:
+        raise UsageError(f"--set {key.strip()}: its value nests too deeply to read",
+                         "give a number, a string or a list of them") from None
     return section, field, value
 
 

@@ -122,12 +122,34 @@ def _once_each(pairs: list) -> dict:
     return seen
 
 
+MAX_NESTING = 8  # a line's object, a list in it, an object in that list: deeper is no request's
+
+
+def nesting(value) -> int:
+    """How deep `value`'s lists and objects go (a string or number: 0), without recursion."""
+    deepest, level = 0, [(value, 0)]
+    while level:
+        item, depth = level.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth + 1)
+            if deepest > MAX_NESTING:
+                return deepest
+            level.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def _parse_line(line: str, where: str) -> dict:
     # A line that starts like JSON is JSON or an error: a typo in an object must never render as its text.
     if not line.startswith(("{", "[")):
         return {"prompt": line}
     try:
         fields = json.loads(line, object_pairs_hook=_once_each)
+        if nesting(fields) > MAX_NESTING:
+            raise RecursionError
+    except RecursionError:
+        raise UsageError(f"{where}: JSON nested deeper than the {MAX_NESTING} levels a request can have",
+                         'write one object per line, e.g. {"prompt": "...", "references": ["a.png"]}') from None
     except json.JSONDecodeError as e:
         before, after = line[:e.pos].rstrip(), line[e.pos:].strip()
         if not after:

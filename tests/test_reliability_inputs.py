@@ -54,6 +54,10 @@ def refused(result, message):
     ("ok\nA red fox\n".encode("utf-16-le"), "prompts.txt:1: a NUL byte, so not UTF-8 text (UTF-16, or not text"),
     (b"a fox\n" + bytes(300), "prompts.txt:2: a NUL byte, so not UTF-8 text"),
     ('["a", "b"]\n', "prompts.txt:1: a JSON line must be an object"),
+    # nesting past Python's recursion limit, and past what a request holds but within it
+    ('{"prompt": "x", "references": %s%s}\n' % ("[" * 1200, "]" * 1200), "prompts.txt:1: JSON nested deeper than the 8 "
+                                                                       "levels a request can have"),
+    ('{"prompt": "x", "references": %s%s}\n' % ("[" * 900, "]" * 900), "prompts.txt:1: JSON nested deeper than the 8 "),
     ('{"prompt": "\\ud800"}\n', "prompts.txt:1: field 'prompt' holds a lone UTF-16 surrogate"),
     ('{"id": "sur", "prompt": "x\\udfff y"}\n', "prompts.txt:1: field 'prompt' holds a lone UTF-16 surrogate"),
     ('{"prompt": "x", "width": 320000, "height": 320000}\n', "prompts.txt:1: size 320000x320000 at 124 frames needs"),
@@ -244,6 +248,8 @@ def test_a_preset_in_the_prompts_files_place_is_named_as_one(tmp_path):
     (lambda t: t.replace('[quant]\nuse = "none"', '[quant]\nuse = "fp8-rowwise"\nroles = ["dit", "bogus"]'),
      "preset bad [quant]: unknown role 'bogus' in roles (roles are dit, text_encoder, vae)"),
     (lambda t: t.replace("version = 1\n", ""), "preset bad has no version (add version = 1 at its top)"),
+    (lambda t: t.replace("version = 1\n", "version = 1\ndeep = %s%s\n" % ("[" * 1200, "]" * 1200)),
+     "preset bad nests its values too deeply to read (write each key's value as a number, a string or a list of them)"),
     (lambda t: t.replace('dtype = "float32"', 'dtype = "float64"'),
      "preset bad [runtime] dtype 'float64' is not a supported dtype"),
     (lambda t: t.replace('device = "auto"', 'device = "tpu"'), "preset bad [runtime] device 'tpu' is not a device "
@@ -268,6 +274,8 @@ def test_bad_preset_file_is_refused(prompts_file, tmp_path, change, message):
                            "(give 1 or more: x264's own 0 picks by the machine"),  # a key with a digit in it
     ("sampler.steps=1", "--set sampler.steps: the sigma grid needs at least 2 points"),
     ("adapter.scale=abc", "--set adapter.scale must be float, got 'abc' (fix the value after the =)"),
+    ("adapter.paths=%s%s" % ("[" * 1200, "]" * 1200), "--set adapter.paths: its value nests too deeply to read (give a "
+                                                      "number, a string or a list of them)"),
     ('adapter.tasks=["t2v"]', "--set adapter.tasks: unknown task 't2v' in tasks (tasks are t2va, fl2va, ref2va)"),
     ("cache.use=residual", '--set cache.use=residual: the step cache runs on sampler.dit = "h3gen"'),
     ("model.needs=MiniMax-H3", "--set model.needs=MiniMax-H3, and no --model was given, so the embedded tiny model "
