@@ -24,7 +24,7 @@ from rich.table import Table
 
 from h3gen.run.records import clip_record
 from h3gen.run.report import SilentReporter
-from h3gen.text import shown
+from h3gen.text import abridged, shown
 
 STAGE_ORDER = ("encode", "sampler", "vae", "mux")
 # Seconds between two plain lines of a stage's progress (H3GEN_HEARTBEAT_S): often enough to see a run is alive.
@@ -164,7 +164,7 @@ class PlainReporter(SilentReporter):
         request = clip.request
         self.clip_began[request.index] = self.last_beat[request.index] = time.monotonic()
         self.say(f"[{request.index + 1}/{self.total}] {clip.path.name}: {request.width}x{request.height} "
-                 f"{request.frames} frames, seed {request.seed}: {request.prompt}")
+                 f"{request.frames} frames, seed {request.seed}: {abridged(request.prompt)}")
 
     def stage_done(self, clip, kind, seconds):
         self.say(f"[{clip.request.index + 1}/{self.total}] {kind} {seconds:.2f}s")

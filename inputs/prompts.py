@@ -23,14 +23,53 @@ MOST_BAD_LINES = 20  # a prompts file's bad lines one run names
 STREAMED: dict[str, bytes] = {}  # a prompts file that is a pipe (/dev/stdin, <(...)) reads once: kept for the next read
 
 
+# A prompts file is text: four million prompts of 256 characters fit in 1 GiB. Read a chunk at a time, each chunk
+# checked as it comes, so a binary file, a model's weights or an endless stream (/dev/urandom) stops at the chunk
+# that shows it instead of filling memory.
+MAX_PROMPTS_BYTES, READ_CHUNK = 1 << 30, 1 << 20
+NOT_TEXT, NUL = "save the prompts file as UTF-8", b"\0"
+
+
 def prompts_bytes(path: Path) -> bytes:
-    """The prompts file's bytes; a pipe's as it held them when first read in this process."""
+    """The prompts file's bytes, UTF-8 text without a NUL byte; a pipe's as it held them when first read in this
+    process."""
+    import codecs
+
     if str(path) in STREAMED:
         return STREAMED[str(path)]
-    data = path.read_bytes()
+    read, decoder = bytearray(), codecs.getincrementaldecoder("utf-8")()
+    with path.open("rb") as f:
+        while True:
+            chunk = f.read(READ_CHUNK)
+            read += chunk
+            try:
+                decoder.decode(chunk, final=not chunk)  # the last call: a character cut short at the end
+            except UnicodeDecodeError:
+                raise UsageError(f"{path}:{_line_of(read, _first_bad_byte(read))}: not UTF-8 text", NOT_TEXT) from None
+            if not chunk:
+                break
+            if NUL in chunk:  # valid UTF-8, but text has none: UTF-16 without its byte-order mark, or binary
+                raise UsageError(f"{path}:{_line_of(read, read.index(NUL))}: a NUL byte, so not UTF-8 text "
+                                 "(UTF-16, or not text at all)", NOT_TEXT)
+            if len(read) > MAX_PROMPTS_BYTES:
+                raise UsageError(f"prompts file {path} holds more than {MAX_PROMPTS_BYTES / 2**30:g} GiB, which no "
+                                 "prompts file does", "pass the text or JSON Lines file of the prompts")
+    data = bytes(read)
     if not path.is_file():
         STREAMED[str(path)] = data
     return data
+
+
+def _first_bad_byte(data: bytearray) -> int:
+    try:
+        bytes(data).decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start
+    return len(data)
+
+
+def _line_of(data: bytearray, offset: int) -> int:
+    return data.count(b"\n", 0, offset) + 1
 
 
 def media_base(path: Path) -> Path:
@@ -45,20 +84,13 @@ def read_prompts(path: Path, base_seed: int, defaults: dict) -> list[Request]:
     if base_seed not in SEEDS:
         raise UsageError(f"base seed {base_seed} is out of range", "give --seed between 0 and 2**63 - 1")
     try:
-        text = prompts_bytes(path).decode("utf-8")
+        text = prompts_bytes(path).decode("utf-8")  # checked as it was read
     except FileNotFoundError:
         raise UsageError(f"prompts file {path} does not exist", "pass the path of a text or JSON Lines file") from None
     except IsADirectoryError:
         raise UsageError(f"prompts file {path} is a directory", "pass the path of a text or JSON Lines file") from None
     except PermissionError:
         raise UsageError(f"prompts file {path} is not readable", "check its permissions") from None
-    except UnicodeDecodeError as e:
-        line = prompts_bytes(path)[: e.start].count(b"\n") + 1
-        raise UsageError(f"{path}:{line}: not UTF-8 text", "save the prompts file as UTF-8") from None
-    if "\0" in text:  # valid UTF-8, but text has none: UTF-16 without its byte-order mark, or a binary file
-        line = text[:text.index("\0")].count("\n") + 1
-        raise UsageError(f"{path}:{line}: a NUL byte, so not UTF-8 text (UTF-16, or not text at all)",
-                         "save the prompts file as UTF-8")
     if path.suffix.lower() == ".toml":  # a preset in the prompts file's place would render its lines as prompts
         raise UsageError(f"prompts file {path} is a TOML file, which is how presets are written",
                          f"pass it as --preset {path}, and a prompts file (text or JSON Lines) first")

@@ -139,3 +139,14 @@ def test_a_stop_as_the_run_ends_does_not_ask_for_a_rerun():
     assert stopped_line("SIGINT", 0, 0) == "h3gen: stopped by SIGINT as the run ended: every clip has its result"
     assert "run the same command again" in stopped_line("SIGINT", 0, 2)
     assert "run the same command again" in stopped_line("SIGINT", 1, 0)
+
+
+def test_a_long_prompt_is_abridged_in_the_plain_lines(capsys):
+    from types import SimpleNamespace
+
+    from h3gen.cli.ui import PlainReporter
+
+    request = SimpleNamespace(index=0, width=32, height=32, frames=124, seed=7, prompt="a fox " * 100_000)
+    PlainReporter(1).clip_started(SimpleNamespace(request=request, path=Path("x.mp4")))
+    line = capsys.readouterr().err.strip().split(" ", 2)[2]  # after the date and time
+    assert line == f"[1/1] x.mp4: 32x32 124 frames, seed 7: {'a fox ' * 50}... (600000 characters)"

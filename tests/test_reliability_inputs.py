@@ -204,6 +204,22 @@ def test_a_clip_another_run_renders_with_other_settings_is_a_conflict_not_busy(p
     assert not (out / "clash.mp4").exists()
 
 
+@pytest.mark.parametrize("stream, message", [("/dev/zero", "/dev/zero:1: a NUL byte, so not UTF-8 text"),
+                                             ("/dev/urandom", "/dev/urandom:1: not UTF-8 text")])
+def test_an_endless_stream_is_refused_at_its_first_chunk(tmp_path, stream, message):
+    refused(h3gen("render", stream, "-o", tmp_path / "out", "--dry-run"), message)
+
+
+def test_a_prompts_file_past_any_prompts_file_s_size_is_refused_as_it_is_read(tmp_path, monkeypatch):
+    from h3gen.inputs import prompts
+
+    monkeypatch.setattr(prompts, "MAX_PROMPTS_BYTES", 2 << 20)  # 2 MiB instead of 1 GiB, read in 1 MiB chunks
+    big = tmp_path / "weights.safetensors"
+    big.write_bytes(b"a prompt\n" * (1 << 20) + b"\xff")  # 10 MiB, the bad byte past the size
+    with pytest.raises(prompts.UsageError, match=r"weights.safetensors holds more than 0.00195312 GiB, which no "):
+        prompts.prompts_bytes(big)
+
+
 def test_unreadable_prompts_file(tmp_path, monkeypatch):
     """As root every file is readable, so the refusal of the operating system is simulated in process."""
     from pathlib import Path
@@ -212,14 +228,14 @@ def test_unreadable_prompts_file(tmp_path, monkeypatch):
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("x\n")
-    real = Path.read_bytes
+    real = Path.open
 
-    def read_bytes(path):
+    def open_path(path, *args, **kwargs):
         if path == prompts:
             raise PermissionError(13, "Permission denied", str(path))
-        return real(path)
+        return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(Path, "open", open_path)
     result = CliRunner().invoke(app, ["render", str(prompts), "-o", str(tmp_path / "out")])
     assert result.exit_code == 2
     assert f"prompts file {prompts} is not readable (check its permissions)" in result.output
