@@ -8,7 +8,7 @@ from pathlib import Path
 
 from h3gen.cli.ui import plugin_registry, reporter_for, results_only_on_stdout
 from h3gen.errors import UsageError, WriteError
-from h3gen.run.loop import Interrupted, stop_on_signals
+from h3gen.run.loop import Interrupted, missing_directories, remove_if_empty, stop_on_signals
 from h3gen.run.settings import RunSettings
 
 WORKER_ENTRY = "h3gen.cli.worker"  # what torchrun starts: a worker that draws with this command's reporters
@@ -17,6 +17,7 @@ WORKER_ENTRY = "h3gen.cli.worker"  # what torchrun starts: a worker that draws w
 def run_render(settings: RunSettings, began: float) -> int:
     """`began`: the time.time() the command began, which the run's wall time counts from, in one process or in
     workers."""
+    created = missing_directories(settings.output)  # a run stopped before its checks made a place for them too
     try:  # outside the handlers' block: a signal as the block ends (the run done) is caught here too
         with stop_on_signals():
             return _run_render(settings, began)
@@ -28,6 +29,7 @@ def run_render(settings: RunSettings, began: float) -> int:
         raise WriteError(write_error(Path(e.filename or settings.output), e),
                          "a rerun resumes: clips already written are kept and skipped") from None
     except Interrupted as stop:
+        remove_if_empty(created)
         reporter_for(0, False, "", quiet=settings.quiet).warn(
             f"h3gen: stopped by {stop.signal_name}; run the same command again to resume")
         return stop.exit_code
@@ -55,8 +57,6 @@ def _run_render(settings: RunSettings, began: float) -> int:
         return dry_run(prepare(settings, preset, found, functools.partial(reporter_for, quiet=settings.quiet),
                                check_layout=layout), settings)
     if layout is not None:
-        from h3gen.run.loop import remove_if_empty
-
         batch = prepare(settings, preset, found, check_layout=layout)
         try:
             return launch_workers(batch, settings, WORKER_ENTRY, began)

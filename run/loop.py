@@ -55,11 +55,19 @@ def signals_held():
 @contextlib.contextmanager
 def stop_on_signals():
     """Turn SIGINT, SIGTERM and SIGHUP into `Interrupted` in the main thread; a second one, of any of the three, ends
-    the process at once (what it leaves, a claim or a partial file, the next run on the folder clears)."""
+    the process at once, with one line, its clips' partial files and claims removed."""
+
+    def end_at_once(signum, frame):
+        from h3gen.run.outputs import drop_held_claims
+
+        drop_held_claims()
+        os.write(2, f"h3gen: ended at once by a second signal ({signal.Signals(signum).name}); the clips in flight "
+                    "were dropped, and running the same command again renders them\n".encode())
+        os._exit(128 + signum)
 
     def stop(signum, frame):
         for each in STOP_SIGNALS:
-            signal.signal(each, signal.SIG_DFL)
+            signal.signal(each, end_at_once)
         if _held["depth"]:
             _held["signum"] = signum
             return

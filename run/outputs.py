@@ -12,6 +12,7 @@ reason. A write the run cannot do without (the manifest, room for any clip at al
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -39,7 +40,7 @@ class ClipClaim:
     """Holds `.NAME.lock` beside the clip while this process renders it."""
 
     def __init__(self, path: Path):
-        self.lock_path = path.with_name(f".{path.name}.lock")
+        self.path, self.lock_path = path, path.with_name(f".{path.name}.lock")
         self.fd = None
 
     def acquire(self, fields: dict | None = None) -> bool:
@@ -53,6 +54,7 @@ class ClipClaim:
             os.close(fd)
             return False
         self.fd = fd
+        HELD.add(self)
         if fields is not None:
             try:
                 os.ftruncate(fd, 0)
@@ -69,6 +71,19 @@ class ClipClaim:
                 pass
             os.close(self.fd)
             self.fd = None
+            HELD.discard(self)
+
+
+HELD: set[ClipClaim] = set()  # the claims this process holds now
+
+
+def drop_held_claims() -> None:
+    """The partial files and locks of every clip this process holds, removed: for a process about to end at once,
+    mid-write (a second stop signal), which leaves no hidden file for the next run to clear."""
+    for claim in list(HELD):
+        for path in [*leftovers(claim.path), claim.lock_path]:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
 
 
 def held_elsewhere(path: Path) -> bool:

@@ -88,9 +88,28 @@ def test_after_one_stop_signal_any_second_one_ends_the_process_at_once():
         with pytest.raises(Interrupted):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)
-        assert {signum: signal.getsignal(signum) for signum in STOP_SIGNALS} == dict.fromkeys(STOP_SIGNALS,
-                                                                                             signal.SIG_DFL)
+        second = {signal.getsignal(signum) for signum in STOP_SIGNALS}
+        assert len(second) == 1 and second.pop().__name__ == "end_at_once"
     assert {signum: signal.getsignal(signum) for signum in STOP_SIGNALS} == before
+
+
+def test_a_second_signal_mid_mux_ends_at_once_with_one_line_and_leaves_no_hidden_file(faults, prompts_file, tmp_path):
+    env, preset = faults
+    out, marker = tmp_path / "out", tmp_path / "muxing-b"
+    render = ["render", prompts_file(TWO_CLIPS), "-o", out, "--preset", preset]
+    process = start_render(render[1:] + ["--set", 'mux.slow_id="b"', "--set", f'mux.marker="{marker}"'], env)
+    wait_for(marker, process)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr[-2000:]
+    assert stderr.splitlines()[-1] == ("h3gen: ended at once by a second signal (SIGINT); the clips in flight were "
+                                       "dropped, and running the same command again renders them"), stderr[-2000:]
+    assert not list(out.glob(".*"))  # neither b's partial MP4 nor a claim
+    assert all(validate_clip(path, expected_frames=124) == [] for path in out.glob("*.mp4"))
+    h3gen(*render, env=env, check_code=0)
+    assert sorted(p.name for p in out.glob("*.mp4")) == ["a.mp4", "b.mp4"]
 
 
 def test_a_signal_as_a_finished_run_puts_its_handlers_back_ends_with_one_line(monkeypatch, capsys):
@@ -109,6 +128,23 @@ def test_a_signal_as_a_finished_run_puts_its_handlers_back_ends_with_one_line(mo
     monkeypatch.setattr(run, "_run_render", lambda settings, began: 0)
     assert run.run_render(RunSettings(prompts=Path("p.txt"), output=Path("out")), 0.0) == 143
     assert "h3gen: stopped by SIGTERM; run the same command again to resume" in capsys.readouterr().err
+
+
+def test_a_signal_before_the_run_s_checks_end_leaves_no_directory_it_made(monkeypatch, tmp_path):
+    """Ctrl-C just after the output directory was made, before the checks that would remove it on a refusal."""
+    import h3gen.cli.run as run
+    from h3gen.run.loop import Interrupted
+    from h3gen.run.settings import RunSettings
+
+    out = tmp_path / "new" / "out"
+
+    def stopped_early(settings, began):
+        out.mkdir(parents=True)
+        raise Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(run, "_run_render", stopped_early)
+    assert run.run_render(RunSettings(prompts=Path("p.txt"), output=out), 0.0) == 130
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_signal_finishes_the_background_mux_of_a_decoded_clip_and_leaves_only_whole_files(faults, prompts_file,
