@@ -7,6 +7,18 @@ def one_line(text: str) -> str:
 
 
 LINE_BREAKS = frozenset("\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029")  # where str.splitlines cuts
+HOST_MEMORY_FIX = "leave h3gen more: close other programs or raise `ulimit -v`; or render fewer frames or a smaller size"
+
+
+def host_memory_ran_out(error: BaseException) -> bool:
+    """Whether `error` is the host's memory (or an address-space limit) running out where Python or a library asked
+    for more: an allocation, a thread's stack, a shared library's mapping."""
+    import errno
+
+    text = str(error).lower()
+    return (isinstance(error, MemoryError) or getattr(error, "errno", None) == errno.ENOMEM
+            or any(said in text for said in ("can't start new thread", "cannot allocate memory",
+                                             "failed to map segment", "can't allocate memory")))
 
 
 class H3genError(Exception):

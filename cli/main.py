@@ -638,11 +638,15 @@ def main():
     try:
         app(prog_name="h3gen")
     except Exception as e:  # not bad input but a bug (h3gen's or a plugin's): one line, the details on request
-        from h3gen.errors import one_line
+        from h3gen.errors import HOST_MEMORY_FIX, host_memory_ran_out, one_line
         from h3gen.run.render import debugging
 
         if debugging():  # where it came from, then the same one line
             traceback.print_exception(e, file=sys.stderr)
+        if host_memory_ran_out(e):
+            print(f"h3gen: error: out of host memory, {type(e).__name__}: {one_line(str(e))} ({HOST_MEMORY_FIX})",
+                  file=sys.stderr)
+            sys.exit(1)
         command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), "")
         where = "--traceback" if command in ("render", "bench") else "H3GEN_DEBUG=1"  # the others have no option
         print(f"h3gen: error: {type(e).__name__}: {one_line(str(e))} (a bug; rerun with {where} for where, and "

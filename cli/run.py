@@ -24,6 +24,10 @@ def run_render(settings: RunSettings, began: float) -> int:
     except BrokenPipeError:  # stdout's reader gone in a dry run: the command ends as SIGPIPE ends it
         raise
     except OSError as e:  # a write outside any clip: one line, never a traceback
+        import errno
+
+        if e.errno == errno.ENOMEM:  # no write's fault: the host's memory (h3gen.cli.main says so)
+            raise
         from h3gen.run.outputs import write_error
 
         raise WriteError(write_error(Path(e.filename or settings.output), e),

@@ -474,7 +474,7 @@ def check_stage_configs(preset, registry, repo=None, device: str = "") -> None:
             except H3genError:
                 raise
             except Exception as e:
-                raise stage.failed(f"raised {raised(e)} while checking its settings", stage.broke_fix()) from e
+                raise stage.failed(f"raised {raised(e)} while checking its settings", stage.broke_fix(e)) from e
 
 
 def _blamed(preset, kind: str, error: UsageError, section: str = "") -> UsageError:

@@ -59,7 +59,7 @@ class Runtime:
         except H3genError:
             raise
         except Exception as e:
-            raise self.quant.failed(f"raised {raised(e)} {what}", self.quant.broke_fix()) from e
+            raise self.quant.failed(f"raised {raised(e)} {what}", self.quant.broke_fix(e)) from e
         if module is None:
             raise self.quant.failed(f"returned None {what}", "quantize(role, module, prefix) returns the module to run")
         return module
@@ -411,8 +411,7 @@ def build(stage_class, config, runtime):
     except H3genError as e:
         stage_class.raise_named(e)
     except Exception as e:
-        raise stage_class.failed(f"failed to start: {type(e).__name__}: {e}", "rerun with --traceback for where; "
-                                 "fix the stage, or pick another in the preset") from e
+        raise stage_class.failed(f"failed to start: {type(e).__name__}: {e}", stage_class.broke_fix(e)) from e
 
 
 def load(stage, repo) -> None:
@@ -422,7 +421,7 @@ def load(stage, repo) -> None:
     except H3genError as e:
         stage.raise_named(e)
     except Exception as e:
-        raise stage.failed(f"failed to load: {type(e).__name__}: {e}", stage.broke_fix()) from e
+        raise stage.failed(f"failed to load: {type(e).__name__}: {e}", stage.broke_fix(e)) from e
 
 
 def check_latents(clip: Clip, sampler) -> None:

@@ -11,7 +11,7 @@ import dataclasses
 import signal
 from typing import Any, ClassVar
 
-from h3gen.errors import H3genError
+from h3gen.errors import HOST_MEMORY_FIX, H3genError, host_memory_ran_out
 
 STAGE_KINDS = ("encode", "sampler", "vae", "quant", "mux", "cache")
 BUILTIN = "h3gen (built-in)"
@@ -117,7 +117,7 @@ class Stage:
         except (Exception, SystemExit, KeyboardInterrupt) as e:  # a faulty stage costs its clip, named
             if isinstance(e, KeyboardInterrupt) and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
                 raise  # Ctrl-C itself, where no h3gen handler turns it into a stop (h3gen.run.loop)
-            raise self.failed(f"raised {raised(e)}", self.broke_fix()) from e
+            raise self.failed(f"raised {raised(e)}", self.broke_fix(e)) from e
         if not isinstance(result, Clip):
             raise self.failed(f"returned {type(result).__name__} from run(), not the clip",
                               "run(clip) must return the clip it was given (or a copy), with its fields set")
@@ -173,8 +173,11 @@ class Stage:
         return StageFailed(f"{cls.label()} {what}", fix)
 
     @classmethod
-    def broke_fix(cls) -> str:
-        """What to do about this stage raising: a plugin's is its author's to fix, h3gen's own a bug to report."""
+    def broke_fix(cls, error: BaseException | None = None) -> str:
+        """What to do about this stage raising `error`: the host's memory running out is no one's bug; else a
+        plugin's is its author's to fix, h3gen's own a bug to report."""
+        if error is not None and host_memory_ran_out(error):
+            return f"out of host memory: {HOST_MEMORY_FIX}"
         if cls.origin == BUILTIN:
             return "rerun with --traceback for where, and report it as an h3gen bug with that"
         return "rerun with --traceback for where; fix the stage, or pick another in the preset"

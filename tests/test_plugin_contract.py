@@ -46,6 +46,8 @@ class Faulty(FrameFilter):
     def __init__(self, config, runtime):
         if config.fault == "init":
             raise KeyError("no such knob")
+        if config.fault == "init-memory":
+            raise RuntimeError("can't start new thread")
         if config.fault == "init-usage":
             raise UsageError("vae.fault = init-usage cannot start", "pick another fault")
         super().__init__(config, runtime)
@@ -53,6 +55,8 @@ class Faulty(FrameFilter):
     def load(self, repo):
         if self.config.fault == "load":
             raise RuntimeError("no weights here")
+        if self.config.fault == "load-memory":
+            raise ImportError("libtorch_cpu.so: failed to map segment from shared object")
         super().load(repo)
 
     def change(self, frames):
@@ -350,6 +354,37 @@ def test_a_stage_that_fails_to_start_or_load_ends_the_run_in_one_line(faulty, pr
     assert "Traceback" not in result.stderr and not list((tmp_path / "out").glob("*.mp4"))
     traced = render(faulty, prompts_file, tmp_path, fault, "--traceback")
     assert "Traceback (most recent call last)" in traced.stderr and "faulty.py" in traced.stderr
+
+
+@pytest.mark.parametrize("fault, what", [("init-memory", "failed to start: RuntimeError: can't start new thread"),
+                                         ("load-memory", "failed to load: ImportError: libtorch_cpu.so: failed to map "
+                                                         "segment from shared object")])
+def test_a_stage_the_host_s_memory_fails_says_so_not_a_bug(faulty, prompts_file, tmp_path, fault, what):
+    result = render(faulty, prompts_file, tmp_path, fault)
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[-1] == (
+        f"h3gen: error: vae stage 'faulty' (from plugin 'faulty') {what} (out of host memory: leave h3gen more: close "
+        "other programs or raise `ulimit -v`; or render fewer frames or a smaller size)")
+
+
+def test_out_of_host_memory_outside_any_stage_is_one_line_not_a_bug(monkeypatch, capsys):
+    import errno
+
+    import h3gen.cli.main as main
+
+    def out_of_memory(**kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(main, "app", out_of_memory)
+    monkeypatch.setattr(main.os, "environ", dict(main.os.environ))  # what main sets for torch stays in the test
+    monkeypatch.setattr(main, "reopen_closed_streams", lambda: None)
+    monkeypatch.setattr("h3gen.run.memory.exit_soon", lambda: None)
+    with pytest.raises(SystemExit) as stopped:
+        main.main()
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err.strip() == ("h3gen: error: out of host memory, OSError: [Errno 12] Cannot allocate "
+                                               "memory (leave h3gen more: close other programs or raise `ulimit -v`; "
+                                               "or render fewer frames or a smaller size)")
 
 
 def test_a_plugin_s_own_error_as_it_starts_names_the_stage(faulty, prompts_file, tmp_path):
