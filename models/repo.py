@@ -53,6 +53,43 @@ def read_json_object(path: Path) -> dict:
     return value
 
 
+KIND_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}
+
+
+def mistyped(config: dict, defaults: dict) -> str:
+    """The first value of `config` whose type is not that of its default in `defaults` (a count written as a
+    string), said as `key is value, not a type`; '' when every value fits. A whole number stands for a float;
+    True is no count."""
+    for key, value in config.items():
+        default = defaults.get(key)
+        kind = type(default)
+        if default is None or value is None or kind not in (int, float, bool, str):  # null: the class's choice
+            continue
+        fits = (isinstance(value, (int, float)) if kind is float else isinstance(value, kind)) and (
+            kind is bool or not isinstance(value, bool))
+        if not fits:
+            return f"{key} is {json.dumps(value)[:80]}, where {KIND_WORDS[kind]} belongs"
+    return ""
+
+
+def check_config_types(folder: Path, cls) -> None:
+    """`folder`'s config.json against the defaults of `cls.__init__` (a diffusers or transformers class reads its
+    config into those arguments): a value of the wrong type is the file's fault, said before the class trips on it."""
+    import inspect
+
+    path = folder / "config.json"
+    try:
+        parameters = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return
+    if not path.is_file():
+        return
+    problem = mistyped(read_json_object(path), {name: p.default for name, p in parameters.items()
+                                                if p.default is not inspect.Parameter.empty})
+    if problem:
+        raise ModelError(f"{path}: {problem}", "re-download this file from the repository")
+
+
 class ModelRepo:
     """Paths of one repository's components, validated before any weight is loaded."""
 
@@ -79,6 +116,7 @@ class ModelRepo:
         """`cls.from_pretrained` on one component folder: local files, safetensors, no remote code."""
         if getattr(cls, "h3gen_loader", False):
             return load_component(component, cls.from_pretrained, self.path(component), **kwargs)
+        check_config_types(self.path(component), cls)
         safe = dict(local_files_only=True, trust_remote_code=False) if component in CONFIG_ONLY else dict(
             local_files_only=True, use_safetensors=True)
         return load_component(component, cls.from_pretrained, self.path(component), **safe, **kwargs)

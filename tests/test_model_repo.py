@@ -1,5 +1,6 @@
 """Model directories: layout, safetensors only, corrupt files named, never unpickled."""
 
+import re
 import shutil
 
 import pytest
@@ -149,3 +150,25 @@ def test_a_corrupt_tokenizer_file_is_named(repo_copy, prompts_file, tmp_path):
     assert result.stderr.splitlines()[-1].startswith(f"h3gen: error: {broken} is not valid JSON ("), result.stderr
     assert result.stderr.splitlines()[-1].endswith("(re-download this file from the repository)")
     assert not out.exists()  # the run made the folder and wrote nothing: it goes again
+
+
+@pytest.mark.parametrize("dit", ["diffusers", "h3gen"])
+def test_a_config_value_of_the_wrong_type_is_the_file_s_fault_not_a_bug(repo_copy, prompts_file, tmp_path, dit):
+    config = repo_copy / "transformer" / "config.json"
+    config.write_text(re.sub(r'"attention_head_dim": \d+', '"attention_head_dim": "abc"', config.read_text()))
+    result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--model", repo_copy, "--preset", "tiny",
+                   "--set", f"sampler.dit={dit}", check_code=2)
+    assert 'attention_head_dim is "abc", where a whole number belongs' in result.stderr.splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_mistyped_takes_whole_numbers_for_floats_and_null_for_the_class_s_choice():
+    from h3gen.models.repo import mistyped
+
+    defaults = {"eps": 1e-5, "layers": 2, "flag": False, "act": "silu", "size": None}
+    assert mistyped({"eps": 1, "layers": 3, "flag": True, "act": "gelu", "size": [1, 2], "other": "x"}, defaults) == ""
+    assert mistyped({"layers": None}, defaults) == ""
+    assert mistyped({"layers": True}, defaults) == "layers is true, where a whole number belongs"
+    assert mistyped({"layers": 2.5}, defaults) == "layers is 2.5, where a whole number belongs"
+    assert mistyped({"eps": "1e-5"}, defaults) == 'eps is "1e-5", where a number belongs'
+    assert mistyped({"flag": 1}, defaults) == "flag is 1, where true or false belongs"

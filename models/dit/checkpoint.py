@@ -50,6 +50,11 @@ class H3DiTConfig:
         if unknown:
             raise ValueError(f"unknown MiniMax-H3 transformer config keys {unknown}; known: {sorted(names)}")
         picked = {k: v for k, v in values.items() if k in names}
+        from h3gen.models.repo import mistyped
+
+        problem = mistyped(picked, {f.name: f.default for f in dataclasses.fields(cls)})
+        if problem:
+            raise ValueError(problem)
         if "patch_size" in picked:
             picked["patch_size"] = tuple(picked["patch_size"])
         return cls(**picked)
