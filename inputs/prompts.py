@@ -78,8 +78,9 @@ def media_base(path: Path) -> Path:
     return Path(".") if str(path) in STREAMED else path.resolve().parent
 
 
-def read_prompts(path: Path, base_seed: int, defaults: dict) -> list[Request]:
-    """Parse and check every line before anything loads, so a bad line costs seconds, not a run."""
+def read_prompts(path: Path, base_seed: int, defaults: dict, file_name=None) -> list[Request]:
+    """Parse and check every line before anything loads, so a bad line costs seconds, not a run; with `file_name`
+    (a request -> the name of the clip it writes), two lines that would write one file are bad lines too."""
     path = Path(path)
     if base_seed not in SEEDS:
         raise UsageError(f"base seed {base_seed} is out of range", "give --seed between 0 and 2**63 - 1")
@@ -105,11 +106,14 @@ def read_prompts(path: Path, base_seed: int, defaults: dict) -> list[Request]:
                 raise UsageError(f"{path}:{number}: duplicate id '{request.id}' (first on line {seen[request.id]})",
                                  "give every clip its own id")
         except UsageError as e:
-            bad.append(e)
+            bad.append((number, e))
             continue
         if request.id is not None:
             seen[request.id] = number
         requests.append(request)
+    if file_name is not None:
+        bad = sorted(bad + collisions(requests, file_name, path), key=lambda numbered: numbered[0])
+    bad = [e for _, e in bad]
     if bad:
         more = len(bad) - MOST_BAD_LINES
         raise together(bad[:MOST_BAD_LINES] + [UsageError(f"{path}: {more} more bad lines after these",
@@ -118,6 +122,26 @@ def read_prompts(path: Path, base_seed: int, defaults: dict) -> list[Request]:
         where = "standard input" if str(path) == "/dev/stdin" else f"prompts file {path}"
         raise UsageError(f"{where} has no prompts", "write one prompt per line, or JSON Lines")
     return requests
+
+
+def collisions(requests: list[Request], file_name, path: Path) -> list[tuple[int, UsageError]]:
+    """(line, error) for each request that would write the file an earlier one writes: the second would silently
+    replace the first. Names that differ only in case are one file on macOS's and Windows' file systems."""
+    first, found = {}, []  # casefolded name -> (line, name, its id)
+    for request in requests:
+        name = file_name(request)
+        if name.casefold() in first:
+            line, other, other_id = first[name.casefold()]
+            case = "" if other == name else f" as {other}, one file on macOS and Windows"
+            fix = ("give the clips ids that differ in more than case" if request.id and other_id and other != name
+                   else "give the clips ids that name different files" if request.id and other_id else
+                   "give one of them another seed or an id" if not (request.id or other_id) else
+                   "give the clips different ids or seeds")
+            found.append((request.line, UsageError(f"{path}:{request.line}: writes {name}, as line {line} does{case}",
+                                                   fix)))
+            continue
+        first[name.casefold()] = (request.line, name, request.id)
+    return found
 
 
 def prompt_lines(text: str) -> list[str]:

@@ -111,8 +111,8 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
     from h3gen.run.render import pick_device
     from h3gen.run.resume import clip_name
 
-    every = read_prompts(settings.prompts, settings.seed, preset.request)
-    check_unique_outputs(every, preset.name, settings.prompts)  # across shards too: two shards must not write one file
+    # two lines that write one file are refused across shards too: two shards must not write one file
+    every = read_prompts(settings.prompts, settings.seed, preset.request, lambda r: clip_name(r, preset.name))
     requests = shard_requests(every, settings.shard)
     created = missing_directories(settings.output)
     check_writable(settings.output)
@@ -273,25 +273,6 @@ def check_plugins(found, strict: bool, reporter) -> None:
             raise UsageError(f"plugin '{name}' {why}{also}",
                              f"{fix}, or run without --strict-plugins and H3GEN_STRICT_PLUGINS")
         reporter.warn(f"h3gen: plugin '{name}' {why} (skipped)")
-
-
-def check_unique_outputs(requests, preset_name: str, prompts: Path) -> None:
-    """Two lines that would write one file: the second would silently replace the first. Names that differ only in
-    case are one file on macOS's and Windows' file systems."""
-    from h3gen.run.resume import clip_name
-
-    first = {}  # casefolded name -> (line, name, its id)
-    for request in requests:
-        name = clip_name(request, preset_name)
-        if name.casefold() in first:
-            line, other, other_id = first[name.casefold()]
-            case = "" if other == name else f" as {other}, one file on macOS and Windows"
-            fix = ("give the clips ids that differ in more than case" if request.id and other_id and other != name
-                   else "give the clips ids that name different files" if request.id and other_id else
-                   "give one of them another seed or an id" if not (request.id or other_id) else
-                   "give the clips different ids or seeds")
-            raise UsageError(f"{prompts}:{request.line}: writes {name}, as line {line} does{case}", fix)
-        first[name.casefold()] = (request.line, name, request.id)
 
 
 def check_model_kind(preset, repo, embedded: bool, baseline: bool = False, bench: bool = False) -> None:

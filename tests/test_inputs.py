@@ -67,6 +67,15 @@ def test_one_run_names_every_bad_line_each_on_a_line_of_its_own(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_two_lines_writing_one_file_are_named_with_the_other_bad_lines_in_their_order(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x", "id": "a"}\n{"prompt": "y", "id": "a.mp4"}\n{"prompt": "z", "id": 5}\n')
+    result = h3gen("render", prompts, "-o", tmp_path / "out", "--dry-run", check_code=2)
+    assert [line.split(" (")[0] for line in result.stderr.splitlines()] == [
+        f"h3gen: error: {prompts}:2: writes a.mp4, as line 1 does",
+        f"h3gen: error: {prompts}:3: field 'id' has the wrong type"], result.stderr
+
+
 def test_past_twenty_bad_lines_the_rest_are_counted_and_a_bad_line_keeps_its_place_in_the_seeds(tmp_path):
     with pytest.raises(UsageError) as refused:
         parse(tmp_path, "".join(f'{{"prompt": "p{n}", "duration": 99}}\n' for n in range(25)))
