@@ -136,7 +136,8 @@ def vram_setting(text: str | None) -> list[str]:
         return []
     found = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:g|gb|gib)?\s*", text, re.IGNORECASE)
     if not found:
-        raise UsageError(f"--vram {text} is not a number of GiB",
+        below = text.strip().startswith("-")
+        raise UsageError(f"--vram {text} is {'below 0' if below else 'not a number of GiB'}",
                          "give one like 24, 24G or 24GB, or 0 for what is free")
     return [f"runtime.vram_gib={float(found.group(1)):g}"]
 
@@ -427,16 +428,18 @@ def compare(
         matched, unmatched = pairs(a, b)
         left_out = []  # {"a", "b", "compared": False, "reason"}: what --json says of the clips not compared
         for path in unmatched:
-            typer.echo(f"note: {shown(str(path))} has no single match in the other folder (by file name, by "
-                       "prompt, seed, size and frames, or by those but the seed); not compared", err=True)
+            if matched:  # with no pair at all, the error alone says it
+                typer.echo(f"note: {shown(str(path))} has no single match in the other folder (by file name, by "
+                           "prompt, seed, size and frames, or by those but the seed); not compared", err=True)
             side = "a" if path.parent == a else "b"
             left_out.append({"a": None, "b": None, side: str(path), "compared": False,
                              "reason": "no single match in the other folder"})
         if not matched:
             if json_out:
                 json_lines(left_out)
-            raise UsageError(f"{a} and {b} hold no MP4s of the same prompts",
-                             "compare folders rendered from one prompts file")
+            raise UsageError(f"{a} and {b} hold no MP4s of the same prompts: none of their {len(unmatched)} clips "
+                             "matches one in the other folder by file name, by prompt, seed, size and frames, or by "
+                             "those but the seed", "compare folders rendered from one prompts file")
         records, refused = [], []
         for x, y in matched:
             try:

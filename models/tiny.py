@@ -167,7 +167,9 @@ def write_failure(target: Path, error: Exception, default: bool):
     reason = getattr(error, "strerror", None) or (str(error).strip().splitlines() or [type(error).__name__])[0]
     where = "the cache folder (XDG_CACHE_HOME)" if default else str(target.parent)
     text = f"cannot write the tiny model into {target} ({reason})"
-    if not isinstance(error, OSError) or error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    if isinstance(error, OSError) and error.errno == errno.EFBIG:
+        return WriteError(text, "a file size limit stops it: raise `ulimit -f`" + (", or pass --model" if default else ""))
+    if not isinstance(error, OSError) or error.errno in (errno.ENOSPC, errno.EDQUOT):
         return WriteError(text, f"free space in {where}, or pass --model" if default else f"free space in {where}")
     fix = "set XDG_CACHE_HOME to a folder you can write to, or pass --model" if default else \
         "pass a folder you can write to"

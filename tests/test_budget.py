@@ -238,6 +238,7 @@ def test_vram_takes_a_number_of_gib_with_or_without_its_unit(prompts_file, tmp_p
     assert vram_setting(None) == []
     for text in ("abc", "nan", "-3", "24 MB", "1e400"):
         result = h3gen("render", prompts_file("a fox\n"), "-o", tmp_path / "out", "--vram", text, check_code=2)
-        assert result.stderr.splitlines()[-1] == (f"h3gen: error: --vram {text} is not a number of GiB (give one "
+        what = "below 0" if text == "-3" else "not a number of GiB"
+        assert result.stderr.splitlines()[-1] == (f"h3gen: error: --vram {text} is {what} (give one "
                                                   "like 24, 24G or 24GB, or 0 for what is free)")
     assert not (tmp_path / "out").exists()

@@ -93,3 +93,14 @@ def test_a_cache_folder_it_cannot_write_is_said_as_such(prompts_file, tmp_path):
     assert last.startswith("h3gen: error: cannot write the tiny model into /proc/h3gen-nope/h3gen/tiny-v"), last
     assert last.endswith("(set XDG_CACHE_HOME to a folder you can write to, or pass --model)")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_file_size_limit_is_said_as_one_not_as_a_full_disk(tmp_path):
+    import errno
+
+    from h3gen.models.tiny import write_failure
+
+    error = write_failure(tmp_path / "m", OSError(errno.EFBIG, "File too large"), default=False)
+    assert str(error) == (f"cannot write the tiny model into {tmp_path / 'm'} (File too large) (a file size limit "
+                          "stops it: raise `ulimit -f`)")
+    assert "free space in" in str(write_failure(tmp_path / "m", OSError(errno.ENOSPC, "No space"), default=False))
