@@ -191,6 +191,9 @@ class PlainReporter(SilentReporter):
                       else "")
             self.say(f"[{result.request.index + 1}/{self.total}] wrote {result.path} in {result.end_to_end:.2f}s "
                      f"(RTF {result.rtf:.2f}{reused})")
+            if result.unrecorded:
+                self.warn(f"[{result.request.index + 1}/{self.total}] {result.path} has no manifest line: "
+                          f"{result.unrecorded}")
         else:
             self.warn(f"[{result.request.index + 1}/{self.total}] FAILED {result.path}: {result.error}")
         if self.json_out and not print_result(json.dumps(clip_record(result, self.preset))):

@@ -402,10 +402,10 @@ def summary_before(error, reporter, results: list, total: int) -> None:
 
 
 def report_end(reporter, results, total: int, stopped=None, say_stopped: bool = True) -> int:
-    """The summary, and the exit status: 0 all written, 1 some failed, 128 + signal when stopped, or when the
-    reporter ends the run with one (stdout's reader gone after the last clip started: 141 all the same). With
-    workers the launcher says why they stopped (`say_stopped` False): only it knows whether the signal came from
-    the user."""
+    """The summary, and the exit status: 0 all written, 1 some failed or without a manifest line, 128 + signal when
+    stopped, or when the reporter ends the run with one (stdout's reader gone after the last clip started: 141 all
+    the same). With workers the launcher says why they stopped (`say_stopped` False): only it knows whether the
+    signal came from the user."""
     reporter.summary(sorted(results, key=lambda r: r.request.index), total)
     if stopped:
         if say_stopped:
@@ -416,7 +416,7 @@ def report_end(reporter, results, total: int, stopped=None, say_stopped: bool = 
         reporter.warn("h3gen: stdout's reader went away once no clip was left to start: the clips in flight were "
                       "finished, and manifest.jsonl holds every clip's record")
         return 128 + signum
-    return 0 if all(r.ok for r in results) else 1
+    return 0 if all(r.ok and not r.unrecorded for r in results) else 1
 
 
 def stopped_line(signal_name: str, discarded: int | None, unfinished: int | None = None) -> str:

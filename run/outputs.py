@@ -193,8 +193,9 @@ def unterminated(fd: int) -> bool:
 
 
 def recorded(out_dir: Path, result, preset: str):
-    """`result` once its manifest line is written; failed with the reason when it cannot be: a clip the manifest
-    does not mention is not counted as done, even when its file is there."""
+    """`result` once its manifest line is written. When it cannot be: a clip written whole stays written (its file
+    is valid, and a rerun records it and skips it) with the reason in `unrecorded`; a failed one says it after its
+    own reason."""
     import dataclasses
 
     error = record(out_dir, result, preset, result.status)
@@ -202,7 +203,7 @@ def recorded(out_dir: Path, result, preset: str):
     if not said or said in result.error:  # written, or failed for this already
         return result
     if result.ok:
-        return dataclasses.replace(result, ok=False, error=said, status="failed")
+        return dataclasses.replace(result, unrecorded=said)
     # Failed all the same: the summary and --json say so, after the clip's own reason and its fix.
     return dataclasses.replace(result, error=f"{result.error}; its manifest line was not written either "
                                              f"({error.strerror or error})")

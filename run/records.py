@@ -33,6 +33,7 @@ class ClipResult:
     fingerprint: str = ""  # the digest of what decided the clip's bytes (h3gen.run.fingerprint)
     memory_plan: dict | None = None  # the run's memory plan (h3gen.run.budget.MemoryPlan.record), on a GPU
     sha256: str = ""  # the MP4's bytes as this run wrote them (h3gen validate compares a clip with it)
+    unrecorded: str = ""  # a clip written whole whose manifest line could not be: why (the run then exits 1)
 
     def __post_init__(self):
         if not self.status:
@@ -59,7 +60,7 @@ def clip_record(result, preset: str) -> dict:
     memory on the CPU."""
     rendered, request = result.rendered, result.request
     return {**request_fields(result.path, request, preset), "status": result.status, "ok": result.ok,
-            "error": result.error or None,
+            "error": result.error or result.unrecorded or None,
             "seconds": {k: round(v, 4) for k, v in result.seconds.items()},
             "end_to_end_s": round(result.end_to_end, 4) if rendered else None,
             "rtf": round(result.rtf, 4) if rendered else None,

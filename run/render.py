@@ -158,7 +158,7 @@ class Renderer:
         """(status, claim, error): the claim when this run renders the clip; status "busy" when another run holds
         it, "conflict" when that run renders it with other settings, "skipped" when an overlapping run finished it
         after this one started."""
-        if self.unrecorded:  # every clip would be written and then counted failed: spend no device time on them
+        if self.unrecorded:  # every clip would be written without the line a run resumes by: spend no device time
             return "", None, f"not rendered: {self.unrecorded}"
         claim = outputs.ClipClaim(clip.path)
         try:
@@ -332,10 +332,8 @@ class Renderer:
                             fingerprint=fingerprint.digest(clip.fingerprint) if clip.fingerprint else "",
                             memory_plan=self.memory_plan,
                             sha256=(clip.sha256 or outputs.sha256_of(clip.path)) if status == "" and ok else "")
-        recorded = outputs.recorded(self.out_dir, result, self.preset.name)
-        if result.ok and not recorded.ok:
-            self.unrecorded = recorded.error
-        result = recorded
+        result = outputs.recorded(self.out_dir, result, self.preset.name)
+        self.unrecorded = self.unrecorded or result.unrecorded
         if status == "" and ok:
             self.learn_size(clip)
         self.reporter.clip_done(result)

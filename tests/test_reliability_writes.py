@@ -11,6 +11,7 @@ import pytest
 
 from conftest import h3gen
 from faulty import TWO_CLIPS, limit_file_size
+from h3gen.run.validate import validate_clip
 
 
 def test_an_embedding_cache_folder_that_cannot_be_written_is_said_once(prompts_file, tmp_path):
@@ -173,8 +174,12 @@ def test_once_the_manifest_cannot_be_written_the_run_renders_no_more_clips(promp
     why = (f"cannot write {out / 'manifest.jsonl'}: Operation not permitted (make it writable; a rerun redoes only "
            "the clips that are missing)")
     failed = [line for line in result.output.splitlines() if "FAILED" in line]
-    assert len(failed) == 2 and failed[0].endswith(why) and failed[1].endswith(f"not rendered: {why}"), failed
-    assert len(list(out.glob("*.mp4"))) == 2  # the second was written before its line failed; the third never was
+    assert len(failed) == 1 and failed[0].endswith(f"not rendered: {why}"), failed
+    # the second was written whole before its line failed, and counted written, with a line that says what it lacks
+    assert f"[2/3] {out / 'h3-'}" in result.output and f" has no manifest line: {why}" in result.output
+    assert "2 of 3 clips written, 1 failed" in result.output, result.output[-2000:]
+    assert len(list(out.glob("*.mp4"))) == 2 and all(validate_clip(p, expected_frames=124) == [] for p in
+                                                     out.glob("*.mp4"))
 
 
 @pytest.mark.parametrize("dry", [False, True])
@@ -283,3 +288,25 @@ def test_the_tiny_model_is_written_with_the_modes_the_umask_gives(tmp_path):
     assert {stat.S_IMODE(p.stat().st_mode) for p in written if p.is_dir()} == {0o750}
     assert {stat.S_IMODE(p.stat().st_mode) for p in written if p.is_file()} == {0o640}
     assert any(p.suffix == ".safetensors" for p in written)
+
+
+def test_a_written_clip_whose_manifest_line_is_lost_stays_written_and_the_run_exits_1(tmp_path, monkeypatch):
+    import errno
+
+    from h3gen.inputs.request import Request
+    from h3gen.run import outputs
+    from h3gen.run.loop import report_end
+    from h3gen.run.records import ClipResult, clip_record
+    from h3gen.run.report import SilentReporter
+
+    def no_space(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(outputs.os, "write", no_space)
+    written = ClipResult(Request(index=0, prompt="x", seed=0, width=32, height=32, frames=124), tmp_path / "a.mp4",
+                         True, {}, 0.0)
+    result = outputs.recorded(tmp_path, written, "tiny")
+    assert result.ok and result.status == "ok"
+    assert result.unrecorded.startswith(f"cannot write {tmp_path / 'manifest.jsonl'}: No space left on device")
+    assert clip_record(result, "tiny")["error"] == result.unrecorded
+    assert report_end(SilentReporter(), [result], 1) == 1 and report_end(SilentReporter(), [written], 1) == 0
