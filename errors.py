@@ -7,7 +7,8 @@ def one_line(text: str) -> str:
 
 
 LINE_BREAKS = frozenset("\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029")  # where str.splitlines cuts
-HOST_MEMORY_FIX = "leave h3gen more: close other programs or raise `ulimit -v`; or render fewer frames or a smaller size"
+HOST_MEMORY_FIX = ("leave h3gen more: close other programs or raise `ulimit -v`; or render fewer frames or a smaller "
+                   "size")
 
 
 def host_memory_ran_out(error: BaseException) -> bool:

@@ -58,8 +58,8 @@ KIND_WORDS = {int: "a whole number", float: "a number", bool: "true or false", s
 
 def mistyped(config: dict, defaults: dict) -> str:
     """The first value of `config` whose type is not that of its default in `defaults` (a count written as a
-    string), said as `key is value, not a type`; '' when every value fits. A whole number stands for a float;
-    True is no count."""
+    string), said as `key is value, where a type belongs`; "" when every value fits. A whole number stands for a
+    float; True is no count."""
     for key, value in config.items():
         default = defaults.get(key)
         kind = type(default)

@@ -168,7 +168,8 @@ def write_failure(target: Path, error: Exception, default: bool):
     where = "the cache folder (XDG_CACHE_HOME)" if default else str(target.parent)
     text = f"cannot write the tiny model into {target} ({reason})"
     if isinstance(error, OSError) and error.errno == errno.EFBIG:
-        return WriteError(text, "a file size limit stops it: raise `ulimit -f`" + (", or pass --model" if default else ""))
+        limit = "a file size limit stops it: raise `ulimit -f`"
+        return WriteError(text, f"{limit}, or pass --model" if default else limit)
     if not isinstance(error, OSError) or error.errno in (errno.ENOSPC, errno.EDQUOT):
         return WriteError(text, f"free space in {where}, or pass --model" if default else f"free space in {where}")
     fix = "set XDG_CACHE_HOME to a folder you can write to, or pass --model" if default else \
