@@ -134,6 +134,10 @@ def reference(path: Path, field: str, where: str) -> Reference:
         return Reference("image", path)
     probe = probe_av(path)
     if probe is None:
+        container = container_kind(path)
+        if container:
+            raise UsageError(f"{where}: {field} {path} is {container} file that does not decode",
+                             "the file is cut short or damaged: export it again")
         raise UsageError(f"{where}: {field} {path} is not an image, video or audio file h3gen can read",
                          "use PNG/JPEG/WebP images, MP4/MOV/WebM videos, WAV/FLAC/MP3/M4A audio")
     video, audio, empty = probe
@@ -154,6 +158,19 @@ def reference(path: Path, field: str, where: str) -> Reference:
     if video is None and audio is None:
         raise UsageError(f"{where}: {field} {path} has neither a video nor an audio stream", "check the file")
     return Reference("video" if video is not None else "audio", path)
+
+
+# The first bytes of the containers a video or audio reference comes in: (offset, bytes, what the file is).
+CONTAINERS = ((4, b"ftyp", "an MP4/MOV"), (0, b"\x1aE\xdf\xa3", "a WebM/Matroska"), (0, b"RIFF", "a WAV"),
+              (0, b"fLaC", "a FLAC"), (0, b"ID3", "an MP3"), (0, b"OggS", "an Ogg"))
+
+
+def container_kind(path: Path) -> str:
+    """What container `path`'s first bytes say it is ('' for none of CONTAINERS): a file that says so and does not
+    decode is damaged, not of a kind h3gen cannot read."""
+    with open(path, "rb") as f:
+        head = f.read(12)
+    return next((kind for offset, magic, kind in CONTAINERS if head[offset:offset + len(magic)] == magic), "")
 
 
 def check_soundtrack(audio: tuple[int, int], field: str, path: Path, where: str) -> None:

@@ -29,6 +29,7 @@ def media(tmp_path_factory):
     with wave.open(str(folder / "header.wav"), "wb") as header:  # a WAV header and not one sample
         header.setnchannels(2), header.setsampwidth(2), header.setframerate(32000)
     write_video(folder / "clip.mp4", 20, sound=False)
+    (folder / "cut.mp4").write_bytes((folder / "clip.mp4").read_bytes()[:200])  # its ftyp box, then nothing whole
     write_video(folder / "blink.mp4", 6, sound=False)
     write_raw_h264(folder / "blink.h264", 6)
     write_image(folder / "photo.jpg", 64, 64, 4)
@@ -104,6 +105,8 @@ def test_the_documented_keyframe_canvas_example_holds():
     ({"references": [7]}, r"references\[0\] must be a path string"),
     ({"references": ["../notes.txt"]}, "notes.txt is not an image, video or audio file"),
     ({"references": ["../notes.png"]}, "notes.png is not an image, video or audio file h3gen can read"),
+    ({"references": ["../cut.mp4"]}, r"cut.mp4 is an MP4/MOV file that does not decode \(the file is cut short or "
+                                     "damaged: export it again\)"),
     ({"references": ["../frame.png", "../header.wav"]}, "header.wav has an audio stream with no samples in it"),
     ({"references": ["../too-wide.png"]}, r"references\[0\] .* outside the 1:4 to 4:1"),
     ({"references": ["../voice.wav"]}, "audio references cannot be used on their own"),
