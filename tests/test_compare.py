@@ -186,7 +186,7 @@ def test_a_missing_or_mismatched_argument_is_the_one_named(tmp_path, order):
 
 
 def test_full_size_frames_are_compared_a_frame_at_a_time_in_float32(monkeypatch):
-    """SSIM's working set on the CPU grows with the pixels of a pass: at 1344x768 one frame in float32 (1.2 GB),
+    """SSIM's working set on the CPU grows with the pixels of a pass: at 1344x768 one frame in float32 (1.6 GB),
     never eight in float64 (40 GB); the values are the float64 ones to 1e-6."""
     import torch
     import torchmetrics.functional.image as image
