@@ -237,13 +237,6 @@ class Wrapper(Stage):
         self.background, self.on_host = self.inner.background, self.inner.on_host
 
     @classmethod
-    def check_device(cls, config, device: str, dtype: str) -> None:
-        """Refuse preset values this stage cannot run with on `device` ("cpu", "cuda" or "cuda:N") in `dtype` (the
-        preset's runtime.dtype, e.g. "bfloat16"): raise UsageError as `check_config` does. Called after
-        `check_model`, for a run and a dry run, and again as the stage is built on the device it runs on. The default
-        accepts every device."""
-
-    @classmethod
     def refuses_split(cls, config) -> str:
         wrapped = config.wraps
         return wrapped.stage.refuses_split(wrapped.config) if wrapped.stage is not None else super().refuses_split(config)
