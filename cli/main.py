@@ -370,7 +370,9 @@ def validate(
     durations, not blank or silent; and, where the manifest.jsonl beside a clip recorded its bytes, unchanged since
     h3gen wrote it.
     Every file is checked, and every .mp4 in a directory named (but the hidden ones a run is still writing); exit 0
-    when all are valid, 1 when one is not, 2 when one does not exist (or is a directory without clips).
+    when all are valid, 1 when one is not, 2 when one does not exist (or is a directory without clips). A clip cut
+    short, or stamped by h3gen and damaged since, is one that the render which wrote it renders again: its line
+    says so.
 
     \b
     Example:
@@ -379,6 +381,7 @@ def validate(
     import json
 
     from h3gen.run.outputs import changed_since_written, clips_in, written_sha256
+    from h3gen.run.resume import rendered_again
     from h3gen.run.validate import not_an_mp4, validate_clip
     from h3gen.text import shown
 
@@ -391,6 +394,8 @@ def validate(
             problems = validate_clip(path, expected_frames=frames) or changed_since_written(path, written_sha256(path))
             if problems and path.suffix.lower() in (".txt", ".jsonl") and not_an_mp4(path):  # a prompts file
                 problems.append(f"a prompts file is checked with h3gen render {shown(str(path))} --dry-run")
+            elif problems and rendered_again(path):
+                problems.append("the h3gen render that wrote it renders it again when run once more")
         bad += bool(problems)
         if json_out:
             typer.echo(json.dumps({"path": str(path), "ok": not problems, "problems": problems}))

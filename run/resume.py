@@ -39,7 +39,7 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
     link to a missing file; damaged (rendered again, see `to_render`) when it does not validate and is h3gen's or
     cut short. `redo` (RunSettings.redo): "all" renders every clip again (None), "conflicts" those h3gen stamped
     with other settings (a file it did not stamp stays)."""
-    from h3gen.run.validate import box_problem, not_an_mp4, validate_clip
+    from h3gen.run.validate import box_problem, not_an_mp4
 
     path = out_dir / clip_name(request, preset)
     wanted = fingerprint.clip_fields(run_fields, request)
@@ -63,12 +63,7 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
     # A clip this run would write the same is checked for damage, not decoded picture by picture: it was whole when
     # renamed into place, and a rerun over thousands of clips must not cost a decode of each (`h3gen validate` does).
     # Where the manifest holds the sha256 of its bytes as written, reading them once for it is the whole check.
-    written = written_sha256(path) if stored is not None else None
-    if written:
-        problems = changed_since_written(path, written)
-    else:
-        problems = validate_clip(path, expected_frames=request.frames, pictures=stored is None)
-    state = "there but damaged:"
+    problems, state = damage(path, stored, request.frames), "there but damaged:"
     if not problems and save_latents and stored is not None:
         problems, state = latents_problems(latents_path(path), wanted), "there, but"
     if problems and stored is None and not box_problem(path):
@@ -79,6 +74,28 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
     if stored is None:  # whole, but without h3gen's stamp: another tool's file, or an older h3gen's
         return conflict(request, path, wanted, ["no h3gen stamp in its metadata"], "a whole MP4 h3gen did not stamp")
     return ClipResult(request, path, True, {}, 0.0, skipped=True, fingerprint=fingerprint.digest(wanted))
+
+
+def damage(path: Path, stored: dict | None, expected_frames: int | None = None) -> list[str]:
+    """What a rerun finds wrong with the clip at `path` (its stamp `stored`): where the manifest holds the sha256 of
+    its bytes as written, reading them once for it is the whole check."""
+    from h3gen.run.validate import validate_clip
+
+    written = written_sha256(path) if stored is not None else None
+    if written:
+        return changed_since_written(path, written)
+    return validate_clip(path, expected_frames=expected_frames, pictures=stored is None)
+
+
+def rendered_again(path: Path) -> bool:
+    """Whether a rerun of the render that wrote the clip at `path` renders it again, as `already_done` takes a clip
+    of its settings: one h3gen stamped whose bytes are not those it wrote or do not validate, or one cut short."""
+    from h3gen.run.validate import box_problem, not_an_mp4
+
+    if not path.is_file() or not_an_mp4(path):
+        return False
+    stored = fingerprint.read_stamp(path)
+    return (stored is not None or bool(box_problem(path))) and bool(damage(path, stored))
 
 
 def latents_problems(path: Path, wanted: dict) -> list[str]:

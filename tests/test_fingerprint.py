@@ -62,12 +62,17 @@ def test_a_rerun_skips_only_on_a_matching_fingerprint(prompts_file, tmp_path, ti
     assert (out / "c.mp4").read_bytes() == clip  # a conflict leaves the clip as it was
 
     (out / "c.mp4").write_bytes(clip[: len(clip) // 2])  # a damaged clip is named, and rendered again
+    checked = h3gen("validate", out / "c.mp4", check_code=1)
+    assert re.fullmatch(r"\S+c\.mp4: INVALID: truncated.*; the h3gen render that wrote it renders it again when run "
+                        r"once more\n", checked.stderr), checked.stderr
     planned = h3gen("render", prompts, "-o", out, "--dry-run", check_code=0)
     assert re.match(r"render +\S+c\.mp4: there but damaged: .*; rendered again$", planned.stdout.strip())
     redone = h3gen("render", prompts, "-o", out, "--json", check_code=0)
     assert json.loads(redone.stdout)["status"] == "ok"
     assert re.search(r"note: \S+c\.mp4 is there but damaged: .*truncated.*; rendered again", redone.stderr)
     assert (out / "c.mp4").read_bytes() == clip
+    checked = h3gen("validate", out / "c.mp4", "--frames", "1000", check_code=1)  # whole: a rerun keeps it
+    assert checked.stderr.endswith("expected 1000\n"), checked.stderr
 
 
 def test_the_same_preset_under_another_name_renders_the_same_clip(prompts_file, tmp_path):
@@ -504,7 +509,8 @@ def test_a_clip_changed_inside_a_frame_fails_validate_and_a_rerun_renders_it_aga
         pytest.fail("every changed frame failed to decode")
     checked = h3gen("validate", clip, check_code=1)
     assert checked.stderr == (f"{clip}: INVALID: its bytes are not those h3gen wrote (the sha256 in manifest.jsonl "
-                              "beside it): damaged or changed since\n"), checked.stderr
+                              "beside it): damaged or changed since; the h3gen render that wrote it renders it "
+                              "again when run once more\n"), checked.stderr
     planned = h3gen("render", prompts, "-o", out, "--dry-run", check_code=0)
     assert planned.stdout.strip().endswith("a.mp4: there but damaged: its bytes are not those h3gen wrote (the sha256 "
                                            "in manifest.jsonl beside it): damaged or changed since; rendered again")
