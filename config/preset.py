@@ -360,11 +360,13 @@ def _stage(kind: str, data: dict, registry, where: str, sources: dict, key: str 
         inner = registry.stages.get((kind, wraps.get("use"))) if isinstance(wraps.get("use"), str) else None
         for misplaced in (k for k in section if inner and stage_takes(inner.stage, k) and not stage_takes(stage, k)):
             given = set_key(sources, f"{key}.{misplaced}")
-            raise UsageError(f"{f'--set {given}: ' if given else ''}unknown key '{misplaced}' in "
-                             f"{origin_of(sources, f'{key}.{misplaced}', where)} [{key}]: {kind} stage '{name}' "
-                             f"wraps '{wraps['use']}', which takes it",
+            problem = (f"--set {given}: unknown key '{misplaced}' for {kind} stage '{name}', which" if given else
+                       f"unknown key '{misplaced}' in {origin_of(sources, f'{key}.{misplaced}', where)} [{key}]: "
+                       f"{kind} stage '{name}'")
+            raise UsageError(f"{problem} wraps '{wraps['use']}', which takes it",
                              f"set it under [{key}.wraps], or --set {key}.wraps.{misplaced}=...")
-    config = build_config(stage.Config, section, f"{where} [{key}]", *_origins(section, key, sources, where))
+    config = build_config(stage.Config, section, f"{where} [{key}]", *_origins(section, key, sources, where),
+                          stage=f"{kind} stage '{name}'")
     if wrapping:
         from h3gen.stages.base import Wrapped
 

@@ -47,9 +47,10 @@ def config_problem(config_cls) -> str:
 
 
 def build_config(config_cls: type, values: dict[str, Any], where: str, set_as: dict[str, str] | None = None,
-                 held: dict[str, str] | None = None):
+                 held: dict[str, str] | None = None, stage: str = ""):
     """Make a config dataclass from preset values: unknown keys and wrong types are errors listing what is allowed.
-    `set_as` names the keys a --set gave ({"steps": "sampler.steps"}): their errors blame the --set, not `where`;
+    `set_as` names the keys a --set gave ({"steps": "sampler.steps"}): their errors blame the --set, not `where`,
+    and name the `stage` ("sampler stage 'euler'") that has no such key where given (a --set may have picked it);
     `held` names the section that holds a key where it is not `where` (a preset the asked one extends)."""
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
     hints = typing.get_type_hints(config_cls)
@@ -57,7 +58,8 @@ def build_config(config_cls: type, values: dict[str, Any], where: str, set_as: d
     for key, value in values.items():
         if key not in fields:
             allowed = ", ".join(sorted(fields))
-            raise UsageError(f"--set {set_as[key]}: unknown key '{key}' in {where}" if key in set_as
+            raise UsageError(f"--set {set_as[key]}: unknown key '{key}' {f'for {stage}' if stage else f'in {where}'}"
+                             if key in set_as
                              else f"unknown key '{key}' in {held.get(key, where)}",
                              f"allowed keys: {allowed}" if allowed else "this stage takes no keys")
         values[key] = _coerce(value, hints[key], f"--set {set_as[key]}" if key in set_as else

@@ -140,12 +140,12 @@ def test_an_unknown_key_on_a_wrapping_stage_says_where_it_was_set_and_which_stag
     found = with_tint()
     with pytest.raises(UsageError) as typo:
         resolve("h3-base", found, ["vae.use=tint", "vae.strenght=2"])
-    assert str(typo.value) == "--set vae.strenght: unknown key 'strenght' in preset h3-base [vae] (allowed keys: " \
+    assert str(typo.value) == "--set vae.strenght: unknown key 'strenght' for vae stage 'tint' (allowed keys: " \
                               "strength, wraps)", str(typo.value)
     with pytest.raises(UsageError) as theirs:
         resolve("h3-base", found, ["vae.use=tint", "vae.tile_batch=2"])
-    assert str(theirs.value) == "--set vae.tile_batch: unknown key 'tile_batch' in preset h3-base [vae]: vae stage " \
-                                "'tint' wraps 'fast', which takes it (set it under [vae.wraps], or --set " \
+    assert str(theirs.value) == "--set vae.tile_batch: unknown key 'tile_batch' for vae stage 'tint', which wraps " \
+                                "'fast', which takes it (set it under [vae.wraps], or --set " \
                                 "vae.wraps.tile_batch=...)", str(theirs.value)
     tinted = write(tmp_path, "tinted.toml", 'extends = "tiny"\n[vae]\nuse = "tint"\ntile_batch = 2\n'
                                             '[vae.wraps]\nuse = "fast"\n')

@@ -77,9 +77,11 @@ def test_set_overrides_and_records_where_values_came_from(tmp_path):
     (BASE, ["mux.x264_preset=true"], r"^--set mux.x264_preset must be str, got true \(true is read as a boolean; "),
     # A value a --set gave is blamed on the --set, not on the preset that never held it.
     (BASE, ["sampler.steps=abc"], r"^--set sampler.steps must be int, got 'abc' \(fix the value after the =\)"),
-    (BASE, ["sampler.stepz=4"], r"^--set sampler.stepz: unknown key 'stepz' in preset custom \[sampler\]"),
+    (BASE, ["sampler.stepz=4"], r"^--set sampler.stepz: unknown key 'stepz' for sampler stage 'euler' \(allowed "),
     (BASE, ["runtime.devise=cpu"], r"^--set runtime.devise: unknown key 'devise' in preset custom \[runtime\]"),
-    (BASE, ["vae.wraps.use=fast"], r"^--set vae.wraps.use: unknown key 'wraps' in preset custom \[vae\]"),
+    (BASE, ["vae.wraps.use=fast"], r"^--set vae.wraps.use: unknown key 'wraps' for vae stage 'reference'"),
+    # The stage a --set picked, not the one the preset names, is the one without the key.
+    (BASE, ["vae.use=fast", "vae.crf=3"], r"^--set vae.crf: unknown key 'crf' for vae stage 'fast' "),
     (BASE, ["vae.use=fast", "vae.tile_height=big"], r"^--set vae.tile_height must be int, got 'big'"),
     # A key given on the command line for the stage a later --set replaces would vanish without a word.
     (BASE, ["vae.tile_batch=4", "vae.use=fast"], r"^--set vae.tile_batch=4 is for the vae stage 'reference', which the "
