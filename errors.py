@@ -11,6 +11,18 @@ HOST_MEMORY_FIX = ("leave h3gen more: close other programs or raise `ulimit -v`;
                    "size")
 
 
+def debugging() -> bool:
+    """--traceback (or H3GEN_DEBUG=1): a failure prints where it came from, its traceback, above its one line."""
+    import os
+
+    return os.environ.get("H3GEN_DEBUG", "") not in ("", "0")
+
+
+def where_it_came_from() -> str:
+    """How a failure's line sends the user to where it came from: the traceback above it, or --traceback."""
+    return "the traceback above says where" if debugging() else "rerun with --traceback for where"
+
+
 def host_memory_ran_out(error: BaseException) -> bool:
     """Whether `error` is the host's memory (or an address-space limit) running out where Python or a library asked
     for more: an allocation, a thread's stack, a shared library's mapping."""

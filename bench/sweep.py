@@ -290,7 +290,7 @@ def records_for(name, baseline, request, runs, forwards_run, full_forwards, peak
 
 def said_failed(say, what: str, error: Exception) -> None:
     """One line for a preset that failed, the others measured on; with --traceback (H3GEN_DEBUG) where it came from."""
-    from h3gen.run.render import debugging
+    from h3gen.errors import debugging
 
     if debugging():
         traceback.print_exception(error, file=sys.stderr)

@@ -69,7 +69,7 @@ app.add_typer(presets_app, name="presets")
 
 
 def fail(error: H3genError) -> None:
-    from h3gen.run.render import debugging
+    from h3gen.errors import debugging
     from h3gen.text import shown
 
     if debugging():  # where the failure came from, else where it was refused
@@ -646,8 +646,7 @@ def main():
     try:
         app(prog_name="h3gen")
     except Exception as e:  # not bad input but a bug (h3gen's or a plugin's): one line, the details on request
-        from h3gen.errors import HOST_MEMORY_FIX, host_memory_ran_out, one_line
-        from h3gen.run.render import debugging
+        from h3gen.errors import HOST_MEMORY_FIX, debugging, host_memory_ran_out, one_line
 
         if debugging():  # where it came from, then the same one line
             traceback.print_exception(e, file=sys.stderr)
@@ -657,8 +656,9 @@ def main():
             sys.exit(1)
         command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), "")
         where = "--traceback" if command in ("render", "bench") else "H3GEN_DEBUG=1"  # the others have no option
-        print(f"h3gen: error: {type(e).__name__}: {one_line(str(e))} (a bug; rerun with {where} for where, and "
-              "report it)", file=sys.stderr)
+        fix = "report it with the traceback above" if debugging() else \
+            f"rerun with {where} for where, and report it"
+        print(f"h3gen: error: {type(e).__name__}: {one_line(str(e))} (a bug; {fix})", file=sys.stderr)
         sys.exit(1)
     finally:
         from h3gen.run.memory import exit_soon

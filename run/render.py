@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import os
 import shutil
 import sys
 import time
@@ -13,7 +12,7 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-from h3gen.errors import H3genError, ModelError
+from h3gen.errors import H3genError, ModelError, debugging
 from h3gen.inputs.request import Request
 from h3gen.run import budget, fingerprint, memory, outputs
 from h3gen.run.arriving import ArrivingMedia, decoded
@@ -433,9 +432,9 @@ def check_latents(clip: Clip, sampler) -> None:
     for name, shape in wanted.items():
         latents = getattr(clip, f"{name}_latents")
         if not isinstance(latents, torch.Tensor) or not latents.is_floating_point() or tuple(latents.shape) != shape:
-            raise ReturnedRefused(f"{sampler.label()} returned clip.{name}_latents is {described(latents)}, not "
-                                  f"float {shape}", "a sampler's run(clip) sets clip.video_latents and clip.audio_latents "
-                                  "as the request's shapes say: docs/plugins.md")
+            raise ReturnedRefused(f"{sampler.label()} returned a clip whose {name} latents are {described(latents)}, "
+                                  f"not float {shape}", "a sampler's run(clip) sets clip.video_latents and "
+                                  "clip.audio_latents as the request's shapes say: docs/plugins.md")
     broken = [name for name in wanted if not torch.isfinite(getattr(clip, f"{name}_latents")).all()]
     if broken:
         fix = (DAMAGED_WEIGHTS_FIX if sampler.origin == BUILTIN
@@ -456,10 +455,11 @@ def check_media(clip: Clip, vae) -> None:
         frames, audio, sample_rate = clip.frames, clip.audio, clip.sample_rate
     fix = ("a vae's run(clip) sets clip.frames (uint8 (T, H, W, 3)), clip.audio (float32 (2, N)) and "
            "clip.sample_rate, or hands them over through clip.arriving: docs/plugins.md")
-    problem = (f"the clip without {' or '.join(missing)}" if missing
-               else media_problem(clip.request, frames, audio, sample_rate))
+    if missing:
+        raise ReturnedRefused(f"{vae.label()} returned the clip without {' or '.join(missing)}", fix)
+    problem = media_problem(clip.request, frames, audio, sample_rate)
     if problem:
-        raise ReturnedRefused(f"{vae.label()} returned {problem}", fix)
+        raise ReturnedRefused(f"{vae.label()} returned a clip whose {problem}", fix)
 
 
 def file_state(path: Path):
@@ -512,11 +512,6 @@ def clip_error(clip: Clip, error: Exception, memory_plan: dict | None = None, ra
     if isinstance(error, H3genError):
         return str(error)
     return f"{type(error).__name__}: {error}"
-
-
-def debugging() -> bool:
-    """--traceback (or H3GEN_DEBUG=1): print where a failure came from, besides its one line."""
-    return os.environ.get("H3GEN_DEBUG", "") not in ("", "0")
 
 
 OOM_HINT = ("out of GPU memory (try --vram with less than the GPU has so DiT blocks stream, an FP8 preset, fewer "

@@ -11,7 +11,7 @@ import dataclasses
 import signal
 from typing import Any, ClassVar
 
-from h3gen.errors import HOST_MEMORY_FIX, H3genError, host_memory_ran_out
+from h3gen.errors import HOST_MEMORY_FIX, H3genError, host_memory_ran_out, where_it_came_from
 
 STAGE_KINDS = ("encode", "sampler", "vae", "quant", "mux", "cache")
 BUILTIN = "h3gen (built-in)"
@@ -179,8 +179,8 @@ class Stage:
         if error is not None and host_memory_ran_out(error):
             return f"out of host memory: {HOST_MEMORY_FIX}"
         if cls.origin == BUILTIN:
-            return "rerun with --traceback for where, and report it as an h3gen bug with that"
-        return "rerun with --traceback for where; fix the stage, or pick another in the preset"
+            return f"{where_it_came_from()}; report it as an h3gen bug with that"
+        return f"{where_it_came_from()}; fix the stage, or pick another in the preset"
 
     @classmethod
     def source(cls) -> str:

@@ -516,8 +516,8 @@ def test_a_bug_is_one_line_and_with_traceback_the_traceback_comes_before_it(monk
         cli.main()
     assert exit.value.code == 1
     err = capsys.readouterr().err
-    assert err.splitlines()[-1] == ("h3gen: error: RuntimeError: something h3gen did not expect (a bug; rerun with "
-                                    f"{where} for where, and report it)")
+    fix = "report it with the traceback above" if debug else f"rerun with {where} for where, and report it"
+    assert err.splitlines()[-1] == f"h3gen: error: RuntimeError: something h3gen did not expect (a bug; {fix})"
     assert ("Traceback (most recent call last)" in err) == bool(debug)
 
 
