@@ -29,7 +29,7 @@ FLOW = (
          writes=("video_latents", "audio_latents", "forwards", "forwards_reused", "attention"), on_device=True),
     Step("vae", reads=("video_latents", "audio_latents"), writes=("frames", "audio", "sample_rate", "arriving"),
          on_device=True),
-    Step("mux", reads=("frames", "audio", "sample_rate", "arriving", "path", "fingerprint"), writes=(),
+    Step("mux", reads=("frames", "audio", "sample_rate", "arriving", "path", "fingerprint", "tags"), writes=(),
          on_device=False),
 )
 PIPELINE = tuple(step.kind for step in FLOW)  # quant is applied at load time by the stages that load weights
@@ -62,6 +62,7 @@ class Clip:
     arriving: Any = None  # frames and audio as the decode hands them to a mux started with it (h3gen.run.arriving)
     peak_gib: float | None = None  # the device's peak memory while the clip rendered (None on the CPU)
     sha256: str = ""  # the MP4's bytes as its mux wrote them, hashed on the thread that muxed it
+    tags: dict[str, str] = dataclasses.field(default_factory=dict)  # MP4 tags for the mux to write ("title")
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def drop_tensors(self, keep_media: bool = False) -> None:
@@ -72,26 +73,26 @@ class Clip:
 
 
 def media_problem(request: Request, frames, audio, sample_rate) -> str:
-    """What is wrong with a decode's `frames`, `audio` and `sample_rate` for the clip `request` asks for ('' for
-    nothing): the frames uint8 (T, H, W, 3) at the request's frame count and size, the soundtrack float (2, N) as
-    long as the frames within a tenth of a second, as `h3gen validate` takes a clip."""
+    """What is wrong with a decode's `frames`, `audio` and `sample_rate` for the clip `request` asks for, said after
+    "a clip whose" ('' for nothing): the frames uint8 (T, H, W, 3) at the request's frame count and size, the
+    soundtrack float (2, N) as long as the frames within a tenth of a second, as `h3gen validate` takes a clip."""
     import numpy as np
 
     from h3gen.inputs.request import AUDIO_CHANNELS, FPS
 
     wanted = (request.frames, request.height, request.width, 3)
     if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8 or frames.shape != wanted:
-        return f"clip.frames is {described(frames)}, not uint8 {wanted}"
+        return f"frames are {described(frames)}, not uint8 {wanted}"
     if not (isinstance(audio, np.ndarray) and np.issubdtype(audio.dtype, np.floating) and audio.ndim == 2
             and audio.shape[0] == AUDIO_CHANNELS):
-        return f"clip.audio is {described(audio)}, not float ({AUDIO_CHANNELS}, N)"
+        return f"audio is {described(audio)}, not float ({AUDIO_CHANNELS}, N)"
     if not np.isfinite(audio).all():
-        return "clip.audio holding NaN or infinite values"
+        return "audio holds NaN or infinite values"
     if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or sample_rate <= 0:
-        return f"clip.sample_rate is {sample_rate!r}, not samples a second"
+        return f"sample_rate is {sample_rate!r}, not samples a second"
     seconds, video = audio.shape[1] / sample_rate, request.frames / FPS
     if abs(seconds - video) > 0.1:
-        return f"clip.audio lasts {seconds:.3f} s at {sample_rate} Hz, the frames {video:.3f} s"
+        return f"audio lasts {seconds:.3f} s at {sample_rate} Hz, the frames {video:.3f} s"
     return ""
 
 

@@ -56,6 +56,11 @@ class _SwitchInterval:
 _switch_interval = _SwitchInterval()
 
 
+# The text tags FFmpeg's MP4 muxer writes (and the comment, which holds h3gen's stamp); it leaves out any other.
+MP4_TAGS = ("title", "artist", "album_artist", "composer", "album", "date", "genre", "copyright", "grouping", "lyrics",
+            "description", "synopsis", "show", "episode_id", "network", "keywords")
+
+
 def write_mp4(
     path: Path,
     frames: np.ndarray,
@@ -68,25 +73,33 @@ def write_mp4(
     cancelled=lambda: False,
     comment: str = "",
     audio_ahead=lambda: None,
+    tags: dict[str, str] | None = None,
 ) -> None:
     """Write H.264 + AAC to `path` atomically; a partial MP4 never appears at `path`.
 
     `frames` is uint8 (T, H, W, 3) RGB, or frames still arriving from the decode (`h3gen.run.arriving`); `audio` is float
     (2, N) in [-1, 1], or a callable that gives it once the frames are through. Identical inputs give byte-identical
     files. `cancelled()` is polled per frame: when it turns true the write stops with `MuxCancelled` and leaves
-    nothing behind. `comment` goes into the MP4's comment tag (h3gen stores the clip's render fingerprint there).
+    nothing behind. `comment` goes into the MP4's comment tag (h3gen stores the clip's render fingerprint there);
+    `tags` are more of the container's tags ({"title": ...}), any but comment.
     `audio_ahead()` gives the soundtrack before the frames when it is in by then, else None: it is encoded while the
     frames arrive, and its packets go after the video's all the same, so the file is the same bytes.
     """
     import av  # PyAV when a clip is muxed, not when the stage registers
 
     _check_frames(frames)
+    if "comment" in (tags or {}):
+        raise ValueError("the comment tag holds h3gen's stamp (write_mp4's comment); give the text another tag")
+    unknown = sorted(set(tags or {}) - set(MP4_TAGS))
+    if unknown:  # the MP4 muxer drops them without a word
+        raise ValueError(f"MP4 has no tag {unknown[0]!r}; its text tags: {', '.join(MP4_TAGS)}")
     path = Path(path)
     partial = path.with_name(f".{path.name}.partial.mp4")
     try:
         with av.open(str(partial), "w", format="mp4", options=_BITEXACT) as container:
             if comment:
                 container.metadata["comment"] = comment
+            container.metadata.update(tags or {})
             video = _add_video_stream(container, frames, fps, crf, preset, x264_threads)
             sound = _add_audio_stream(container, sample_rate)
             soundtrack = audio if not callable(audio) else audio_ahead()
@@ -266,5 +279,5 @@ class PyAVMux(Stage):
                   preset=self.config.x264_preset, x264_threads=self.config.x264_threads,
                   cancelled=lambda: self.stopping.is_set() and not decoded(clip),
                   comment=stamp(clip.fingerprint) if clip.fingerprint else "",
-                  audio_ahead=media.audio_ahead if media is not None else lambda: None)
+                  audio_ahead=media.audio_ahead if media is not None else lambda: None, tags=clip.tags)
         return clip

@@ -72,6 +72,23 @@ def test_identical_inputs_give_identical_bytes(tmp_path):
     assert b"Lavf" not in data
 
 
+def test_every_mp4_text_tag_is_written_beside_the_stamp_and_any_other_is_refused(tmp_path):
+    """FFmpeg's MP4 muxer leaves out a tag it has no box for, without a word: write_mp4 takes only those it writes,
+    and never a comment of the caller's, which would take the stamp's place."""
+    path = tmp_path / "tagged.mp4"
+    tags = {tag: f"{tag} of the clip" for tag in mux.MP4_TAGS}
+    write_mp4(path, moving_frames(), soundtrack(), comment="the stamp", tags=tags)
+    with av.open(str(path)) as container:
+        assert {key: container.metadata.get(key) for key in tags} == tags
+        assert container.metadata["comment"] == "the stamp"
+    assert validate_clip(path) == []
+    for bad, said in (({"comment": "mine"}, "the comment tag holds h3gen's stamp"), ({"mood": "calm"},
+                                                                                    "MP4 has no tag 'mood'")):
+        with pytest.raises(ValueError, match=said):
+            write_mp4(tmp_path / "bad.mp4", moving_frames(), soundtrack(), tags=bad)
+        assert list(tmp_path.iterdir()) == [path]
+
+
 def test_constant_video_fails(tmp_path):
     path = tmp_path / "grey.mp4"
     write_mp4(path, np.full((FRAMES, SIZE, SIZE, 3), 128, np.uint8), soundtrack())

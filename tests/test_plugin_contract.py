@@ -2,9 +2,11 @@
 says, named with its kind and plugin, in one line (the traceback only with --traceback); a bad Config or a name
 clash is refused at registration."""
 
+import av
 import pytest
 
 from conftest import h3gen, installed_plugins
+from h3gen.run.fingerprint import read_stamp
 from faulty import install
 
 FAULTY = '''
@@ -173,11 +175,11 @@ def test_a_vae_that_hands_on_no_frames_is_named_not_the_mux(faulty, prompts_file
 
 
 @pytest.mark.parametrize("fault, problem", [
-    ("float", "returned clip.frames is float32 (124, 32, 32, 3), not uint8 (124, 32, 32, 3)"),
-    ("few", "returned clip.frames is uint8 (10, 32, 32, 3), not uint8 (124, 32, 32, 3)"),
-    ("mono", "returned clip.audio is float32 (1, "),
-    ("short", "returned clip.audio lasts 2.587 s at 32000 Hz, the frames 5.167 s"),
-    ("nan-audio", "returned clip.audio holding NaN or infinite values"),
+    ("float", "returned a clip whose frames are float32 (124, 32, 32, 3), not uint8 (124, 32, 32, 3)"),
+    ("few", "returned a clip whose frames are uint8 (10, 32, 32, 3), not uint8 (124, 32, 32, 3)"),
+    ("mono", "returned a clip whose audio is float32 (1, "),
+    ("short", "returned a clip whose audio lasts 2.587 s at 32000 Hz, the frames 5.167 s"),
+    ("nan-audio", "returned a clip whose audio holds NaN or infinite values"),
 ])
 def test_a_vae_that_hands_on_frames_or_a_soundtrack_of_another_shape_is_named_not_the_mux(
         faulty, prompts_file, tmp_path, fault, problem):
@@ -196,7 +198,7 @@ def test_in_a_group_a_vae_s_refused_frames_cost_their_clip_alone(faulty, prompts
     result = render(faulty, prompts_file, tmp_path, "few", "--set", "vae.wraps.use=reference", "--set",
                     "sampler.dit=h3gen", "--cpu-workers", "2", "--ulysses", "2")
     assert result.returncode == 1, result.stderr[-3000:]
-    assert ("failed bad.mp4 (line 1): vae stage 'faulty' (from plugin 'faulty') returned clip.frames is uint8 "
+    assert ("failed bad.mp4 (line 1): vae stage 'faulty' (from plugin 'faulty') returned a clip whose frames are uint8 "
             "(10, 32, 32, 3)") in result.stderr
     assert "1 of 2 clips written" in result.stderr and "rank " not in result.stderr
     assert sorted(p.name for p in (tmp_path / "out").glob("*.mp4")) == ["good.mp4"]
@@ -309,10 +311,10 @@ def h3gen_register_stages(register):
 
 
 @pytest.mark.parametrize("fault, problem", [
-    ("shape", "returned clip.video_latents is torch.float32 (1, 24, 37, 2, 1), not float (1, 24, 37, 2, 2) (a "
+    ("shape", "returned a clip whose video latents are torch.float32 (1, 24, 37, 2, 1), not float (1, 24, 37, 2, 2) (a "
               "sampler's run(clip) sets clip.video_latents and clip.audio_latents as the request's shapes say"),
-    ("none", "returned clip.audio_latents is NoneType, not float (2, 32, 207)"),
-    ("int", "returned clip.video_latents is torch.int64 (1, 24, 37, 2, 2), not float"),
+    ("none", "returned a clip whose audio latents are NoneType, not float (2, 32, 207)"),
+    ("int", "returned a clip whose video latents are torch.int64 (1, 24, 37, 2, 2), not float"),
     ("not-finite", "returned audio latents holding NaN or infinite values (a sampler's latents must be finite: "
             "docs/plugins.md)"),
 ])
@@ -431,11 +433,16 @@ def test_a_wrapper_s_own_config_check_leaves_the_wrapped_stage_s_check_in_place(
 
 
 def test_a_config_check_that_raises_something_else_is_the_stage_s_failure_named(faulty, prompts_file, tmp_path):
+    """And with --traceback given, the line points to the traceback printed above it, not to --traceback."""
     result = render(faulty, prompts_file, tmp_path, "check-other", "--dry-run")
     assert result.returncode == 1
     assert result.stderr.splitlines()[-1] == (
         "h3gen: error: vae stage 'faulty' (from plugin 'faulty') raised ValueError: no such fault while checking its "
         "settings (rerun with --traceback for where; fix the stage, or pick another in the preset)")
+    traced = render(faulty, prompts_file, tmp_path, "check-other", "--dry-run", "--traceback")
+    assert traced.returncode == 1 and "Traceback (most recent call last)" in traced.stderr
+    assert traced.stderr.splitlines()[-1].endswith(
+        "while checking its settings (the traceback above says where; fix the stage, or pick another in the preset)")
 
 
 def test_a_stage_that_fails_to_unload_is_reported_and_the_clips_stay(faulty, prompts_file, tmp_path):
@@ -557,6 +564,7 @@ from h3gen.stages.base import Wrapped, Wrapper
 @dataclasses.dataclass
 class SidecarConfig:
     fail: bool = False
+    title: str = ""
     wraps: Wrapped = dataclasses.field(default_factory=Wrapped)
 
 
@@ -565,6 +573,8 @@ class Sidecar(Wrapper):
     Config = SidecarConfig
 
     def run(self, clip):
+        if self.config.title:
+            clip.tags["title"] = self.config.title
         clip = self.inner.run(clip)
         if self.config.fail:
             return None  # after the inner mux wrote the MP4
@@ -583,8 +593,13 @@ def test_a_mux_wrapper_runs_on_the_background_mux_and_a_failure_leaves_no_file(t
     env = install(tmp_path / "site", "sidecar", SIDECAR)
     args = ["--set", "mux.use=sidecar", "--set", f"mux.wraps.workers={workers}"]
     out = tmp_path / "out"
-    h3gen("render", prompts_file('{"id": "a", "prompt": "a fox"}\n'), "-o", out, *args, env=env, check_code=0)
+    h3gen("render", prompts_file('{"id": "a", "prompt": "a fox"}\n'), "-o", out, *args, "--set",
+          "mux.title=a fox at dawn", env=env, check_code=0)
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["a.json", "a.mp4", "manifest.jsonl"]
+    with av.open(str(out / "a.mp4")) as container:  # the wrapper's tag, and the stamp a rerun reads
+        assert container.metadata["title"] == "a fox at dawn"
+    assert read_stamp(out / "a.mp4")["mux.title"] == "a fox at dawn"
+    assert h3gen("validate", out, check_code=0).stdout == f"{out / 'a.mp4'}: ok\n"
     failed = tmp_path / "failed"
     result = h3gen("render", prompts_file('{"id": "a", "prompt": "a fox"}\n'), "-o", failed, *args,
                    "--set", "mux.fail=true", env=env, check_code=1)
