@@ -88,9 +88,10 @@ def write_mp4(
     import av  # PyAV when a clip is muxed, not when the stage registers
 
     _check_frames(frames)
-    if "comment" in (tags or {}):
+    tags = tags or {}
+    if "comment" in tags:
         raise ValueError("the comment tag holds h3gen's stamp (write_mp4's comment); give the text another tag")
-    unknown = sorted(set(tags or {}) - set(MP4_TAGS))
+    unknown = sorted(set(tags) - set(MP4_TAGS))
     if unknown:  # the MP4 muxer drops them without a word
         raise ValueError(f"MP4 has no tag {unknown[0]!r}; its text tags: {', '.join(MP4_TAGS)}")
     path = Path(path)
@@ -99,7 +100,7 @@ def write_mp4(
         with av.open(str(partial), "w", format="mp4", options=_BITEXACT) as container:
             if comment:
                 container.metadata["comment"] = comment
-            container.metadata.update(tags or {})
+            container.metadata.update(tags)
             video = _add_video_stream(container, frames, fps, crf, preset, x264_threads)
             sound = _add_audio_stream(container, sample_rate)
             soundtrack = audio if not callable(audio) else audio_ahead()
