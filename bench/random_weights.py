@@ -81,6 +81,9 @@ class FullSizeRandom:
         tokenizer = self.tiny_repo.text_encoder_identity()
         return hashlib.sha256(f"full-size random, made per module\0{spec}\0{tokenizer}".encode()).hexdigest()
 
+    def text_encoder_layers(self) -> int:
+        return QWEN3VL_32B_TEXT["num_hidden_layers"]
+
     def text_encoder_config(self):
         from transformers import Qwen2TokenizerFast, Qwen3VLConfig
 

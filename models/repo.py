@@ -149,6 +149,15 @@ class ModelRepo:
         return load_component("text_encoder config", AutoConfig.from_pretrained, self.path("text_encoder"),
                               local_files_only=True)
 
+    def text_encoder_layers(self) -> int:
+        """The text encoder's decoder layers, read from its config.json (the launcher of a run sizes memory with it
+        and need not import transformers); through transformers' config where the file leaves the count out."""
+        layers = read_json_object(self.path("text_encoder") / "config.json").get("text_config", {})
+        layers = layers.get("num_hidden_layers") if isinstance(layers, dict) else None
+        if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0:
+            return layers
+        return self.text_encoder_config().text_config.num_hidden_layers
+
     def _check(self, name: str) -> None:
         folder = self.root / name
         if not folder.is_dir():

@@ -229,7 +229,7 @@ def encoder_bytes(preset, repo) -> tuple[int, int]:
     name, encode = preset.stages["encode"]
     if not hasattr(encode, "stream_layers"):
         return 0, 0
-    layers = repo.text_encoder_config().text_config.num_hidden_layers
+    layers = repo.text_encoder_layers()
     used = min(1.0, (encode.layer + 1) / layers)
     host = int(repo.weight_bytes("text_encoder") * used * element_bytes(preset) // 2)
     return host, host // 2 if fp8_linears(preset, "text_encoder") else host

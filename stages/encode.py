@@ -42,7 +42,7 @@ class Qwen3VLEncoder(Stage):
     @classmethod
     def check_model(cls, config, repo) -> None:
         """The hidden state H3 reads must be one the text encoder has."""
-        total = repo.text_encoder_config().text_config.num_hidden_layers
+        total = repo.text_encoder_layers()
         if not 0 <= config.layer < total:
             raise UsageError(f"encode.layer is {config.layer}, and the text encoder in {repo.path('text_encoder')} has "
                              f"{total} layers", f"set encode.layer from 0 to {total - 1}; H3 reads 50")

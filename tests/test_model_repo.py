@@ -73,7 +73,7 @@ def test_garbage_safetensors_names_the_file_and_why(repo_copy, content):
                                 "(re-download this file from the repository)")
 
 
-@pytest.mark.parametrize("folder", ["transformer", "vae"])
+@pytest.mark.parametrize("folder", ["transformer", "vae", "text_encoder"])
 @pytest.mark.parametrize("text, why", [('{"hidden_size": 64', "is not valid JSON (Expecting"),
                                        ("[1, 2]", "holds a JSON list, not an object")])
 def test_a_malformed_config_names_the_file_and_exits_2(repo_copy, prompts_file, tmp_path, folder, text, why):
@@ -160,6 +160,18 @@ def test_a_config_value_of_the_wrong_type_is_the_file_s_fault_not_a_bug(repo_cop
                    "--set", f"sampler.dit={dit}", check_code=2)
     assert 'attention_head_dim is "abc", where a whole number belongs' in result.stderr.splitlines()[-1]
     assert not (tmp_path / "out").exists()
+
+
+def test_the_text_encoder_s_layers_are_read_from_its_config_as_transformers_reads_them(repo_copy):
+    import json
+
+    repo = ModelRepo(repo_copy)
+    assert repo.text_encoder_layers() == repo.text_encoder_config().text_config.num_hidden_layers == 51
+    config = repo_copy / "text_encoder" / "config.json"
+    values = json.loads(config.read_text())
+    del values["text_config"]["num_hidden_layers"]  # left to transformers' default
+    config.write_text(json.dumps(values))
+    assert repo.text_encoder_layers() == repo.text_encoder_config().text_config.num_hidden_layers != 51
 
 
 def test_mistyped_takes_whole_numbers_for_floats_and_null_for_the_class_s_choice():
