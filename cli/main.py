@@ -369,8 +369,9 @@ def validate(
     """Check that clips are valid MP4s: one H.264 stream at 24 fps, one AAC stereo stream at 32 kHz, matching
     durations, not blank or silent; and, where the manifest.jsonl beside a clip recorded its bytes, unchanged since
     h3gen wrote it.
-    Every file is checked, and every .mp4 in a directory named (but the hidden ones a run is still writing); exit 0
-    when all are valid, 1 when one is not, 2 when one does not exist (or is a directory without clips). A clip cut
+    Every file is checked, and every .mp4 in a directory named (but the hidden ones a run is still writing); a line
+    each, "ok" on stdout, "INVALID" on stderr; exit 0 when all are valid, 1 when one is not, 2 when one does not exist
+    (a link to nothing included, or a directory without clips). A clip cut
     short, or stamped by h3gen and damaged since, is one that the render which wrote it renders again: its line
     says so.
 
@@ -386,10 +387,14 @@ def validate(
     from h3gen.text import shown
 
     bad = missing = 0
-    for path in (clip for named in files for clip in (named.is_dir() and clips_in(named)) or [named]):
-        if not path.exists() or path.is_dir():  # not a clip at all: as a file that is not there
+    for path in (clip for named in files for clip in (named.is_dir() and clips_in(named, files_only=False)) or [named]):
+        if not path.exists():  # not a clip at all
             missing += 1
-            problems = ["does not exist" if not path.exists() else "is a directory with no .mp4 clips in it"]
+            problems = [f"does not exist (a link to {path.readlink()}, which is missing)" if path.is_symlink()
+                        else "does not exist"]
+        elif path.is_dir():
+            missing += path in files
+            problems = ["is a directory with no .mp4 clips in it" if path in files else "is a directory, not a clip"]
         else:
             problems = validate_clip(path, expected_frames=frames) or changed_since_written(path, written_sha256(path))
             if problems and path.suffix.lower() in (".txt", ".jsonl") and not_an_mp4(path):  # a prompts file
@@ -403,6 +408,7 @@ def validate(
             typer.echo(f"{shown(str(path))}: INVALID: {shown('; '.join(problems))}", err=True)
         else:
             typer.echo(f"{shown(str(path))}: ok")
+        sys.stdout.flush()  # ok lines (stdout) and INVALID ones (stderr) in their order in a log of both
     raise typer.Exit(2 if missing else 1 if bad else 0)
 
 

@@ -121,9 +121,11 @@ def leftovers(path: Path) -> list[Path]:
     return [path.with_name(f".{path.name}.partial.mp4"), latents.with_name(f".{latents.name}.partial")]
 
 
-def clips_in(folder: Path) -> list[Path]:
-    """The clips in `folder`, sorted: its MP4 files but the hidden partial ones a run is still writing (`leftovers`)."""
-    return sorted(path for path in folder.glob("*.mp4") if not path.name.startswith(".") and path.is_file())
+def clips_in(folder: Path, files_only: bool = True) -> list[Path]:
+    """The clips in `folder`, sorted: its MP4 files but the hidden partial ones a run is still writing (`leftovers`);
+    without `files_only`, every entry named as one (a link to nothing, a directory) too."""
+    return sorted(path for path in folder.glob("*.mp4")
+                  if not path.name.startswith(".") and (path.is_file() or not files_only))
 
 
 def partial_files_of_others(output: Path, clips: list[Path]) -> list[Path]:

@@ -166,6 +166,29 @@ def test_missing_file_is_a_problem(tmp_path):
     assert problem.startswith("cannot read")
 
 
+def test_validate_names_a_link_to_nothing_in_a_folder_and_keeps_its_lines_in_order_in_a_log(clip, tmp_path):
+    """A folder's entries named as clips that are not files are checked too (a link to nothing does not exist, as it
+    does named alone); ok lines go to stdout, INVALID ones to stderr, each as it is checked."""
+    import shutil
+    import subprocess
+
+    folder = tmp_path / "out"
+    folder.mkdir()
+    for name in ("a.mp4", "c.mp4"):
+        shutil.copy(clip, folder / name)
+    (folder / "b.mp4").symlink_to(tmp_path / "gone.mp4")
+    (folder / "d.mp4").mkdir()
+    with open(tmp_path / "log", "w") as log:
+        code = subprocess.run([sys.executable, "-m", "h3gen.cli.main", "validate", folder], stdout=log,
+                              stderr=subprocess.STDOUT).returncode
+    assert code == 2 and (tmp_path / "log").read_text().splitlines() == [
+        f"{folder}/a.mp4: ok", f"{folder}/b.mp4: INVALID: does not exist (a link to {tmp_path}/gone.mp4, which is "
+        "missing)", f"{folder}/c.mp4: ok", f"{folder}/d.mp4: INVALID: is a directory, not a clip"]
+    (folder / "b.mp4").unlink()
+    code = subprocess.run([sys.executable, "-m", "h3gen.cli.main", "validate", folder], capture_output=True).returncode
+    assert code == 1  # a directory named as a clip is there: invalid, not missing
+
+
 def test_a_truncated_clip_is_a_problem(clip, tmp_path):
     """The last bytes cut: the clip may still decode, but its boxes no longer add up to the file's size."""
     whole = clip.read_bytes()
