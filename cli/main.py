@@ -178,10 +178,11 @@ def render(
                                                            autocompletion=set_keys,
                                                            help="Override a preset value.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON line per finished clip on stdout.")] = False,
-    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="On stderr only what needs someone: warnings, the "
-                                                              "counts with a line for each clip failed or in "
-                                                              "conflict, a stop. A run that went well prints "
-                                                              "nothing there (for cron).")] = False,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="On stderr only what needs someone: warnings (a "
+                                                              "clip found damaged among them), the counts with a "
+                                                              "line for each clip failed or in conflict, a stop. A "
+                                                              "run that went well prints nothing there (for "
+                                                              "cron).")] = False,
     vram: Annotated[Optional[str], typer.Option("--vram", metavar="GIB", help=VRAM_HELP)] = None,
     save_latents: Annotated[bool, typer.Option("--save-latents", help="Also write each clip's final latents (NAME.latents"
                                                                       ".safetensors, stamped as the clip is); a rerun "
@@ -191,8 +192,9 @@ def render(
                                                                       "latents away.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each prompt's output file and whether it would "
                                                             "render, skip or conflict (or finds it busy); render and "
-                                                            "change nothing. Exits 1 when a clip would conflict, as "
-                                                            "the run would.")] = False,
+                                                            "change nothing. Exits 1 when a clip would conflict, or "
+                                                            "the output disk has no room for one, as the run "
+                                                            "would.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Render every clip again, over whatever file is at its "
                                                         "name: a valid clip (by default skipped), one rendered with "
                                                         "other settings or a file h3gen did not write (by default "

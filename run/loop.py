@@ -355,8 +355,9 @@ def skip_finished(batch: Batch, settings: RunSettings) -> list:
     note_moved_seeds(batch, settings, planned)
     finished, unnoted = [], None
     for result in filter(None, (found for _, _, found in planned)):
-        if to_render(result):
-            reporter.say(f"note: {shown(str(result.path))} is {result.error}")
+        if to_render(result):  # a damaged MP4 is news even to --quiet: something changed a file h3gen wrote whole
+            tell = reporter.warn if result.error.startswith("there but damaged") else reporter.say
+            tell(f"note: {shown(str(result.path))} is {result.error}")
         else:  # its file tells that it is done, whether or not its line is added to the manifest (a full disk)
             unnoted = record(output, result, preset_name, result.status) or unnoted
             finished.append(result)
