@@ -106,18 +106,18 @@ def read_prompts(path: Path, base_seed: int, defaults: dict, file_name=None) -> 
                 raise UsageError(f"{path}:{number}: duplicate id '{request.id}' (first on line {seen[request.id]})",
                                  "give every clip its own id")
         except UsageError as e:
-            bad.append((number, e))
+            bad.append((number, e))  # with the line's other problems as its `also`
             continue
         if request.id is not None:
             seen[request.id] = number
         requests.append(request)
     if file_name is not None:
         bad = sorted(bad + collisions(requests, file_name, path), key=lambda numbered: numbered[0])
-    bad = [e for _, e in bad]
     if bad:
         more = len(bad) - MOST_BAD_LINES
-        raise together(bad[:MOST_BAD_LINES] + [UsageError(f"{path}: {more} more bad lines after these",
-                                                          "fix these and run again to see them")] * (more > 0))
+        shown = [each for _, e in bad[:MOST_BAD_LINES] for each in (e, *e.also)]
+        raise together(shown + [UsageError(f"{path}: {more} more bad lines after these",
+                                           "fix these and run again to see them")] * (more > 0))
     if not requests:
         where = "standard input" if str(path) == "/dev/stdin" else f"prompts file {path}"
         raise UsageError(f"{where} has no prompts", "write one prompt per line, or JSON Lines")
@@ -221,56 +221,78 @@ def _parse_line(line: str, where: str) -> dict:
         raise UsageError(f"{where}: field {e.args[0]!r} is given twice", "keep the one you mean") from None
     if not isinstance(fields, dict):
         raise UsageError(f"{where}: a JSON line must be an object", 'e.g. {"prompt": "..."}')
+    problems = []  # each field's, so one run names them all
     for key, value in fields.items():
         if key not in FIELDS:
-            raise UsageError(f"{where}: unknown field {key!r}", f"allowed fields: {', '.join(FIELDS)}")
-        if not encodable(value):
-            raise UsageError(f"{where}: field '{key}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
-                             "without its pair), which is not text",
-                             "write the character itself, or both halves of its surrogate pair")
-        if not isinstance(value, FIELDS[key]) or isinstance(value, bool):
-            raise UsageError(f"{where}: field '{key}' has the wrong type ({_short(value, as_json=True)})",
-                             f"give {KINDS[FIELDS[key]]}; the README's prompts file table lists each field's type")
-    if not str(fields.get("prompt", "")).strip():
-        raise UsageError(f"{where}: missing or empty 'prompt'", 'every JSON line needs {"prompt": "..."}')
+            problems.append(UsageError(f"{where}: unknown field {key!r}", f"allowed fields: {', '.join(FIELDS)}"))
+        elif not encodable(value):
+            problems.append(UsageError(f"{where}: field '{key}' holds a lone UTF-16 surrogate (a \\ud800-\\udfff "
+                                       "escape without its pair), which is not text",
+                                       "write the character itself, or both halves of its surrogate pair"))
+        elif not isinstance(value, FIELDS[key]) or isinstance(value, bool):
+            problems.append(UsageError(f"{where}: field '{key}' has the wrong type ({_short(value, as_json=True)})",
+                                       f"give {KINDS[FIELDS[key]]}; the README's prompts file table lists each "
+                                       "field's type"))
+    prompt = fields.get("prompt", "")
+    if isinstance(prompt, str) and not prompt.strip():  # another type is named as such above
+        problems.append(UsageError(f"{where}: missing or empty 'prompt'", 'every JSON line needs {"prompt": "..."}'))
+    if problems:
+        raise together(problems)
     return fields
 
 
 def _request(fields: dict, index: int, line: int, base_seed: int, defaults: dict, where: str,
              base: Path = Path(".")) -> Request:
-    duration = float(fields.get("duration", defaults["duration"]))
-    check_duration(duration, where)
-    width, height = int(fields.get("width", defaults["width"])), int(fields.get("height", defaults["height"]))
-    conditions, keyframe_size = _conditions(fields, base, where)
-    if keyframe_size is not None and "width" not in fields and "height" not in fields:
-        from h3gen.inputs.media import keyframe_canvas
+    problems = []  # each independent check's, so one run names them all
 
-        canvas = keyframe_canvas(keyframe_size, width, height)
+    def check(problem, *args):
         try:
-            check_size(*canvas, where)
-        except UsageError:  # diffusers' rule rounds a keyframe near 1:4 or 4:1 past it on some canvases
-            raise UsageError(f"{where}: the keyframe's {keyframe_size[0]}x{keyframe_size[1]} on the {width}x{height} "
-                             f"canvas gives {canvas[0]}x{canvas[1]}, outside H3's 1:4 to 4:1 once rounded to "
-                             "multiples of 32", "give the line a width and height, or crop the keyframe a little "
-                             "less narrow") from None
-        width, height = canvas
-    from_preset = [side for side in ("width", "height") if side not in fields]
-    check_size(width, height, where, preset_side=from_preset[0] if len(from_preset) == 1 else "")
+            return problem(*args)
+        except UsageError as e:
+            problems.append(e)
+
+    duration = float(fields.get("duration", defaults["duration"]))
+    check(check_duration, duration, where)
+    width, height = int(fields.get("width", defaults["width"])), int(fields.get("height", defaults["height"]))
+    found = check(_conditions, fields, base, where)
+    conditions, keyframe_size = found or ({}, None)
+    if keyframe_size is not None and "width" not in fields and "height" not in fields:
+        width, height = check(_keyframe_canvas, keyframe_size, width, height, where) or (width, height)
+    elif found is not None or "width" in fields or "height" in fields:  # a bad keyframe sets no canvas to check
+        from_preset = [side for side in ("width", "height") if side not in fields]
+        check(check_size, width, height, where, from_preset[0] if len(from_preset) == 1 else "")
     clip_id = fields.get("id")
     if clip_id is not None and not SAFE_ID.match(clip_id):
-        raise UsageError(f"{where}: id {_short(clip_id)} is not a plain file name",
-                         "start it with an ASCII letter or digit, then ASCII letters, digits, '.', '_' and '-' only, 128 "
-                         "characters at most")
+        problems.append(UsageError(f"{where}: id {_short(clip_id)} is not a plain file name",
+                                   "start it with an ASCII letter or digit, then ASCII letters, digits, '.', '_' and "
+                                   "'-' only, 128 characters at most"))
     seed = int(fields.get("seed", base_seed + index))
-    if seed not in SEEDS:
-        if "seed" not in fields:
-            raise UsageError(f"{where}: seed {seed} (the base seed {base_seed} plus the clip's index {index}) is out "
-                             "of range", "give a smaller --seed, or the line a seed of its own")
-        raise UsageError(f"{where}: seed {seed} is out of range", "use a seed between 0 and 2**63 - 1")
+    if seed not in SEEDS and "seed" not in fields:
+        problems.append(UsageError(f"{where}: seed {seed} (the base seed {base_seed} plus the clip's index {index}) "
+                                   "is out of range", "give a smaller --seed, or the line a seed of its own"))
+    elif seed not in SEEDS:
+        problems.append(UsageError(f"{where}: seed {seed} is out of range", "use a seed between 0 and 2**63 - 1"))
+    if problems:
+        raise together(problems)
     request = Request(index=index, prompt=fields["prompt"].strip(), seed=seed, width=width, height=height,
                       frames=frames_for_duration(duration), id=clip_id, line=line, **conditions)
     check_fits(request, where)
     return request
+
+
+def _keyframe_canvas(keyframe_size: tuple[int, int], width: int, height: int, where: str) -> tuple[int, int]:
+    """The size a line without one renders its keyframe at: the keyframe's aspect ratio on the preset's canvas."""
+    from h3gen.inputs.media import keyframe_canvas
+
+    canvas = keyframe_canvas(keyframe_size, width, height)
+    try:
+        check_size(*canvas, where)
+    except UsageError:  # diffusers' rule rounds a keyframe near 1:4 or 4:1 past it on some canvases
+        raise UsageError(f"{where}: the keyframe's {keyframe_size[0]}x{keyframe_size[1]} on the {width}x{height} "
+                         f"canvas gives {canvas[0]}x{canvas[1]}, outside H3's 1:4 to 4:1 once rounded to "
+                         "multiples of 32", "give the line a width and height, or crop the keyframe a little "
+                         "less narrow") from None
+    return canvas
 
 
 def _conditions(fields: dict, base: Path, where: str) -> tuple[dict, tuple[int, int] | None]:

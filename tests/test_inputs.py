@@ -91,6 +91,26 @@ def test_past_twenty_bad_lines_the_rest_are_counted_and_a_bad_line_keeps_its_pla
     assert "plus the clip's index 2" in carried.value.also[0].problem
 
 
+def test_every_problem_of_a_line_is_named_and_twenty_lines_are_shown_whatever_each_holds(tmp_path):
+    lines = ['{"prompt": "z", "duration": 100, "id": "bad id!", "seed": -1}',
+             '{"prompt": 5, "colour": "red", "width": "wide"}',
+             '{"prompt": "y", "width": 33, "height": 768, "duration": 2}',
+             '{"prompt": "x", "first_frame": "missing.png", "duration": 99}']
+    with pytest.raises(UsageError) as refused:
+        parse(tmp_path, "\n".join(lines) + "\n")
+    shown = [(e.problem.split(": ")[0].rsplit(":", 1)[1], e.problem.split(": ", 1)[1].split(" (")[0])
+             for e in (refused.value, *refused.value.also)]
+    assert [(line, problem.split(" is ")[0].split(" has ")[0].split(" /")[0]) for line, problem in shown] == [
+        ("1", "duration 100 s"), ("1", "id 'bad id!'"), ("1", "seed -1"),
+        ("2", "field 'prompt'"), ("2", "unknown field 'colour'"), ("2", "field 'width'"),
+        ("3", "duration 2 s"), ("3", "size 33x768"),
+        ("4", "duration 99 s"), ("4", "first_frame")], shown
+    with pytest.raises(UsageError) as refused:  # the cut counts lines, each shown with all of its problems
+        parse(tmp_path, "".join(f'{{"prompt": "p{n}", "duration": 99, "seed": -1}}\n' for n in range(25)))
+    shown = [refused.value, *refused.value.also]
+    assert len(shown) == 41 and str(shown[-1]).startswith(f"{tmp_path / 'p.txt'}: 5 more bad lines after these")
+
+
 def test_wrong_type_names_the_type_it_takes(tmp_path):
     with pytest.raises(UsageError) as refused:
         parse(tmp_path, '{"prompt": "x", "duration": "10"}\n')
