@@ -14,17 +14,14 @@ CPU_QUICK_PIXELS = 160 * 160 * 124
 
 def parse_plan(presets, baseline, durations, size, repeat, warmup, stages, forwards, text_tokens):
     from h3gen.bench.sweep import BenchPlan
-    from h3gen.inputs.prompts import check_clip
+    from h3gen.inputs.prompts import check_clip, parse_size
 
     try:
         seconds = [float(d) for d in durations.split(",")]
     except ValueError:
         raise UsageError(f"cannot read --durations {durations!r}", "seconds, comma-separated: e.g. --durations "
                          "5,10,15") from None
-    try:
-        width, height = (int(v) for v in size.lower().split("x"))
-    except ValueError:
-        raise UsageError(f"cannot read --size {size!r}", "WIDTHxHEIGHT: e.g. --size 1344x768") from None
+    width, height = parse_size(size)
     for duration in seconds:  # as `h3gen render` checks a prompt's
         check_clip(duration, width, height, f"--durations {durations}", f"--size {size}")
     chosen = tuple(s.strip() for s in stages.split(",") if s.strip())

@@ -142,6 +142,21 @@ def vram_setting(text: str | None) -> list[str]:
     return [f"runtime.vram_gib={float(found.group(1)):g}"]
 
 
+def request_setting(size: str | None, duration: float | None) -> list[str]:
+    """`--size` and `--duration` as the overrides they stand for, checked as a prompt's own are."""
+    from h3gen.inputs.prompts import check_duration, check_size, parse_size
+
+    settings = []
+    if size is not None:
+        width, height = parse_size(size)
+        check_size(width, height, f"--size {size}")
+        settings += [f"request.width={width}", f"request.height={height}"]
+    if duration is not None:
+        check_duration(duration, f"--duration {duration:g}")
+        settings.append(f"request.duration={duration:g}")
+    return settings
+
+
 def version_callback(ctx: typer.Context, value: bool):
     if value and not ctx.resilient_parsing:  # not while the shell completes the words after it
         typer.echo(f"h3gen {__version__}")
@@ -174,6 +189,14 @@ def render(
                                                        "model).")] = None,
     seed: Annotated[int, typer.Option("--seed", metavar="N",
                                       help="Base seed; a clip's seed is this plus its index.")] = 0,
+    size: Annotated[Optional[str], typer.Option("--size", metavar="WxH",
+                                                help="WIDTHxHEIGHT of the clips whose line gives none (as --set "
+                                                     "request.width=W --set request.height=H).  [default: the "
+                                                     "preset's]")] = None,
+    duration: Annotated[Optional[float], typer.Option("--duration", metavar="SECONDS",
+                                                      help="Seconds, 5 to 15, of the clips whose line gives none (as "
+                                                           "--set request.duration=S).  [default: the "
+                                                           "preset's]")] = None,
     overrides: Annotated[Optional[list[str]], typer.Option("--set", metavar="SECTION.KEY=VALUE",
                                                            autocompletion=set_keys,
                                                            help="Override a preset value.")] = None,
@@ -237,6 +260,7 @@ def render(
     Examples:
       h3gen render prompts.txt -o out/
       h3gen render prompts.txt -o out/ --model ~/models/MiniMax-H3 --set sampler.steps=25 --json
+      h3gen render prompts.txt -o out/ --model ~/models/MiniMax-H3 --size 768x1344 --duration 10
       h3gen render prompts.txt -o out/ --dry-run
     """
     began = time.time()  # the run's wall time counts from here, in one process or in workers
@@ -261,7 +285,7 @@ def render(
                              "--force renders every clip again, --redo-conflicts only those from other settings: "
                              "keep one")
         preset = preset or ("h3-base" if model is not None else "tiny")
-        overrides = [*(overrides or ()), *vram_setting(vram)]
+        overrides = [*request_setting(size, duration), *(overrides or ()), *vram_setting(vram)]
         settings = RunSettings(prompts, output, preset, model, seed, tuple(overrides), json_out, save_latents,
                                force, strict_plugins, parse_shard(shard) if shard is not None else None,
                                Parallel(gpus, cpu_workers, ulysses, nnodes, node_rank, rdzv_endpoint, rdzv_id),

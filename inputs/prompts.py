@@ -324,6 +324,15 @@ def check_clip(seconds: float, width: int, height: int, where_duration: str, whe
                where_size)
 
 
+def parse_size(text: str, option: str = "--size") -> tuple[int, int]:
+    """A WIDTHxHEIGHT an option gives, e.g. 1344x768 (not yet checked as a size H3 renders)."""
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise UsageError(f"cannot read {option} {text!r}", f"WIDTHxHEIGHT: e.g. {option} 1344x768") from None
+    return width, height
+
+
 def check_duration(seconds: float, where: str) -> None:
     if not MIN_SECONDS <= seconds <= MAX_SECONDS:
         raise UsageError(f"{where}: duration {seconds:g} s is outside H3's {MIN_SECONDS:g}-{MAX_SECONDS:g} s",

@@ -174,6 +174,26 @@ def test_a_bad_request_default_from_set_is_blamed_on_the_set_not_a_prompts_line(
                              "to 15 seconds)\n")
 
 
+def test_size_and_duration_set_the_request_defaults_a_line_of_its_own_overrides(prompts_file, tmp_path):
+    import json
+
+    prompts = prompts_file('a fox\n{"prompt": "b", "width": 64, "height": 32, "duration": 5}\n')
+
+    def planned(*args):
+        result = h3gen("render", prompts, "-o", tmp_path / "out", "--dry-run", "--json", *args, check_code=0)
+        return [(r["width"], r["height"], r["frames"]) for r in map(json.loads, result.stdout.splitlines())]
+
+    assert planned() == [(32, 32, 124), (64, 32, 124)]
+    assert planned("--size", "96x64", "--duration", "6") == [(96, 64, 158), (64, 32, 124)]
+    assert planned("--size", "96X64", "--set", "request.width=128") == [(128, 64, 124), (64, 32, 124)]  # --set last
+    for args, line in [(["--size", "33x64"], "--size 33x64: size 33x64 is not made of multiples of 32 (use 32x64"),
+                       (["--size", "64"], "cannot read --size '64' (WIDTHxHEIGHT: e.g. --size 1344x768)"),
+                       (["--duration", "16.5"], "--duration 16.5: duration 16.5 s is outside H3's 5-15 s")]:
+        result = h3gen("render", prompts, "-o", tmp_path / "out", *args, check_code=2)
+        assert result.stderr.startswith(f"h3gen: error: {line}"), result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_presets_show_bad_value_exits_2():
     result = h3gen("presets", "show", "tiny", "--set", "sampler.nope=1")
     assert result.returncode == 2 and "unknown key 'nope'" in result.stderr
