@@ -132,7 +132,9 @@ def with_preset_workers(settings: RunSettings, preset) -> RunSettings:
     parallel = dataclasses.replace(parallel, named={key: preset_key(preset, key) for key in taken})
     for key in ("gpus", "cpu_workers"):
         if getattr(parallel, key) is not None and getattr(parallel, key) < 1:
-            raise UsageError(f"{parallel.said(key)}: at least one worker", "ask for 1 or more")
+            preset_workers = [f"--set parallel.{k}=0" for k in ("gpus", "cpu_workers") if preset.parallel[k]]
+            raise UsageError(f"{parallel.said(key)}: at least one worker", "ask for 1 or more" + (
+                f"; {' '.join(preset_workers)} runs the preset's clips in one process" if preset_workers else ""))
     return dataclasses.replace(settings, parallel=parallel)
 
 

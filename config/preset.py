@@ -100,7 +100,8 @@ def load_preset(name_or_file: str, registry, folder: Path | None = None,
     seen = [resolved for resolved, _ in chain]
     if path.resolve() in seen:  # the cycle from its first preset, each named as errors name it
         cycle = [said for _, said in chain[seen.index(path.resolve()):]] + [label]
-        raise UsageError(f"{label} extends itself ({' -> '.join(said.removeprefix('preset ') for said in cycle)})",
+        what = "extends itself" if len(cycle) == 2 else "is in a cycle of extends"
+        raise UsageError(f"{label} {what} ({' -> '.join(said.removeprefix('preset ') for said in cycle)})",
                          "remove the cycle of extends")
     data = load_toml(path)
     base = data.pop("extends", None)

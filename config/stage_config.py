@@ -75,7 +75,8 @@ def build_config(config_cls: type, values: dict[str, Any], where: str, set_as: d
                          e.fix) from None
 
 
-def _coerce(value, hint, where: str, fix: str):
+def _coerce(value, hint, where: str, fix: str, within: str = ""):
+    """`value` as `hint` takes it; `within` names the list an item is of ("a list of ")."""
     origin = typing.get_origin(hint) or hint
     if origin is float and isinstance(value, float) and math.isnan(value):  # every check's comparison passes it
         raise UsageError(f"{where} is nan, which is no number", fix)
@@ -85,10 +86,11 @@ def _coerce(value, hint, where: str, fix: str):
         if not isinstance(value, (list, tuple)):
             raise UsageError(f"{where} must be a list, got {value!r}", "write it as [a, b, ...]")
         (item,) = set(typing.get_args(hint)[:1]) or {object}
-        return origin(_coerce(v, item, where, fix) for v in value)
+        return origin(_coerce(v, item, where, fix, "a list of ") for v in value)
     if origin is object or isinstance(value, origin) and not (origin is int and isinstance(value, bool)):
         return value
-    raise UsageError(f"{where} must be {getattr(origin, '__name__', origin)}, got {shown(value)}",
+    raise UsageError(f"{where} must be {within}{getattr(origin, '__name__', origin)}, got "
+                     f"{'the item ' if within else ''}{shown(value)}",
                      type_fix(origin, fix, value))
 
 

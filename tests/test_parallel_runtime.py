@@ -232,7 +232,9 @@ def test_the_stop_line_counts_the_clips_in_flight():
     (("--cpu-workers", 4, "--ulysses", 4), "--ulysses 4 does not divide the DiT's 2 attention heads"),
     (("--ulysses", 2), "this run has one process"),
     (("--gpus", 2, "--cpu-workers", 2), "--gpus and --cpu-workers both given"),
-    (("--cpu-workers", 0), "at least one worker"),
+    (("--cpu-workers", 0), "--cpu-workers 0: at least one worker (ask for 1 or more)"),
+    (("--set", "parallel.cpu_workers=2", "--gpus", 0), "--gpus 0: at least one worker (ask for 1 or more; --set "
+                                                      "parallel.cpu_workers=0 runs the preset's clips in one process)"),
     (("--cpu-workers", 2, "--nnodes", 2), "needs --rdzv-endpoint"),
     (("--cpu-workers", 2, "--nnodes", 2, "--rdzv-endpoint", "localhost:99999"),
      "--rdzv-endpoint 'localhost:99999' is not HOST:PORT with a port from 1 to 65535"),

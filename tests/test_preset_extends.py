@@ -66,7 +66,7 @@ def test_a_cycle_is_named_from_its_first_preset_by_the_files_to_fix(tmp_path):
     write(tmp_path, "b.toml", 'extends = "c.toml"\n')
     write(tmp_path, "c.toml", 'extends = "b.toml"\n')
     b, c = tmp_path / "b.toml", tmp_path / "c.toml"
-    with pytest.raises(UsageError, match=re.escape(f"preset {b} extends itself ({b} -> {c} -> {b})")):
+    with pytest.raises(UsageError, match=re.escape(f"preset {b} is in a cycle of extends ({b} -> {c} -> {b})")):
         resolve(str(tmp_path / "a.toml"), registry())
 
 

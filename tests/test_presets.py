@@ -102,6 +102,8 @@ def test_set_overrides_and_records_where_values_came_from(tmp_path):
     (BASE + "[request]\nduration = nan\n", [], r"^preset custom \[request\] duration is nan, which is no number"),
     (BASE, ["request.width=true"], r"^--set request.width must be int, got true \(fix the value after the =\)"),
     (BASE + "[request]\nduration = true\n", [], r"^preset custom \[request\] duration must be float, got true"),
+    (BASE, ['sampler.sigma_positions=[1.0, "a", 0.0]'], r"^--set sampler.sigma_positions must be a list of float, "
+                                                       r"got the item 'a' \(fix the value after the =\)"),
     # The adapters' contract and multiplier: what no adapter was distilled for.
     (BASE, ["adapter.scale=inf"], r"^--set adapter.scale: scale inf is not a finite number \(give the adapters' "),
     (BASE, ["adapter.forwards=-3"], r"^--set adapter.forwards: forwards -3 is below 0"),
