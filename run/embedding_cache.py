@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from platformdirs import user_cache_dir
@@ -44,10 +45,15 @@ def encoder_fingerprint(folders: list[Path]) -> str:
 
 
 class EmbeddingCache:
-    def __init__(self, encoder: str, settings: dict, directory: Path | None = None):
+    """Entries in `directory`, held to `max_bytes` (0: no limit) by removing the least recently used ones as this
+    process adds more: a hit marks its entry used (its mtime), and entries other runs share or remove are only ever
+    a miss for them, never an error."""
+
+    def __init__(self, encoder: str, settings: dict, directory: Path | None = None, max_bytes: int = 0):
         self.directory = directory or cache_dir()
         self.prefix = json.dumps({"encoder": encoder, **settings}, sort_keys=True)
         self.problem = ""  # why the first entry that could not be written was not, for the run to say once
+        self.max_bytes, self.held = max_bytes, None  # the bytes the directory holds, once put first counts them
 
     def path(self, prompt: str) -> Path:
         key = hashlib.sha256(f"{self.prefix}\0{prompt}".encode()).hexdigest()
@@ -63,6 +69,10 @@ class EmbeddingCache:
             entry = load_file(str(path))
         except Exception:  # a damaged entry is a miss; it is rewritten
             return None
+        try:
+            os.utime(path)  # used now: the last to go when the cache is pruned
+        except OSError:
+            pass
         return entry["prompt_embeds"], entry["text_token_tags"]
 
     def put(self, prompt: str, prompt_embeds, text_token_tags) -> None:
@@ -73,7 +83,33 @@ class EmbeddingCache:
             path.parent.mkdir(parents=True, exist_ok=True)
             save_tensors({"prompt_embeds": prompt_embeds.detach().cpu().contiguous(),
                           "text_token_tags": text_token_tags.cpu().contiguous()}, path)
+            self.keep_to_size(path.stat().st_size)
         except OSError as e:  # a cache that cannot be written only costs speed
             self.problem = self.problem or (
                 f"the embedding cache in {self.directory} cannot be written ({e.strerror or e}): these prompts are "
                 "encoded again on the next run (set encode.cache_dir or XDG_CACHE_HOME to a folder you can write to)")
+
+    def keep_to_size(self, added: int) -> None:
+        """Count an entry just written; past `max_bytes`, remove the least recently used entries down to 90% of it
+        (so that the next few entries do not each scan the directory)."""
+        if not self.max_bytes:
+            return
+        if self.held is not None:
+            self.held += added
+            if self.held <= self.max_bytes:
+                return
+        entries = []
+        for path in self.directory.glob("??/*.safetensors"):
+            try:
+                stat = path.stat()
+            except OSError:  # removed by another run meanwhile
+                continue
+            entries.append((stat.st_mtime, stat.st_size, path))
+        self.held = sum(size for _, size, _ in entries)
+        if self.held <= self.max_bytes:
+            return
+        for _, size, path in sorted(entries, key=lambda entry: entry[0]):
+            if self.held <= 0.9 * self.max_bytes:
+                break
+            path.unlink(missing_ok=True)
+            self.held -= size

@@ -21,6 +21,7 @@ class Qwen3VLConfig:
     max_tokens: int = 1024  # a prompt of more tokens fails its clip
     cache: bool = True  # prompt embeddings on disk: a rerun over the same prompts never loads the encoder
     cache_dir: str = ""  # where they go; empty: the user cache directory (h3gen/embeddings in it)
+    cache_max_gib: float = 8.0  # past it a run removes the least recently used entries; 0: no limit
     stream_layers: bool = False  # the language layers in host memory, each on the device only while it runs
 
 
@@ -38,6 +39,9 @@ class Qwen3VLEncoder(Stage):
         if config.max_tokens < 1:
             raise UsageError(f"encode.max_tokens is {config.max_tokens}, so every prompt would be over it",
                              "set encode.max_tokens to a positive token count (1024 by default)")
+        if not 0 <= config.cache_max_gib < float("inf"):
+            raise UsageError(f"encode.cache_max_gib is {config.cache_max_gib:g}, which no cache can be held to",
+                             "give GiB above 0, or 0 for no limit")
 
     @classmethod
     def check_model(cls, config, repo) -> None:
@@ -69,7 +73,8 @@ class Qwen3VLEncoder(Stage):
             settings = dict(layer=self.config.layer, dtype=str(self.runtime.dtype), quant=f"{quant.name} {knobs!r}",
                             device=self.runtime.device.split(":")[0])
             self.cache = EmbeddingCache(repo.text_encoder_identity(), settings,
-                                        Path(self.config.cache_dir).expanduser() if self.config.cache_dir else None)
+                                        Path(self.config.cache_dir).expanduser() if self.config.cache_dir else None,
+                                        int(self.config.cache_max_gib * 2**30))
 
     def load_encoder(self):
         from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor

@@ -62,6 +62,34 @@ def test_the_encoder_weights_never_load_on_a_full_cache_hit(tiny_model, tmp_path
     assert torch.equal(clip.prompt_embeds, embeds) and torch.equal(clip.text_token_tags, tags)
 
 
+def test_the_cache_past_its_size_loses_its_least_recently_used_entries(tmp_path):
+    import os
+
+    import torch
+
+    from h3gen.run.embedding_cache import EmbeddingCache
+
+    def put(cache, prompt):
+        cache.put(prompt, torch.full((1, 64, 32), float(len(prompt))), torch.ones(64, dtype=torch.long))
+
+    unlimited = EmbeddingCache("weights", {}, tmp_path)
+    for n in range(5):
+        put(unlimited, f"prompt {n}")
+    entry = unlimited.path("prompt 0").stat().st_size
+    for n in range(5):  # older and older, from prompt 0's use a minute ago back
+        os.utime(unlimited.path(f"prompt {n}"), (0, 1_000_000 - 60 * n))
+    assert unlimited.get("prompt 3") is not None  # a hit is a use: prompt 3 is now the newest
+    cache = EmbeddingCache("weights", {}, tmp_path, max_bytes=6 * entry)  # another run, held to 6 entries
+    put(cache, "prompt 5")
+    assert cache.get("prompt 4") is not None  # 6 entries: nothing removed, and prompt 4 used now
+    put(cache, "prompt 6")  # 7 > 6: down to 90% of 6, the least recently used first
+    kept = sorted(path.name for path in tmp_path.glob("??/*.safetensors"))
+    assert kept == sorted(cache.path(f"prompt {n}").name for n in (0, 3, 4, 5, 6)), kept  # 1 and 2 were oldest
+    assert cache.get("prompt 1") is None and cache.get("prompt 2") is None
+    put(unlimited, "prompt 7")  # no limit: nothing removed
+    assert len(list(tmp_path.glob("??/*.safetensors"))) == 6
+
+
 def test_overlapping_runs_on_one_directory_never_write_the_same_clip(prompts_file, tmp_path):
     prompts, out = prompts_file(THREE), tmp_path / "out"
     runs = [subprocess.Popen([sys.executable, "-m", "h3gen.cli.main", "render", str(prompts), "-o", str(out)],

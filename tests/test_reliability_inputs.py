@@ -86,6 +86,7 @@ def test_bad_prompts_file_is_refused_before_anything_loads(tmp_path, text, messa
                                                   "the clip is clean (list the positions from the highest to 0"),
     (["sampler.sigma_positions=[0.5]"], "--set sampler.sigma_positions: sampler.sigma_positions [0.5] is one point"),
     (["encode.max_tokens=0"], "encode.max_tokens is 0, so every prompt would be over it"),
+    (["encode.cache_max_gib=-1"], "encode.cache_max_gib is -1, which no cache can be held to (give GiB above 0, "),
     (["vae.use=fast", "vae.tile_height=100"], "vae tile 100x256 with overlap 64 is not a tiling"),
     (["mux.x264_preset=warp"], "mux.x264_preset = 'warp' is not one of x264's presets (use one of ultrafast, "),
     (["mux.crf=99"], "mux.crf = 99 is outside x264's 0-51"),
