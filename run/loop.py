@@ -432,6 +432,14 @@ def stopped_line(signal_name: str, discarded: int | None, unfinished: int | None
             "already written are kept and skipped)")
 
 
+def idle_gpus_note(clips: int, gpus: int) -> str:
+    """What a one-process run of `clips` clips on a machine of `gpus` GPUs leaves idle, and the flag that would not."""
+    if clips < 2 or gpus < 2:
+        return ""
+    return (f"this run renders on one GPU and the other {gpus - 1} of this machine stay idle; --gpus {min(gpus, clips)} "
+            f"renders {'a clip on each' if clips >= gpus else f'the {clips} clips at once'}")
+
+
 def render_pending(requests, settings: RunSettings, preset, found, repo, reporter, group=None, leader=0,
                    memory_plan=None, there=()) -> list:
     """Load the stages once and render every request; on a signal, `Interrupted.results` holds the finished ones.
@@ -453,6 +461,12 @@ def render_pending(requests, settings: RunSettings, preset, found, repo, reporte
         renderer.learn_size(result)
     notes = "".join(f", {note}" for note in (stage.load_note() for stage in renderer.stages.values()) if note)
     reporter.say(f"h3gen: loaded on {renderer.runtime.device} ({preset.runtime['dtype']}){notes}")
+    if group is None and not settings.parallel.workers and renderer.runtime.device.startswith("cuda"):
+        import torch
+
+        idle = idle_gpus_note(len(requests), torch.cuda.device_count())
+        if idle:
+            reporter.say(f"h3gen: note: {idle}")
     from h3gen.run.memory import cuda_fit_warning, host_fit_warning
 
     fits = cuda_fit_warning if renderer.runtime.device.startswith("cuda") else host_fit_warning

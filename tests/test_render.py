@@ -137,3 +137,13 @@ def test_validate_of_a_directory_without_clips_says_so(tmp_path):
     (folder / ".a.mp4.partial.mp4").write_bytes(b"half a clip")
     result = h3gen("validate", folder, check_code=2)
     assert result.stderr == f"{folder}: INVALID: is a directory with no .mp4 clips in it\n"
+
+
+def test_a_one_process_run_on_a_machine_of_several_gpus_names_the_flag_that_uses_them():
+    """Said after the load line of a one-process CUDA run (run.loop.render_pending); workers and one clip say nothing."""
+    from h3gen.run.loop import idle_gpus_note
+
+    assert idle_gpus_note(10, 8) == ("this run renders on one GPU and the other 7 of this machine stay idle; --gpus 8 "
+                                     "renders a clip on each")
+    assert idle_gpus_note(3, 8).endswith("; --gpus 3 renders the 3 clips at once")
+    assert idle_gpus_note(1, 8) == idle_gpus_note(10, 1) == ""
