@@ -30,9 +30,10 @@ def parse_plan(presets, baseline, durations, size, repeat, warmup, stages, forwa
     unknown = set(chosen) - set(STAGES)
     if unknown:
         raise UsageError(f"unknown stage '{sorted(unknown)[0]}' in --stages", f"choose from {','.join(STAGES)}")
-    return BenchPlan(presets=list(presets), baseline=None if baseline == "none" else baseline, durations=seconds,
-                     width=width, height=height, repeat=repeat, warmup=warmup, stages=chosen, forwards=forwards,
-                     text_tokens=text_tokens)
+    # A preset or duration given twice is timed once: one record per (preset, duration, stage).
+    return BenchPlan(presets=list(dict.fromkeys(presets)), baseline=None if baseline == "none" else baseline,
+                     durations=list(dict.fromkeys(seconds)), width=width, height=height, repeat=repeat, warmup=warmup,
+                     stages=tuple(dict.fromkeys(chosen)), forwards=forwards, text_tokens=text_tokens)
 
 
 def weights_source(random_weights, model):

@@ -459,25 +459,30 @@ def compare(
     from h3gen.cli.ui import compare_table
     from h3gen.run.compare import compare as compare_clips
     from h3gen.run.compare import pairs
+    from h3gen.run.validate import box_problem
     from h3gen.text import shown
 
     try:
         matched, unmatched = pairs(a, b)
         left_out = []  # {"a", "b", "compared": False, "reason"}: what --json says of the clips not compared
+        records, refused, damaged = [], [], []  # pairs that could not be compared; clips that are not whole
         for path in unmatched:
+            # A clip cut short carries no readable stamp to match it by: refused as `h3gen validate` refuses it.
+            damage = box_problem(path)
+            reason = damage or "no single match in the other folder"
+            damaged += [path] * bool(damage)
             if matched:  # with no pair at all, the error alone says it
-                typer.echo(f"note: {shown(str(path))} has no single match in the other folder (by file name, by "
+                typer.echo(f"note: {shown(str(path))}: {shown(damage)}; not compared" if damage else
+                           f"note: {shown(str(path))} has no single match in the other folder (by file name, by "
                            "prompt, seed, size and frames, or by those but the seed); not compared", err=True)
             side = "a" if path.parent == a else "b"
-            left_out.append({"a": None, "b": None, side: str(path), "compared": False,
-                             "reason": "no single match in the other folder"})
+            left_out.append({"a": None, "b": None, side: str(path), "compared": False, "reason": reason})
         if not matched:
             if json_out:
                 json_lines(left_out)
             raise UsageError(f"{a} and {b} hold no MP4s of the same prompts: none of their {len(unmatched)} clips "
                              "matches one in the other folder by file name, by prompt, seed, size and frames, or by "
                              "those but the seed", "compare folders rendered from one prompts file")
-        records, refused = [], []
         for x, y in matched:
             try:
                 records.append(compare_clips(x, y) | {"compared": True})
@@ -500,7 +505,7 @@ def compare(
     compare_table(records)
     if json_out:
         json_lines(records + left_out)
-    if refused:
+    if refused or damaged:
         raise typer.Exit(1)
 
 

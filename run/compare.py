@@ -108,9 +108,9 @@ def compare(a: Path, b: Path) -> dict:
         silent, other = (a, b) if not rate_a else (b, a)
         raise UsageError(f"{silent} has no audio stream, and {other} has one",
                          "compare clips rendered from the same request (size, duration)")
-    for what, x, y in (("frame counts", len(frames_a), len(frames_b)), ("sizes", frames_a.shape[1:3],
-                       frames_b.shape[1:3]), ("sample rates", rate_a, rate_b), ("audio channels", audio_a.shape[0],
-                       audio_b.shape[0])):
+    size_a, size_b = (f"{frames.shape[2]}x{frames.shape[1]}" for frames in (frames_a, frames_b))
+    for what, x, y in (("frame counts", len(frames_a), len(frames_b)), ("sizes", size_a, size_b),
+                       ("sample rates", rate_a, rate_b), ("audio channels", audio_a.shape[0], audio_b.shape[0])):
         if x != y:
             raise UsageError(f"{a} and {b} differ in {what} ({x} and {y})",
                              "compare clips rendered from the same request (size, duration)")

@@ -397,6 +397,8 @@ def test_durations_and_size_are_read_each_on_its_own():
         with pytest.raises(UsageError) as refused:
             parse_plan(["tiny"], "none", durations, size, 1, 0, "dit", None, None)
         assert str(refused.value).startswith(message) and ("size" in message) == ("--size" in str(refused.value))
+    plan = parse_plan(["tiny", "fasth3", "tiny"], "none", "5,10,5", "32x32", 1, 0, "dit,vae,dit", None, None)
+    assert (plan.presets, plan.durations, plan.stages) == (["tiny", "fasth3"], [5.0, 10.0], ("dit", "vae"))  # once each
 
 
 @pytest.mark.parametrize("size, noted", [("1344x768", True), ("32x32", False)])

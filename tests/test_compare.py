@@ -83,6 +83,18 @@ def test_a_pair_of_two_folders_that_cannot_be_compared_is_left_out_with_a_note(t
     assert "same.mp4" in result.stderr  # the table
 
 
+def test_a_clip_cut_short_in_a_folder_is_refused_not_passed_over_as_unmatched(tmp_path):
+    """Its stamp cannot be read to match it: named with what is wrong, as `h3gen validate` names it, and the exit is 1."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    clip(a / "same.mp4", 1), clip(b / "same.mp4", 2)
+    whole = clip(tmp_path / "whole.mp4", 3).read_bytes()
+    (a / "h3-cut.mp4").write_bytes(whole[:-100])
+    result = h3gen("compare", a, b, "--json", check_code=1)
+    (left_out,) = [r for r in records(result) if not r["compared"]]
+    assert left_out["a"] == str(a / "h3-cut.mp4") and left_out["reason"].startswith("truncated"), left_out
+    assert f"note: {a / 'h3-cut.mp4'}: truncated" in result.stderr and "; not compared" in result.stderr
+
+
 def test_folders_without_one_match_are_refused(tmp_path):
     stamped(tmp_path / "a" / "h3-1.mp4", "a fox", 7, "fast"), stamped(tmp_path / "b" / "h3-2.mp4", "a cat", 7, "ref")
     result = h3gen("compare", tmp_path / "a", tmp_path / "b", "--json", check_code=2)
@@ -100,7 +112,7 @@ def test_folders_without_one_match_are_refused(tmp_path):
 
 @pytest.mark.parametrize("other, message", [
     (dict(frames=39), "differ in frame counts (22 and 39)"),
-    (dict(size=(64, 48)), "differ in sizes ((32, 48) and (64, 48))"),
+    (dict(size=(64, 48)), "differ in sizes (48x32 and 48x64)"),
     (dict(rate=16000), "differ in sample rates (32000 and 16000)"),
 ])
 def test_clips_that_cannot_be_compared_are_refused(tmp_path, other, message):
