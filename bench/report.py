@@ -100,6 +100,15 @@ def _fmt(value) -> str:
 
 
 def chart(result: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    figure = stacked_bars(result)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def stacked_bars(result: dict):
+    """The chart: a bar per (duration, preset), stacked by the stages timed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,16 +121,18 @@ def chart(result: dict, path: Path) -> None:
     labels = [f"{preset}\n{duration:.1f} s" for duration, preset, _ in groups]
     figure, axes = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4.5))
     bottoms = [0.0] * len(groups)
-    for stage in CHART_STAGES:
+    timed = {r["stage"] for r in result["records"]}
+    for stage in (stage for stage in CHART_STAGES if stage in timed):  # a stage not timed has no legend entry
         heights = [medians.get((d, p, stage), 0.0) for d, p, _ in groups]
         axes.bar(labels, heights, bottom=bottoms, label=stage)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
+    if max(bottoms, default=0.0) > 0:
+        axes.set_ylim(0, 1.1 * max(bottoms))  # room above the tallest bar
     axes.set_ylabel("seconds per clip (median)")
     axes.set_title(f"h3gen bench on {result['device']['name']}")
     axes.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    return figure
 
 
 def write_results(records: list[dict], out_dir: Path, stem: str | None = None) -> dict[str, Path]:

@@ -308,6 +308,20 @@ def test_bench_refuses_a_plan_that_cannot_measure_anything(tmp_path, args, messa
     assert result.stderr == f"h3gen: error: {message}\n" and not (tmp_path / "results").exists()
 
 
+def test_the_chart_shows_only_the_stages_timed_with_room_above_the_tallest_bar():
+    import matplotlib.pyplot as plt
+
+    from h3gen.bench.report import stacked_bars
+
+    records = [dict(duration_s=5.17, preset=preset, baseline=preset == "diffusers", stage=stage, median_s=median)
+               for preset, stage, median in (("diffusers", "dit", 4.0), ("tiny", "dit", 1.0), ("tiny", "mux", 0.5))]
+    figure = stacked_bars({"records": records, "device": {"name": "cpu"}})
+    axes = figure.axes[0]
+    assert axes.get_legend_handles_labels()[1] == ["dit", "mux"]
+    assert axes.get_ylim()[1] > 4.0 * 1.05
+    plt.close(figure)
+
+
 def test_bench_without_matplotlib_writes_its_records_and_says_why_there_is_no_chart(tmp_path):
     hidden = tmp_path / "hidden" / "matplotlib"
     hidden.mkdir(parents=True)
