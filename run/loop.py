@@ -461,7 +461,7 @@ def render_pending(requests, settings: RunSettings, preset, found, repo, reporte
         renderer.learn_size(result)
     notes = "".join(f", {note}" for note in (stage.load_note() for stage in renderer.stages.values()) if note)
     reporter.say(f"h3gen: loaded on {renderer.runtime.device} ({preset.runtime['dtype']}){notes}")
-    if group is None and not settings.parallel.workers and renderer.runtime.device.startswith("cuda"):
+    if renderer.runtime.device.startswith("cuda") and group is None and not settings.parallel.workers:
         import torch
 
         idle = idle_gpus_note(len(requests), torch.cuda.device_count())
