@@ -80,10 +80,13 @@ def markdown(result: dict) -> str:
 
 
 def note_lines(records: list[dict]) -> list[str]:
-    """One line per preset (and baseline) with notes: each note once, though several of its rows carry it."""
+    """One line per preset (and baseline) with notes, per duration where the records have several: each note once,
+    though several of its rows carry it."""
     notes: dict[str, list[str]] = {}
+    durations = len({r.get("duration_s") for r in records}) > 1
     for r in records:
-        said = notes.setdefault(r["preset"] + (" (baseline)" if r.get("baseline") else ""), [])
+        name = r["preset"] + (" (baseline)" if r.get("baseline") else "")
+        said = notes.setdefault(name + (f" at {r['duration_s']:.2f} s" if durations else ""), [])
         said += [note for note in (r.get("notes") or "").split("; ") if note and note not in said]
     return [f"- {name}: {'; '.join(said)}" for name, said in notes.items() if said]  # in the records' order
 

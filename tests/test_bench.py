@@ -400,6 +400,8 @@ def test_the_table_says_each_note_of_a_preset_once():
                dict(preset="tiny", baseline=False, notes="--set sampler.steps=4"),
                dict(preset="tiny", baseline=True, notes=""), dict(preset="fasth3", baseline=False, notes=None)]
     assert note_lines(records) == ["- tiny: 3 forwards timed; --set sampler.steps=4"]
+    two = [dict(preset="tiny", baseline=False, duration_s=d, notes=f"{d} s outside") for d in (5.1667, 10.125)]
+    assert note_lines(two) == ["- tiny at 5.17 s: 5.1667 s outside", "- tiny at 10.12 s: 10.125 s outside"]
 
 
 def test_durations_and_size_are_read_each_on_its_own():
