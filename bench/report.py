@@ -103,9 +103,9 @@ def _fmt(value) -> str:
 
 
 def chart(result: dict, path: Path) -> None:
+    figure = stacked_bars(result)  # selects the Agg backend before pyplot is imported
     import matplotlib.pyplot as plt
 
-    figure = stacked_bars(result)
     figure.savefig(path, dpi=110)
     plt.close(figure)
 

@@ -470,7 +470,8 @@ def compare(
             # A clip cut short carries no readable stamp to match it by: refused as `h3gen validate` refuses it.
             damage = box_problem(path)
             reason = damage or "no single match in the other folder"
-            damaged += [path] * bool(damage)
+            if damage:
+                damaged.append(path)
             if matched:  # with no pair at all, the error alone says it
                 typer.echo(f"note: {shown(str(path))}: {shown(damage)}; not compared" if damage else
                            f"note: {shown(str(path))} has no single match in the other folder (by file name, by "

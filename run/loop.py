@@ -348,7 +348,7 @@ def skip_finished(batch: Batch, settings: RunSettings) -> list:
     and for those it wrote with other settings (conflicts), which this run leaves alone; none of either that
     `settings.redo` renders again."""
     from h3gen.run.outputs import record
-    from h3gen.run.resume import to_render
+    from h3gen.run.resume import DAMAGED, to_render
 
     preset_name, reporter, output = batch.preset.name, batch.reporter, settings.output
     planned = plan(batch, settings)
@@ -356,7 +356,7 @@ def skip_finished(batch: Batch, settings: RunSettings) -> list:
     finished, unnoted = [], None
     for result in filter(None, (found for _, _, found in planned)):
         if to_render(result):  # a damaged MP4 is news even to --quiet: something changed a file h3gen wrote whole
-            tell = reporter.warn if result.error.startswith("there but damaged") else reporter.say
+            tell = reporter.warn if result.error.startswith(DAMAGED) else reporter.say
             tell(f"note: {shown(str(result.path))} is {result.error}")
         else:  # its file tells that it is done, whether or not its line is added to the manifest (a full disk)
             unnoted = record(output, result, preset_name, result.status) or unnoted

@@ -16,6 +16,8 @@ from h3gen.run.outputs import (changed_since_written, holder_fields, latents_pat
                                written_sha256)
 from h3gen.run.records import ClipResult
 
+DAMAGED = "there but damaged:"  # how a clip h3gen wrote whole and something changed since is said
+
 
 def clip_name(request: Request, preset: str) -> str:
     """The id when given, else a hash of the preset's name, the seed, the prompt and the media files' content, so
@@ -63,7 +65,7 @@ def already_done(request: Request, out_dir: Path, preset: str, save_latents: boo
     # A clip this run would write the same is checked for damage, not decoded picture by picture: it was whole when
     # renamed into place, and a rerun over thousands of clips must not cost a decode of each (`h3gen validate` does).
     # Where the manifest holds the sha256 of its bytes as written, reading them once for it is the whole check.
-    problems, state = damage(path, stored, request.frames), "there but damaged:"
+    problems, state = damage(path, stored, request.frames), DAMAGED
     if not problems and save_latents and stored is not None:
         problems, state = latents_problems(latents_path(path), wanted), "there, but"
     if problems and stored is None and not box_problem(path):
