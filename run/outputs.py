@@ -41,7 +41,7 @@ class ClipClaim:
 
     def __init__(self, path: Path):
         self.path, self.lock_path = path, path.with_name(f".{path.name}.lock")
-        self.fd = None
+        self.fd = self.before = None
 
     def acquire(self, fields: dict | None = None) -> bool:
         """True when this process now holds the clip; False when another does. Raises OSError when the lock file
@@ -53,7 +53,7 @@ class ClipClaim:
         except BlockingIOError:
             os.close(fd)
             return False
-        self.fd = fd
+        self.fd, self.before = fd, file_state(self.path)
         HELD.add(self)
         if fields is not None:
             try:
@@ -79,11 +79,37 @@ HELD: set[ClipClaim] = set()  # the claims this process holds now
 
 def drop_held_claims() -> None:
     """The partial files and locks of every clip this process holds, removed: for a process about to end at once,
-    mid-write (a second stop signal), which leaves no hidden file for the next run to clear."""
+    mid-write (a second stop signal), which leaves no hidden file for the next run to clear. A clip's own file goes
+    too where it was written since the claim and is not a whole MP4 (a plugin's mux writing in place)."""
     for claim in list(HELD):
-        for path in [*leftovers(claim.path), claim.lock_path]:
+        cut_short = file_state(claim.path) not in (None, claim.before) and _not_whole(claim.path)
+        for path in [*leftovers(claim.path), claim.lock_path, *([claim.path] if cut_short else [])]:
             with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
+
+
+def _not_whole(path: Path) -> bool:
+    from h3gen.run.validate import box_problem
+
+    try:
+        return bool(box_problem(path))
+    except OSError:
+        return False
+
+
+def file_state(path: Path):
+    """What tells a file written since apart from the one there before (None: no file)."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
+def remove_if_written(path: Path, before) -> None:
+    """A failed mux leaves no file: one it wrote before failing (a wrapper failing after its inner mux) goes."""
+    if file_state(path) not in (None, before):
+        path.unlink(missing_ok=True)
 
 
 def held_elsewhere(path: Path) -> bool:

@@ -221,7 +221,7 @@ class Renderer:
             torch.cuda.reset_peak_memory_stats()
         refused = memory.refused_allocations(self.runtime.device)
         error, mux, job = "", self.stages["mux"], None
-        before = file_state(clip.path)  # a mux that fails after writing the file takes it back
+        before = outputs.file_state(clip.path)  # a mux that fails after writing the file takes it back
         try:
             self.room_for(clip)
             clip = self.stages["sampler"](clip)
@@ -247,7 +247,7 @@ class Renderer:
             try:
                 clip = mux(clip)
             except BaseException:
-                remove_if_written(clip.path, before)
+                outputs.remove_if_written(clip.path, before)
                 raise
         except BaseException as e:  # a faulty stage costs its clip, not the batch
             if job is not None:
@@ -291,7 +291,7 @@ class Renderer:
             try:
                 job.result()
             except Exception as e:
-                remove_if_written(clip.path, before)
+                outputs.remove_if_written(clip.path, before)
                 self.learn_unfit(clip, e)
                 error = clip_error(clip, e, self.memory_plan)
             self.muxing.pop(0)
@@ -460,21 +460,6 @@ def check_media(clip: Clip, vae) -> None:
     problem = media_problem(clip.request, frames, audio, sample_rate)
     if problem:
         raise ReturnedRefused(f"{vae.label()} returned a clip whose {problem}", fix)
-
-
-def file_state(path: Path):
-    """What tells a file written since apart from the one there before (None: no file)."""
-    try:
-        stat = path.stat()
-    except OSError:
-        return None
-    return stat.st_ino, stat.st_mtime_ns, stat.st_size
-
-
-def remove_if_written(path: Path, before) -> None:
-    """A failed mux leaves no file: one it wrote before failing (a wrapper failing after its inner mux) goes."""
-    if file_state(path) not in (None, before):
-        path.unlink(missing_ok=True)
 
 
 def abandon(clip: Clip, job, error: BaseException) -> None:

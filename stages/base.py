@@ -132,7 +132,7 @@ class Stage:
         """A mux wrote the MP4 at `clip.path` with the stamp a rerun reads (`clip.fingerprint`), else a rerun would
         find a clip h3gen did not stamp and leave it as a conflict."""
         from h3gen.run.fingerprint import differences, read_stamp
-        from h3gen.run.validate import not_an_mp4
+        from h3gen.run.validate import box_problem, not_an_mp4
 
         if not clip.path.is_file():
             fix = "a mux's run(clip) writes the MP4 at clip.path (h3gen.stages.mux.write_mp4 does it whole)"
@@ -140,6 +140,11 @@ class Stage:
         if not_an_mp4(clip.path):
             raise self.failed(f"wrote {clip.path.name}, which is not an MP4",
                               "write it with h3gen.stages.mux.write_mp4, or wrap the pyav mux: docs/plugins.md")
+        problem = box_problem(clip.path)  # cut short or padded: its stamp, in the moov box, may be what is missing
+        if problem:
+            raise self.failed(f"wrote {clip.path.name}, which is {problem}",
+                              "write the whole MP4 under a temporary name and rename it to clip.path when closed "
+                              "(h3gen.stages.mux.write_mp4 does)")
         if clip.fingerprint:
             stored = read_stamp(clip.path)
             if stored is None or differences(stored, clip.fingerprint):

@@ -49,15 +49,18 @@ class SlowConfig(PyAVMuxConfig):
     slow_id: str = ""
     delay: float = 0.2
     marker: str = ""
+    in_place: bool = False  # the slow clip's first bytes written at its final name, as a careless plugin might
 
 
 class SlowMux(PyAVMux):
     kind, name = "mux", "slow"
     Config = SlowConfig
-    output_neutral = ("slow_id", "delay", "marker")  # slow, never different: a rerun without them skips its clips
+    output_neutral = ("slow_id", "delay", "marker", "in_place")  # never different: a rerun without them skips
 
     def run(self, clip):
         if clip.request.id == self.config.slow_id:
+            if self.config.in_place:
+                clip.path.write_bytes(b"\0\0\0\x18ftypisom\0\0\0\0isomiso2" + bytes(88))
             clip.frames = clip.frames.view(SlowFrames)
             clip.frames.delay, clip.frames.marker = self.config.delay, self.config.marker
         return super().run(clip)

@@ -212,7 +212,7 @@ from h3gen.stages.base import Stage
 
 @dataclasses.dataclass
 class NoWriteConfig:
-    write: str = ""  # "", unstamped, stamped or text
+    write: str = ""  # "", unstamped, stamped, truncated or text
 
 
 class NoWrite(Stage):
@@ -227,7 +227,10 @@ class NoWrite(Stage):
             clip.path.write_text("not a movie")
         elif self.config.write:
             write_mp4(clip.path, clip.frames, clip.audio, clip.sample_rate,
-                      comment=stamp(clip.fingerprint) if self.config.write == "stamped" else "")
+                      comment=stamp(clip.fingerprint) if self.config.write != "unstamped" else "")
+        if self.config.write == "truncated":
+            whole = clip.path.read_bytes()
+            clip.path.write_bytes(whole[:len(whole) // 2])
         return clip
 
 
@@ -271,6 +274,17 @@ def test_a_mux_that_writes_something_other_than_an_mp4_is_told_so(tmp_path, prom
     assert ("failed bad.mp4 (line 1): mux stage 'nowrite' (from plugin 'nowrite') wrote bad.mp4, which is not an MP4 "
             "(write it with h3gen.stages.mux.write_mp4, or wrap the pyav mux: docs/plugins.md)") in result.stderr
     assert not list(out.glob("*.mp4"))
+
+
+def test_a_mux_that_leaves_its_mp4_cut_short_is_told_so_not_that_the_stamp_is_missing(tmp_path, prompts_file):
+    env = install(tmp_path / "site", "nowrite", NO_WRITE)
+    out = tmp_path / "out"
+    result = h3gen("render", prompts_file(PROMPTS), "-o", out, "--set", "mux.use=nowrite", "--set",
+                   "mux.write=truncated", env=env, check_code=1)
+    assert ("failed bad.mp4 (line 1): mux stage 'nowrite' (from plugin 'nowrite') wrote bad.mp4, which is truncated: "
+            "box ") in result.stderr
+    assert "(write the whole MP4 under a temporary name and rename it to clip.path when closed" in result.stderr
+    assert "without the stamp" not in result.stderr and not list(out.glob("*.mp4"))
 
 
 LATENTS = '''

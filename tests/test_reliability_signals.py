@@ -93,11 +93,15 @@ def test_after_one_stop_signal_any_second_one_ends_the_process_at_once():
     assert {signum: signal.getsignal(signum) for signum in STOP_SIGNALS} == before
 
 
-def test_a_second_signal_mid_mux_ends_at_once_with_one_line_and_leaves_no_hidden_file(faults, prompts_file, tmp_path):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_second_signal_mid_mux_ends_at_once_with_one_line_and_leaves_no_hidden_file(faults, prompts_file, tmp_path,
+                                                                                       in_place):
+    """With `in_place`, the mux (a plugin's) writes the clip's first bytes at its final name: they go too."""
     env, preset = faults
     out, marker = tmp_path / "out", tmp_path / "muxing-b"
     render = ["render", prompts_file(TWO_CLIPS), "-o", out, "--preset", preset]
-    process = start_render(render[1:] + ["--set", 'mux.slow_id="b"', "--set", f'mux.marker="{marker}"'], env)
+    process = start_render(render[1:] + ["--set", 'mux.slow_id="b"', "--set", f'mux.marker="{marker}"',
+                                         "--set", f"mux.in_place={str(in_place).lower()}"], env)
     wait_for(marker, process)
     process.send_signal(signal.SIGINT)
     time.sleep(0.2)
@@ -107,6 +111,7 @@ def test_a_second_signal_mid_mux_ends_at_once_with_one_line_and_leaves_no_hidden
     assert stderr.splitlines()[-1] == ("h3gen: ended at once by a second signal (SIGINT); the clips in flight were "
                                        "dropped, and running the same command again renders them"), stderr[-2000:]
     assert not list(out.glob(".*"))  # neither b's partial MP4 nor a claim
+    assert sorted(p.name for p in out.glob("*.mp4")) == ["a.mp4"]
     assert all(validate_clip(path, expected_frames=124) == [] for path in out.glob("*.mp4"))
     h3gen(*render, env=env, check_code=0)
     assert sorted(p.name for p in out.glob("*.mp4")) == ["a.mp4", "b.mp4"]
