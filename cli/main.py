@@ -115,8 +115,8 @@ def strict_plugins_option(flag: bool) -> bool:
 
 
 StrictPlugins = Annotated[bool, typer.Option("--strict-plugins", callback=strict_plugins_option,
-                                             help="Stop when a plugin fails to load instead of skipping it (also "
-                                                  "H3GEN_STRICT_PLUGINS=1).")]
+                                             help="Stop when a plugin fails to load or to register instead of "
+                                                  "skipping it (also H3GEN_STRICT_PLUGINS=1).")]
 
 
 def output_directory(text: str | Path) -> Path:

@@ -95,6 +95,10 @@ def package_of(plugin: str) -> str | None:
     return found.dist.name if found is not None and found.dist is not None else None
 
 
+class Refused(Exception):
+    """What a plugin registered breaks h3gen's contract: the message says what, without the exception's type."""
+
+
 def _reason(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
@@ -106,20 +110,20 @@ def _checked(stage, origin: str):
     from h3gen.stages.quant import QuantStage
 
     if not (isinstance(stage, type) and issubclass(stage, Stage)):
-        raise TypeError(f"register() takes a Stage subclass, not {stage!r}")
+        raise Refused(f"register() takes a Stage subclass, not {stage!r}")
     name = getattr(stage, "name", None)
     if getattr(stage, "kind", None) not in STAGE_KINDS or not isinstance(name, str) or not name.strip() \
             or name != name.strip():
-        raise TypeError(f"{stage.__qualname__} needs a kind (one of {', '.join(STAGE_KINDS)}) and a name (a word, "
+        raise Refused(f"{stage.__qualname__} needs a kind (one of {', '.join(STAGE_KINDS)}) and a name (a word, "
                         "as `use = \"name\"` names it)")
     if stage.kind in PIPELINE and stage.run is Stage.run:  # the kinds a clip passes through
-        raise TypeError(f"{stage.kind} stage '{stage.name}' has no run(clip)")
+        raise Refused(f"{stage.kind} stage '{stage.name}' has no run(clip)")
     if stage.kind == "quant" and not issubclass(stage, QuantStage):  # the loaders call its transform
-        raise TypeError(f"quant stage '{stage.name}' is not built on h3gen.stages.quant.QuantStage (subclass it and "
+        raise Refused(f"quant stage '{stage.name}' is not built on h3gen.stages.quant.QuantStage (subclass it and "
                         "implement quantize)")
     problem = config_problem(stage.Config)
     if problem:
-        raise TypeError(f"{stage.kind} stage '{stage.name}': {problem}")
+        raise Refused(f"{stage.kind} stage '{stage.name}': {problem}")
     return Registered(stage.kind, stage.name, stage, origin)
 
 
@@ -149,16 +153,17 @@ def collect(pm: pluggy.PluginManager, failed=(), left_out=()) -> Registry:
             for entry in stages:
                 taken = registry.stages.get((entry.kind, entry.name))
                 if taken is not None:
-                    raise ValueError(f"{entry.kind} stage '{entry.name}' is already registered by {taken.origin}")
+                    raise Refused(f"{entry.kind} stage '{entry.name}' is already registered by {taken.origin}")
             for path in presets:
                 if not path.is_file():
-                    raise ValueError(f"registered preset {path} is not a file (a preset in a package ships as its "
+                    raise Refused(f"registered preset {path} is not a file (a preset in a package ships as its "
                                      "package data: list it under [tool.setuptools.package-data] in pyproject.toml)")
                 if path.stem in registry.presets:
-                    raise ValueError(f"preset '{path.stem}' is already registered by "
+                    raise Refused(f"preset '{path.stem}' is already registered by "
                                      f"{registry.preset_origins[path.stem]}")
         except Exception as e:
-            registry.failed.append((origin, f"failed during registration: {_reason(e)}"))
+            why = _reason(e) if isinstance(e, Refused) else f"{type(e).__name__}: {_reason(e)}"
+            registry.failed.append((origin, f"failed during registration: {why}"))
             continue
         for entry in stages:
             entry.stage.origin = origin

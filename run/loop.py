@@ -263,16 +263,16 @@ def check_plugins(found, strict: bool, reporter) -> None:
     from h3gen.plugins.manager import NOT_INSTALLED, package_of
 
     for name, why in found.failed:
+        package = package_of(name)
+        uninstall = f" (pip uninstall {package})" if package else ""
+        fix = ("correct the name in H3GEN_LOAD_PLUGINS or install the plugin" if why.startswith(NOT_INSTALLED)
+               else f"fix or uninstall it{uninstall}, leave it out with H3GEN_LOAD_PLUGINS")
         if strict:
-            package = package_of(name)
-            uninstall = f" (pip uninstall {package})" if package else ""
-            fix = ("correct the name in H3GEN_LOAD_PLUGINS or install the plugin" if why.startswith(NOT_INSTALLED)
-                   else f"fix or uninstall it{uninstall}, leave it out with H3GEN_LOAD_PLUGINS")
             others = [other for other, _ in found.failed if other != name]
             also = f"; plugin(s) {', '.join(map(repr, others))} failed too (h3gen plugins says why)" if others else ""
             raise UsageError(f"plugin '{name}' {why}{also}",
                              f"{fix}, or run without --strict-plugins and H3GEN_STRICT_PLUGINS")
-        reporter.warn(f"h3gen: plugin '{name}' {why} (skipped)")
+        reporter.warn(f"h3gen: plugin '{name}' {why} (skipped; {fix})")
 
 
 def check_model_kind(preset, repo, embedded: bool, baseline: bool = False, bench: bool = False) -> None:
