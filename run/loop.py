@@ -217,6 +217,8 @@ def check_writable(directory: Path) -> None:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".h3gen-probe-"):
             pass
     except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # not the folder's fault: its disk's, as a full disk mid-run is
+            outputs.check_room(next(d for d in [directory, *directory.parents] if d.is_dir()))
         what = "cannot be created" if not directory.is_dir() else "is not writable"
         why = e.strerror or str(e)
         if directory.is_dir() and e.errno == errno.ENOENT:  # /proc: there, yet no file can be made in it

@@ -302,13 +302,16 @@ def write_error(path: Path, error: OSError) -> str:
     if error.errno == errno.EFBIG:
         text += " (a file size limit stops it: raise `ulimit -f`; a rerun redoes only the clips that are missing)"
     elif error.errno in (errno.ENOSPC, errno.EDQUOT) and no_inodes(path.parent):
-        text += (" (its file system has no free inodes, however much space it has: delete files there or pass -o "
-                 "on another disk; a rerun redoes only the clips that are missing)")
+        text += (f" (its file system has no free inodes, however much space it has: {NO_INODES_FIX}; a rerun redoes "
+                 "only the clips that are missing)")
     elif error.errno in (errno.ENOSPC, errno.EDQUOT):
         text += f" (free space in {path.parent}; a rerun redoes only the clips that are missing)"
     elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         text += " (make it writable; a rerun redoes only the clips that are missing)"
     return text
+
+
+NO_INODES_FIX = "delete files there or pass -o on another disk"
 
 
 def no_inodes(directory: Path) -> bool:
@@ -371,18 +374,25 @@ def check_disk(out_dir: Path, request: Request, bytes_per_pixel: float = 0.0, wr
     elif free <= size(request, unfit_per_pixel):
         problem = (f"only {sizes_that_differ(free, 0)[0]} free in {out_dir}, no more than when a clip of this run "
                    "did not fit")
+    elif no_inodes(out_dir):  # the MP4's partial file is a new file, which takes an inode
+        raise ClipError(f"the file system of {out_dir} has no free inodes, however much space it has",
+                        f"{NO_INODES_FIX}; a rerun redoes only the clips that are missing")
     else:
         return
     raise ClipError(problem, "free disk space; a rerun redoes only the clips that are missing")
 
 
 def check_room(out_dir: Path) -> None:
-    """Refuse a run before any weight loads when its output disk cannot take even the smallest MP4."""
+    """Refuse a run before any weight loads when its output disk cannot take even the smallest MP4, or one more
+    file."""
     free = shutil.disk_usage(out_dir).free
     if free < MP4_FLOOR_BYTES:
         free_text, need_text = sizes_that_differ(free, MP4_FLOOR_BYTES)
         raise WriteError(f"only {free_text} free in {out_dir}, and a clip takes at least {need_text}",
                          "free disk space there, or pass -o on another disk")
+    if no_inodes(out_dir):
+        raise WriteError(f"the file system of {out_dir} has no free inodes, however much space it has",
+                         NO_INODES_FIX)
 
 
 def sizes_that_differ(a: int, b: int) -> tuple[str, str]:

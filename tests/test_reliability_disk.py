@@ -196,6 +196,42 @@ def test_a_file_system_out_of_inodes_is_named_as_such_not_as_out_of_space(tmp_pa
     assert "(free space in" in outputs.write_error(tmp_path / "a.mp4", full)
 
 
+def test_no_free_inodes_fails_a_clip_before_it_renders_and_refuses_a_run_before_it_loads(tmp_path, monkeypatch):
+    """Out of inodes mid-run, the next clips fail before their GPU time, as on a full disk; a run that starts so, or
+    whose output folder cannot be probed for that reason, stops with the inode line (exit 1), not "not writable"."""
+    import errno
+    import tempfile
+    from types import SimpleNamespace
+
+    from h3gen.errors import ClipError, WriteError
+    from h3gen.inputs.request import Request
+    from h3gen.run import outputs
+    from h3gen.run.loop import check_writable
+
+    def inodes(free):  # a terabyte free
+        return lambda path: SimpleNamespace(f_files=6, f_favail=free, f_frsize=4096, f_blocks=2**28, f_bfree=2**28,
+                                            f_bavail=2**28)
+
+    monkeypatch.setattr(outputs.os, "statvfs", inodes(0))
+    with pytest.raises(ClipError, match=f"^the file system of {tmp_path} has no free inodes, however much space it "
+                                        "has") as failed:
+        outputs.check_disk(tmp_path, Request(index=0, prompt="x", seed=0, width=32, height=32, frames=9))
+    assert failed.value.fix == "delete files there or pass -o on another disk; a rerun redoes only the clips that " \
+                               "are missing"
+    with pytest.raises(WriteError, match="has no free inodes") as refused:
+        outputs.check_room(tmp_path)
+    assert refused.value.exit_code == 1 and refused.value.fix == "delete files there or pass -o on another disk"
+
+    def no_inode(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", no_inode)
+    with pytest.raises(WriteError, match=f"^the file system of {tmp_path / 'out'} has no free inodes"):
+        check_writable(tmp_path / "out")
+    monkeypatch.setattr(outputs.os, "statvfs", inodes(1))
+    outputs.check_disk(tmp_path, Request(index=0, prompt="x", seed=0, width=32, height=32, frames=9))  # one inode is enough
+
+
 def test_a_run_whose_output_disk_cannot_take_a_clip_is_refused_before_any_weight_loads(tmp_path, monkeypatch,
                                                                                        prompts_file):
     import dataclasses
