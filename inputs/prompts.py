@@ -25,32 +25,34 @@ STREAMED: dict[str, bytes] = {}  # a prompts file that is a pipe (/dev/stdin, <(
 
 # A prompts file is text: four million prompts of 256 characters fit in 1 GiB. Read a chunk at a time, each chunk
 # checked as it comes, so a binary file, a model's weights or an endless stream (/dev/urandom) stops at the chunk
-# that shows it instead of filling memory.
-MAX_PROMPTS_BYTES, READ_CHUNK = 1 << 30, 1 << 20
+# that shows it instead of filling memory. A few bytes that are not UTF-8 make bad lines, each named with the rest
+# (`read_prompts`); more than NOT_TEXT_BYTES of them make a file that is not UTF-8 at all (Latin-1, binary).
+MAX_PROMPTS_BYTES, READ_CHUNK, NOT_TEXT_BYTES = 1 << 30, 1 << 20, 256
 NOT_TEXT, NUL = "save the prompts file as UTF-8", b"\0"
+NOT_UTF8 = re.compile("[\udc80-\udcff]")  # a byte UTF-8 cannot read, as errors="surrogateescape" decodes it
 
 
 def prompts_bytes(path: Path) -> bytes:
-    """The prompts file's bytes, UTF-8 text without a NUL byte; a pipe's as it held them when first read in this
-    process."""
+    """The prompts file's bytes, without a NUL byte and mostly UTF-8 text; a pipe's as it held them when first read
+    in this process."""
     import codecs
 
     if str(path) in STREAMED:
         return STREAMED[str(path)]
-    read, decoder = bytearray(), codecs.getincrementaldecoder("utf-8")()
+    read, decoder, not_utf8 = bytearray(), codecs.getincrementaldecoder("utf-8")("surrogateescape"), 0
     with path.open("rb") as f:
         while True:
             chunk = f.read(READ_CHUNK)
             read += chunk
-            try:
-                decoder.decode(chunk, final=not chunk)  # the last call: a character cut short at the end
-            except UnicodeDecodeError:
-                raise UsageError(f"{path}:{_line_of(read, _first_bad_byte(read))}: not UTF-8 text", NOT_TEXT) from None
-            if not chunk:
-                break
+            not_utf8 += len(NOT_UTF8.findall(decoder.decode(chunk, final=not chunk)))
+            if not_utf8 > NOT_TEXT_BYTES:
+                raise UsageError(f"{path}:{_line_of(read, _first_bad_byte(read))}: not UTF-8 text (more than "
+                                 f"{NOT_TEXT_BYTES} bytes that UTF-8 cannot read)", NOT_TEXT)
             if NUL in chunk:  # valid UTF-8, but text has none: UTF-16 without its byte-order mark, or binary
                 raise UsageError(f"{path}:{_line_of(read, read.index(NUL))}: a NUL byte, so not UTF-8 text "
                                  "(UTF-16, or not text at all)", NOT_TEXT)
+            if not chunk:
+                break
             if len(read) > MAX_PROMPTS_BYTES:
                 raise UsageError(f"prompts file {path} holds more than {MAX_PROMPTS_BYTES / 2**30:g} GiB, which no "
                                  "prompts file does", "pass the text or JSON Lines file of the prompts")
@@ -72,6 +74,15 @@ def _line_of(data: bytearray, offset: int) -> int:
     return data.count(b"\n", 0, offset) + 1
 
 
+def not_utf8(line: str, where: str) -> UsageError | None:
+    """A line holding bytes UTF-8 cannot read (decoded with errors="surrogateescape"), named at its first one."""
+    bad = NOT_UTF8.search(line)
+    if bad is None:
+        return None
+    byte = ord(bad.group()) - 0xDC00
+    return UsageError(f"{where}:{bad.start() + 1}: not UTF-8 text (the byte 0x{byte:02X})", NOT_TEXT)
+
+
 def media_base(path: Path) -> Path:
     """The folder a line's relative media paths start from: the prompts file's (the file a link leads to, so
     `/dev/stdin` fed from a file is that file), or the current one for a pipe (`<(...)`), which has no folder."""
@@ -85,7 +96,7 @@ def read_prompts(path: Path, base_seed: int, defaults: dict, file_name=None) -> 
     if base_seed not in SEEDS:
         raise UsageError(f"base seed {base_seed} is out of range", "give --seed between 0 and 2**63 - 1")
     try:
-        text = prompts_bytes(path).decode("utf-8")  # checked as it was read
+        text = prompts_bytes(path).decode("utf-8", "surrogateescape")  # a line with bytes UTF-8 cannot read is bad
     except FileNotFoundError:
         raise UsageError(f"prompts file {path} does not exist", "pass the path of a text or JSON Lines file") from None
     except IsADirectoryError:
@@ -96,10 +107,13 @@ def read_prompts(path: Path, base_seed: int, defaults: dict, file_name=None) -> 
         raise UsageError(f"prompts file {path} is a TOML file, which is how presets are written",
                          f"pass it as --preset {path}, and a prompts file (text or JSON Lines) first")
     requests, seen, bad = [], {}, []
-    prompts = [(number, line) for number, line in enumerate(map(str.strip, prompt_lines(text)), start=1)
-               if line and not line.startswith("#")]
-    for index, (number, line) in enumerate(prompts):
+    prompts = [(number, line.strip(), line) for number, line in enumerate(prompt_lines(text), start=1)
+               if line.strip() and not line.strip().startswith("#")]
+    for index, (number, line, whole) in enumerate(prompts):
         try:  # every line is checked, so one run names each bad one
+            bad_text = not_utf8(whole, f"{path}:{number}")
+            if bad_text:
+                raise bad_text
             fields = _parse_line(line, f"{path}:{number}")
             request = _request(fields, index, number, base_seed, defaults, f"{path}:{number}", media_base(path))
             if request.id in seen:

@@ -47,7 +47,7 @@ def test_plain_and_json_lines(tmp_path):
     ('{"prompt": "x", "id": "a"}\n{"prompt": "y", "id": "a"}\n', "duplicate id 'a'"),
     ('{"prompt": "x", "id": "../escape"}\n', "is not a plain file name"),
     ('{"prompt": "x", "id": "/etc/passwd"}\n', "is not a plain file name"),
-    (b"caf\xe9\n", "p.txt:1: not UTF-8"),
+    (b"caf\xe9\n", "p.txt:1:4: not UTF-8 text (the byte 0xE9) (save the prompts file as UTF-8)"),
 ])
 def test_bad_prompts_files(tmp_path, text, message):
     with pytest.raises(UsageError, match=re.escape(message)):
@@ -56,14 +56,15 @@ def test_bad_prompts_files(tmp_path, text, message):
 
 def test_one_run_names_every_bad_line_each_on_a_line_of_its_own(tmp_path):
     prompts = tmp_path / "p.txt"
-    prompts.write_text('ok\n{"prompt": "x", "colour": 1}\nfine\n{"prompt": "y", "duration": 20}\n{"prompt": "z",\n'
-                       '{"id": "a", "prompt": "b"}\n{"id": "a", "prompt": "c"}\n')
+    prompts.write_bytes(b'ok\n{"prompt": "x", "colour": 1}\nfine\n{"prompt": "y", "duration": 20}\n{"prompt": "z",\n'
+                        b'{"id": "a", "prompt": "b"}\n{"id": "a", "prompt": "c"}\n  caf\xe9\n')
     result = h3gen("render", prompts, "-o", tmp_path / "out", check_code=2)
     assert [line.split(" (")[0] for line in result.stderr.splitlines()] == [
         f"h3gen: error: {prompts}:2: unknown field 'colour'",
         f"h3gen: error: {prompts}:4: duration 20 s is outside H3's 5-15 s",
         f"h3gen: error: {prompts}:5: malformed JSON at column 16: the line ends before its object does",
-        f"h3gen: error: {prompts}:7: duplicate id 'a'"], result.stderr
+        f"h3gen: error: {prompts}:7: duplicate id 'a'",
+        f"h3gen: error: {prompts}:8:6: not UTF-8 text"], result.stderr
     assert not (tmp_path / "out").exists()
 
 

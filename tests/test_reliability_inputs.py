@@ -50,7 +50,8 @@ def refused(result, message):
                                                                    "does as Fox.mp4, one file on macOS and Windows"),
     ('{"prompt": "a", "id": "v.mp4"}\n{"prompt": "b", "id": "v"}\n', "prompts.txt:2: writes v.mp4, as line 1 does (give "
                                                                  "the clips ids that name different files)"),
-    (b"ok\n\xff\xfe\n", "prompts.txt:2: not UTF-8 text"),
+    (b"ok\n\xff\xfe\n", "prompts.txt:2:1: not UTF-8 text (the byte 0xFF)"),
+    (b"\xe9t\xe9 \xe0 Paris\n" * 100, "prompts.txt:1: not UTF-8 text (more than 256 bytes that UTF-8 cannot read)"),
     ("ok\nA red fox\n".encode("utf-16-le"), "prompts.txt:1: a NUL byte, so not UTF-8 text (UTF-16, or not text"),
     (b"a fox\n" + bytes(300), "prompts.txt:2: a NUL byte, so not UTF-8 text"),
     ('["a", "b"]\n', "prompts.txt:1: a JSON line must be an object"),
@@ -206,7 +207,7 @@ def test_a_clip_another_run_renders_with_other_settings_is_a_conflict_not_busy(p
 
 
 @pytest.mark.parametrize("stream, message", [("/dev/zero", "/dev/zero:1: a NUL byte, so not UTF-8 text"),
-                                             ("/dev/urandom", "/dev/urandom:1: not UTF-8 text")])
+                                             ("/dev/urandom", "/dev/urandom:1: not UTF-8 text (more than 256 bytes")])
 def test_an_endless_stream_is_refused_at_its_first_chunk(tmp_path, stream, message):
     refused(h3gen("render", stream, "-o", tmp_path / "out", "--dry-run"), message)
 
