@@ -141,7 +141,7 @@ def run_bench_command(presets, baseline, durations, size, repeat, warmup, random
             "minutes a stage, even on the tiny model; --size 32x32 --durations 5 times the CPU path in seconds")
 
     try:  # a stage's own prints go to stderr; stdout has the files written
-        with stop_on_signals(), results_only_on_stdout():
+        with stop_on_signals(created), results_only_on_stdout():
             if batch:
                 from h3gen.bench.batch import run_batch, write_batch_results
 

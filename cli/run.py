@@ -6,7 +6,7 @@ import dataclasses
 import functools
 from pathlib import Path
 
-from h3gen.cli.ui import plugin_registry, reporter_for, results_only_on_stdout
+from h3gen.cli.ui import as_logged, plugin_registry, reporter_for, results_only_on_stdout
 from h3gen.errors import UsageError, WriteError
 from h3gen.run.loop import Interrupted, missing_directories, remove_if_empty, stop_on_signals
 from h3gen.run.settings import RunSettings
@@ -19,7 +19,7 @@ def run_render(settings: RunSettings, began: float) -> int:
     workers."""
     created = missing_directories(settings.output)  # a run stopped before its checks made a place for them too
     try:  # outside the handlers' block: a signal as the block ends (the run done) is caught here too
-        with stop_on_signals():
+        with stop_on_signals(created, as_logged):
             return _run_render(settings, began)
     except BrokenPipeError:  # stdout's reader gone in a dry run: the command ends as SIGPIPE ends it
         raise

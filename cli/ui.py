@@ -337,11 +337,20 @@ class QuietReporter(PlainReporter):
             self.finishing_clip = False
 
 
-def reporter_for(total: int, json_out: bool, preset: str, since: float | None = None, quiet: bool = False):
+def live_stderr() -> bool:
     # TERM=dumb: a terminal that cannot move its cursor gets a log's lines, not a live display drawn over itself
-    live = sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
-    kind = QuietReporter if quiet else LiveReporter if live else PlainReporter
+    return sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
+
+
+def reporter_for(total: int, json_out: bool, preset: str, since: float | None = None, quiet: bool = False):
+    kind = QuietReporter if quiet else LiveReporter if live_stderr() else PlainReporter
     return kind(total, json_out, preset, since)
+
+
+def as_logged(text: str) -> str:
+    """A line written to stderr outside the reporter (in a signal handler) as the reporter writes it: timestamped in
+    a log, as it is on a terminal."""
+    return text if live_stderr() else f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}"
 
 
 COMPARE_COLUMNS = (("psnr_mean", "PSNR dB", "{:.2f}"), ("psnr_worst", "worst frame", "{:.2f}"),

@@ -53,16 +53,19 @@ def signals_held():
 
 
 @contextlib.contextmanager
-def stop_on_signals():
+def stop_on_signals(created: list[Path] = (), as_logged=str):
     """Turn SIGINT, SIGTERM and SIGHUP into `Interrupted` in the main thread; a second one, of any of the three, ends
-    the process at once, with one line, its clips' partial files and claims removed."""
+    the process at once, with one line (as `as_logged` writes a line of the run's log), its clips' partial files and
+    claims removed, and the output directories it made (`created`, innermost first) while they are empty."""
 
     def end_at_once(signum, frame):
         from h3gen.run.outputs import drop_held_claims
 
         drop_held_claims()
-        os.write(2, f"h3gen: ended at once by a second signal ({signal.Signals(signum).name}); the clips in flight "
-                    "were dropped, and running the same command again renders them\n".encode())
+        with contextlib.suppress(OSError):
+            remove_if_empty(created)
+        os.write(2, (as_logged(f"h3gen: ended at once by a second signal ({signal.Signals(signum).name}); the clips "
+                               "in flight were dropped, and running the same command again renders them") + "\n").encode())
         os._exit(128 + signum)
 
     def stop(signum, frame):

@@ -108,13 +108,28 @@ def test_a_second_signal_mid_mux_ends_at_once_with_one_line_and_leaves_no_hidden
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr[-2000:]
-    assert stderr.splitlines()[-1] == ("h3gen: ended at once by a second signal (SIGINT); the clips in flight were "
-                                       "dropped, and running the same command again renders them"), stderr[-2000:]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d h3gen: ended at once by a second signal \(SIGINT\); the "
+                        r"clips in flight were dropped, and running the same command again renders them",
+                        stderr.splitlines()[-1]), stderr[-2000:]
     assert not list(out.glob(".*"))  # neither b's partial MP4 nor a claim
     assert sorted(p.name for p in out.glob("*.mp4")) == ["a.mp4"]
     assert all(validate_clip(path, expected_frames=124) == [] for path in out.glob("*.mp4"))
     h3gen(*render, env=env, check_code=0)
     assert sorted(p.name for p in out.glob("*.mp4")) == ["a.mp4", "b.mp4"]
+
+
+def test_a_second_signal_before_any_clip_is_written_leaves_no_directory_the_run_made(faults, prompts_file, tmp_path):
+    env, preset = faults
+    out, marker = tmp_path / "new" / "out", tmp_path / "muxing-a"
+    process = start_render([prompts_file(TWO_CLIPS), "-o", out, "--preset", preset, "--set", 'mux.slow_id="a"',
+                            "--set", f'mux.marker="{marker}"'], env)
+    wait_for(marker, process)
+    process.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130 and "ended at once by a second signal" in stderr, stderr[-2000:]
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_signal_as_a_finished_run_puts_its_handlers_back_ends_with_one_line(monkeypatch, capsys):
@@ -125,7 +140,7 @@ def test_a_signal_as_a_finished_run_puts_its_handlers_back_ends_with_one_line(mo
     from h3gen.run.settings import RunSettings
 
     @contextlib.contextmanager
-    def signal_at_the_end():
+    def signal_at_the_end(*args):
         yield
         raise Interrupted(signal.SIGTERM)
 
