@@ -484,14 +484,16 @@ def clip_error(clip: Clip, error: Exception, memory_plan: dict | None = None, ra
     cause = error.__cause__ if isinstance(error, StageFailed) and error.__cause__ is not None else error
     if debugging():
         traceback.print_exception(error, file=sys.stderr)
+    # memory that ran out in a plugin's stage: the stage is named, so its author can tell their stage asked for it
+    where = f" in {error.plugin_stage}" if isinstance(error, StageFailed) and error.plugin_stage else ""
     if ran_out or isinstance(cause, torch.OutOfMemoryError) or "out of memory" in str(cause).lower():
         if memory_plan is None:
-            return OOM_HINT
+            return OOM_HINT.replace("out of GPU memory", f"out of GPU memory{where}", 1)
         budget = memory_plan["vram_gib"]
-        return (f"out of GPU memory under the plan for {budget:.1f} GiB (try --vram {max(1, int(budget * 0.75))} "
-                "so more DiT blocks stream, an FP8 preset, fewer frames or a smaller size)")
+        return (f"out of GPU memory{where} under the plan for {budget:.1f} GiB (try --vram "
+                f"{max(1, int(budget * 0.75))} so more DiT blocks stream, an FP8 preset, fewer frames or a smaller size)")
     if isinstance(cause, MemoryError) or "can't allocate memory" in str(cause):  # torch's CPU allocator says so
-        return HOST_OOM_HINT
+        return HOST_OOM_HINT.replace("out of host memory", f"out of host memory{where}", 1)
     if isinstance(cause, OSError):
         return outputs.write_error(clip.path, cause)
     if isinstance(error, H3genError):

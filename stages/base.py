@@ -41,6 +41,7 @@ class StageFailed(H3genError):
     """A stage raised something other than an h3gen error, or broke its contract: named with its kind and plugin."""
 
     exit_code = 1
+    plugin_stage = ""  # the label of the plugin's stage that failed ('' for h3gen's own)
 
 
 class ReturnedRefused(StageFailed):
@@ -175,7 +176,9 @@ class Stage:
     @classmethod
     def failed(cls, what: str, fix: str = "") -> StageFailed:
         """An error naming this stage, its kind and its plugin (from the class too, before any instance exists)."""
-        return StageFailed(f"{cls.label()} {what}", fix)
+        failed = StageFailed(f"{cls.label()} {what}", fix)
+        failed.plugin_stage = cls.label() if cls.origin != BUILTIN else ""
+        return failed
 
     @classmethod
     def broke_fix(cls, error: BaseException | None = None) -> str:

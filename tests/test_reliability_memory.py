@@ -19,10 +19,13 @@ def test_out_of_memory_costs_one_clip_with_a_hint(faults, prompts_file, tmp_path
     assert result.returncode == 1, result.stderr[-2000:]
     clips = records(result)
     assert not clips["a"]["ok"] and clips["b"]["ok"]
-    assert clips["a"]["error"] == ("out of GPU memory (try --vram with less than the GPU has so DiT blocks stream, "
-                                   "an FP8 preset, fewer frames or a smaller size)")
+    # the sampler is a plugin's: named, so its author can tell their stage ran out
+    assert clips["a"]["error"] == ("out of GPU memory in sampler stage 'oom' (from plugin 'faults') (try --vram with "
+                                   "less than the GPU has so DiT blocks stream, an FP8 preset, fewer frames or a "
+                                   "smaller size)")
     assert "1 of 2 clips written, 1 failed" in result.stderr
-    assert "failed a.mp4 (line 1): out of GPU memory (try --vram" in result.stderr
+    assert "failed a.mp4 (line 1): out of GPU memory in sampler stage 'oom' (from plugin 'faults') (try --vram" \
+        in result.stderr
     assert sorted(p.name for p in out.glob("*.mp4")) == ["b.mp4"]
 
 
@@ -290,3 +293,25 @@ def test_host_memory_free_is_what_the_kernel_says_is_available():
     if limit.exists() and limit.read_text().strip() != "max":  # a container's limit holds it lower
         expected = min(expected, int(limit.read_text()) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
     assert abs(host_available_bytes() - expected) < 256 * 2**20
+
+
+def test_host_memory_that_ran_out_in_a_plugin_s_stage_names_the_stage(tmp_path):
+    from h3gen.inputs.request import Request
+    from h3gen.run.render import HOST_OOM_HINT, clip_error
+    from h3gen.stages.base import Stage
+    from h3gen.stages.clip import Clip
+
+    class Greedy(Stage):
+        kind, name, origin = "vae", "greedy", "mine"
+
+    class Builtin(Stage):
+        kind, name = "vae", "own"
+
+    clip = Clip(request=Request(index=0, prompt="a", seed=0, width=32, height=32, frames=124), path=tmp_path / "a.mp4",
+                preset="tiny")
+    for stage, line in ((Greedy, "out of host memory in vae stage 'greedy' (from plugin 'mine') (try fewer frames"),
+                        (Builtin, HOST_OOM_HINT)):
+        try:
+            raise stage.failed("raised MemoryError") from MemoryError()
+        except Exception as failed:
+            assert clip_error(clip, failed).startswith(line)
