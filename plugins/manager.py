@@ -115,12 +115,12 @@ def _checked(stage, origin: str):
     if getattr(stage, "kind", None) not in STAGE_KINDS or not isinstance(name, str) or not name.strip() \
             or name != name.strip():
         raise Refused(f"{stage.__qualname__} needs a kind (one of {', '.join(STAGE_KINDS)}) and a name (a word, "
-                        "as `use = \"name\"` names it)")
+                      "as `use = \"name\"` names it)")
     if stage.kind in PIPELINE and stage.run is Stage.run:  # the kinds a clip passes through
         raise Refused(f"{stage.kind} stage '{stage.name}' has no run(clip)")
     if stage.kind == "quant" and not issubclass(stage, QuantStage):  # the loaders call its transform
         raise Refused(f"quant stage '{stage.name}' is not built on h3gen.stages.quant.QuantStage (subclass it and "
-                        "implement quantize)")
+                      "implement quantize)")
     problem = config_problem(stage.Config)
     if problem:
         raise Refused(f"{stage.kind} stage '{stage.name}': {problem}")
@@ -157,10 +157,10 @@ def collect(pm: pluggy.PluginManager, failed=(), left_out=()) -> Registry:
             for path in presets:
                 if not path.is_file():
                     raise Refused(f"registered preset {path} is not a file (a preset in a package ships as its "
-                                     "package data: list it under [tool.setuptools.package-data] in pyproject.toml)")
+                                  "package data: list it under [tool.setuptools.package-data] in pyproject.toml)")
                 if path.stem in registry.presets:
                     raise Refused(f"preset '{path.stem}' is already registered by "
-                                     f"{registry.preset_origins[path.stem]}")
+                                  f"{registry.preset_origins[path.stem]}")
         except Exception as e:
             why = _reason(e) if isinstance(e, Refused) else f"{type(e).__name__}: {_reason(e)}"
             registry.failed.append((origin, f"failed during registration: {why}"))

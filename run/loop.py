@@ -64,8 +64,9 @@ def stop_on_signals(created: list[Path] = (), as_logged=str):
         drop_held_claims()
         with contextlib.suppress(OSError):
             remove_if_empty(created)
-        os.write(2, (as_logged(f"h3gen: ended at once by a second signal ({signal.Signals(signum).name}); the clips "
-                               "in flight were dropped, and running the same command again renders them") + "\n").encode())
+        line = as_logged(f"h3gen: ended at once by a second signal ({signal.Signals(signum).name}); the clips in "
+                         "flight were dropped, and running the same command again renders them")
+        os.write(2, f"{line}\n".encode())
         os._exit(128 + signum)
 
     def stop(signum, frame):

@@ -491,7 +491,8 @@ def clip_error(clip: Clip, error: Exception, memory_plan: dict | None = None, ra
             return OOM_HINT.replace("out of GPU memory", f"out of GPU memory{where}", 1)
         budget = memory_plan["vram_gib"]
         return (f"out of GPU memory{where} under the plan for {budget:.1f} GiB (try --vram "
-                f"{max(1, int(budget * 0.75))} so more DiT blocks stream, an FP8 preset, fewer frames or a smaller size)")
+                f"{max(1, int(budget * 0.75))} so more DiT blocks stream, an FP8 preset, fewer frames or a smaller "
+                "size)")
     if isinstance(cause, MemoryError) or "can't allocate memory" in str(cause):  # torch's CPU allocator says so
         return HOST_OOM_HINT.replace("out of host memory", f"out of host memory{where}", 1)
     if isinstance(cause, OSError):
