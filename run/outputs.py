@@ -141,10 +141,15 @@ def holder_fields(path: Path) -> dict | None:
     return fields if isinstance(fields, dict) else None
 
 
+def partial_mp4(path: Path) -> Path:
+    """The hidden file the MP4 at `path` is written into, renamed to `path` once whole."""
+    return path.with_name(f".{path.name}.partial.mp4")
+
+
 def leftovers(path: Path) -> list[Path]:
     """The hidden files a run writes beside the clip at `path` before renaming them into place."""
     latents = latents_path(path)
-    return [path.with_name(f".{path.name}.partial.mp4"), latents.with_name(f".{latents.name}.partial")]
+    return [partial_mp4(path), latents.with_name(f".{latents.name}.partial")]
 
 
 def clips_in(folder: Path, files_only: bool = True) -> list[Path]:

@@ -13,6 +13,7 @@ import numpy as np
 
 from h3gen.run.arriving import decoded
 from h3gen.run.fingerprint import stamp
+from h3gen.run.outputs import partial_mp4
 from h3gen.stages.base import Stage
 
 AAC_FRAME_SAMPLES = 1024
@@ -61,15 +62,28 @@ MP4_TAGS = ("title", "artist", "album_artist", "composer", "album", "date", "gen
             "description", "synopsis", "show", "episode_id", "network", "keywords")
 
 
+# A stage's Config is user documentation too: each field's comment is its text in the man page's PRESET KEYS
+# (h3gen.cli.preset_keys), and check_config refuses a value before the run starts.
+@dataclasses.dataclass
+class PyAVMuxConfig:
+    crf: int = 18  # x264's constant rate factor: lower keeps more detail, in a bigger file
+    x264_preset: str = "veryfast"  # x264's speed preset: a slower one makes a smaller file of the same quality
+    # A fixed count, not "auto": x264's output depends on its thread count, so a fixed one keeps the same clip
+    # byte-identical on every machine.
+    x264_threads: int = 8
+    # Clips encoded in the background while the device renders the next ones; 0 muxes in line.
+    workers: int = 2
+
+
 def write_mp4(
     path: Path,
     frames: np.ndarray,
     audio: np.ndarray,
     sample_rate: int = 32000,
     fps: int = 24,
-    crf: int = 18,
-    preset: str = "medium",
-    x264_threads: int = 1,
+    crf: int = PyAVMuxConfig.crf,  # the built-in mux's settings, so a plugin's call writes the same bytes
+    preset: str = PyAVMuxConfig.x264_preset,
+    x264_threads: int = PyAVMuxConfig.x264_threads,
     cancelled=lambda: False,
     comment: str = "",
     audio_ahead=lambda: None,
@@ -95,7 +109,7 @@ def write_mp4(
     if unknown:  # the MP4 muxer drops them without a word
         raise ValueError(f"MP4 has no tag {unknown[0]!r}; its text tags: {', '.join(MP4_TAGS)}")
     path = Path(path)
-    partial = path.with_name(f".{path.name}.partial.mp4")
+    partial = partial_mp4(path)
     try:
         with av.open(str(partial), "w", format="mp4", options=_BITEXACT) as container:
             if comment:
@@ -197,17 +211,6 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-@dataclasses.dataclass
-class PyAVMuxConfig:
-    crf: int = 18  # x264's constant rate factor: lower keeps more detail, in a bigger file
-    x264_preset: str = "veryfast"  # x264's speed preset: a slower one makes a smaller file of the same quality
-    # A fixed count, not "auto": x264's output depends on its thread count, so a fixed one keeps the same clip
-    # byte-identical on every machine.
-    x264_threads: int = 8
-    # Clips encoded in the background while the device renders the next ones; 0 muxes in line.
-    workers: int = 2
 
 
 # x264's own list (x264_preset_names in x264.h). Asking libx264 instead prints its complaint straight to the
