@@ -321,11 +321,11 @@ def rmsnorm_modulate_launch_shapes(bench, args):
 
 
 def phase_attention():
-    from h3gen.kernels.attention import BACKENDS, attention, attention_backend
+    from h3gen.kernels.attention import BACKENDS, attention, backend_name
 
     seq_len = 300 if TINY else 73642
     q, k, v = torch.randn(3, 1, seq_len, 56, 128, device=DEVICE, dtype=torch.bfloat16).unbind(0)
-    log("attention_auto_backend", attention_backend(DEVICE))
+    log("attention_auto_backend", backend_name(DEVICE))
     expected = None
     for name in BACKENDS:
         if TINY and name != "sdpa":
@@ -585,7 +585,7 @@ def run_fast(config, inputs, schedule, reference, outputs):
             out, seconds, clocks = warm_then_time(model, inputs, lambda m, kw: m(**kw))
             row = dict(seconds=round(seconds, 2), tflops=round(flop / seconds / 1e12, 1),
                        peak_GiB=peak_gib(model.resident_bytes()),
-                       weights_GiB=gib(model.resident_bytes()), attention=model.attention_backend_name(),
+                       weights_GiB=gib(model.resident_bytes()), attention=model.attention_used(),
                        clocks=clocks)
             row.update(block_parity(model, inputs))
             for ref_name, ref_out in outputs.items():

@@ -145,7 +145,7 @@ def dit_rows(args, source, modes, dtype, log):
         quantize_s = round(time.perf_counter() - began, 2)
         velocities, forward_s = timed_velocities(dit, probes, args, dtype)
         row = dict(component="dit", dit=args.dit, mode=mode, knobs=args.knobs,
-                   attention=getattr(dit, "attention_backend_name", lambda: "sdpa")(),
+                   attention=getattr(dit, "attention_used", lambda: "sdpa")(),
                    rows=int(probes[0].tensors["token_tags"].numel()),
                    weight_gib=round(weight_bytes(dit) / 2**30, 2), quantize_s=quantize_s, forward_s=forward_s,
                    peak_gib=peak_gib(args.device))

@@ -319,10 +319,10 @@ def main():
         bench.record("device", torch.cuda.get_device_name())
     import diffusers
 
-    from h3gen.kernels.attention import attention_backend
+    from h3gen.kernels.attention import backend_name
 
     bench.record("versions", {"torch": torch.__version__, "diffusers": diffusers.__version__})
-    bench.record("attention_auto", attention_backend(bench.device))
+    bench.record("attention_auto", backend_name(bench.device))
     vae = build_vae(bench)
     generator = torch.Generator(bench.device).manual_seed(1101)
     latents = torch.randn(TINY_LATENTS if bench.tiny else FULL_LATENTS, generator=generator, device=bench.device)

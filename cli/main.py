@@ -265,7 +265,7 @@ def render(
     """
     began = time.time()  # the run's wall time counts from here, in one process or in workers
     show_tracebacks(tracebacks)
-    from h3gen.cli.run import run_render
+    from h3gen.cli.render import run_render
     from h3gen.inputs.prompts import parse_shard
     from h3gen.run.settings import Parallel, RunSettings
 

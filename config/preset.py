@@ -194,6 +194,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
 
 
 def resolve(name_or_file: str, registry, overrides: list[str] = ()) -> Preset:
+    """The preset by name or file, its `extends` chain merged and `--set` overrides applied, with its keys and their
+    types checked; the stages' own value checks (`check_stage_configs`) come later, where the run is prepared."""
     name, data, sources = load_preset(name_or_file, registry)
     where = preset_label(name, find_preset(name_or_file, registry)[1], registry)
     for section, field, value in map(parse_override, overrides):

@@ -1,4 +1,6 @@
-"""The prompts file: one prompt per line, or JSON Lines with `prompt` and optional per-clip settings."""
+"""The prompts file: one prompt per line, or JSON Lines with `prompt` and optional per-clip settings; and the
+command-line values that stand for a line's fields or pick its lines (`parse_size` for --size, `parse_shard` and
+`shard_requests` for --shard), checked by the same rules."""
 
 from __future__ import annotations
 

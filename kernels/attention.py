@@ -144,7 +144,7 @@ def choose_backend(device=None, requested="auto", dtype=None, head_dim=None) -> 
     return Choice("flash-attn-4" if major == 10 and installed["flash-attn-4"] else "sdpa")
 
 
-def attention_backend(device=None, requested="auto", dtype=None, head_dim=None):
+def backend_name(device=None, requested="auto", dtype=None, head_dim=None):
     """Name of the backend `choose_backend` picks."""
     return choose_backend(device, requested, dtype, head_dim).name
 
@@ -152,7 +152,7 @@ def attention_backend(device=None, requested="auto", dtype=None, head_dim=None):
 @torch.compiler.disable
 def attention(q, k, v, backend="auto"):
     """`q`, `k`, `v` (B, L, heads, head_dim) -> (B, L, heads, head_dim), softmax scale 1/sqrt(head_dim)."""
-    name = attention_backend(q.device, backend, q.dtype, q.shape[-1])
+    name = backend_name(q.device, backend, q.dtype, q.shape[-1])
     if name == "fa3":
         return _fa3()(q, k, v)
     if name == "fa3-fp8":

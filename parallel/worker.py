@@ -30,7 +30,7 @@ def main(argv: list[str], make_reporter) -> int:
     os.chdir(job["settings"]["cwd"])  # the launcher's: the paths of the run are relative to it, as the user gave them
     try:
         with stop_on_signals():
-            return serve(job, make_reporter)
+            return run_in_process_group(job, make_reporter)
     except H3genError as error:
         record_error(error)
         return error.exit_code
@@ -77,7 +77,9 @@ def record_error(error: H3genError) -> None:
             "timestamp": str(int(time.time())), "h3gen_time": time.time(), "h3gen_exit_code": error.exit_code}}}, f)
 
 
-def serve(job: dict, make_reporter) -> int:
+def run_in_process_group(job: dict, make_reporter) -> int:
+    """Join torch.distributed's process group (NCCL and gloo on GPUs, gloo on CPUs), run this rank's
+    `h3gen.parallel.serve.Worker`, and leave the group however it ends."""
     import torch
     import torch.distributed as dist
 

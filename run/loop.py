@@ -123,8 +123,8 @@ def prepare(settings: RunSettings, preset, found, make_reporter=silent, check_la
     try:
         check_device(preset.runtime["device"])
         if not settings.dry_run:  # a dry run changes nothing in the output directory
-            clear_leftovers(requests, settings.output, preset.name)
-        others = partial_files_of_others(every, settings.output, preset.name)
+            clear_leftovers_of(requests, settings.output, preset.name)
+        others = partial_files_beside(every, settings.output, preset.name)
         # A dry run too: it says what the run would do. A run whose clips are all there may render none: each clip
         # that renders is checked for room before its GPU time (Renderer.room_for).
         if requests and (settings.force or any(not (settings.output / clip_name(r, preset.name)).exists()
@@ -236,7 +236,7 @@ def check_writable(directory: Path) -> None:
                          "move what is in its place away, or pass -o with another directory") from None
 
 
-def clear_leftovers(requests, output: Path, preset_name: str) -> None:
+def clear_leftovers_of(requests, output: Path, preset_name: str) -> None:
     """What a killed run left of this run's clips (partial files, locks) goes, unless a live run still holds it."""
     from h3gen.run import outputs
     from h3gen.run.resume import clip_name
@@ -245,7 +245,7 @@ def clear_leftovers(requests, output: Path, preset_name: str) -> None:
         outputs.clear_leftovers(output / clip_name(request, preset_name))
 
 
-def partial_files_of_others(requests, output: Path, preset_name: str) -> list[Path]:
+def partial_files_beside(requests, output: Path, preset_name: str) -> list[Path]:
     """The hidden partial files in `output` of clips none of `requests` names. They are only named: clearing them
     would take locks other runs may want."""
     from h3gen.run import outputs

@@ -118,7 +118,7 @@ class EulerSampler(Stage):
                                                  f'and this preset has "{config.dit}"')
 
     def load_note(self) -> str:
-        return f"attention {self.attention_backend}"
+        return f"attention {self.attention_used}"
 
     def __init__(self, config, runtime):
         super().__init__(config, runtime)
@@ -243,7 +243,7 @@ class EulerSampler(Stage):
     def load_reference_dit(self, partition: str):
         from diffusers import MiniMaxH3Transformer3DModel
 
-        self.attention_backend = "sdpa (PyTorch's choice)"
+        self.attention_used = "sdpa (PyTorch's choice)"
         return self.repo.load(partition, MiniMaxH3Transformer3DModel, torch_dtype=self.runtime.dtype,
                               device_map=self.runtime.device)
 
@@ -266,7 +266,7 @@ class EulerSampler(Stage):
                              # adapters are added per checkpoint tensor, before Q, K, V are fused and the AdaLN
                              # tables built
                              checkpoint_tensor=lambda key, tensor: quant.checkpoint_tensor("dit", key, tensor))
-        self.attention_backend = dit.attention_backend_name()
+        self.attention_used = dit.attention_used()
         return dit
 
     def run(self, clip):
@@ -395,7 +395,7 @@ class EulerSampler(Stage):
             audio_rows[held_audio:] = audio_schedule.step(audio_velocity[0, held_audio:].float(), audio_t,
                                                           audio_rows[held_audio:], return_dict=False)[0]
             self.runtime.on_step(clip, i + 1, steps)
-        clip.forwards, clip.attention = steps, self.attention_backend
+        clip.forwards, clip.attention = steps, self.attention_used
         clip.forwards_reused = step_cache.reused if step_cache is not None else 0
         if step_cache is not None:
             clip.seconds.update(step_cache.seconds)

@@ -202,7 +202,7 @@ class FastVAE(ReferenceVAE):
         """The decoder's attention backend when the preset names one, with the reason when another runs."""
         if self.config.exact or self.config.attention == "sdpa":
             return ""
-        return f"decoder attention {self.decoder.attention_backend_name()}"
+        return f"decoder attention {self.decoder.attention_used()}"
 
     def lead(self) -> bool:
         """Whether this rank ends up with the frames: always alone, the group's first rank in a group."""

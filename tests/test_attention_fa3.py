@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import norm_relative_error, run_parity_under_triton_interpreter
-from h3gen.kernels.attention import attention, attention_backend, choose_backend, refusal
+from h3gen.kernels.attention import attention, backend_name, choose_backend, refusal
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 parity = pytest.mark.skipif(not INTERPRETED, reason="runs in test_fp8_kernel_under_interpreter's child process")
@@ -27,7 +27,7 @@ def test_fa3_backends_fall_back_on_the_cpu_with_the_reason(requested):
     choice = choose_backend("cpu", requested, torch.bfloat16, 128)
     assert choice.name == "sdpa"
     assert choice.fallback_reason.startswith(f"{requested} not used, sdpa instead: ")
-    assert choose_backend("cpu").fallback_reason is None and attention_backend("cpu") == "sdpa"
+    assert choose_backend("cpu").fallback_reason is None and backend_name("cpu") == "sdpa"
     q, k, v = torch.randn(3, 1, 9, 2, 16).unbind(0)
     assert torch.equal(attention(q, k, v, requested), attention(q, k, v))  # today's bytes
 
@@ -107,7 +107,7 @@ def fp32_attention(q, k, v):
 @on_hopper_with_fa3
 def test_fa3_against_fp32_attention_on_the_gpu():
     # bf16 inputs and output: about 2.3e-3 on an H200 at every shape tried (bench/results/...-fa3-probe.json).
-    assert attention_backend("cuda") == "fa3"
+    assert backend_name("cuda") == "fa3"
     for length, heads, head_dim in ((4096, 56, 128), (1797, 7, 128), (73, 32, 64)):
         q, k, v = torch.randn(3, 1, length, heads, head_dim, device="cuda", dtype=torch.bfloat16).unbind(0)
         assert norm_relative_error(attention(q, k, v, "fa3"), fp32_attention(q, k, v)) < 5e-3

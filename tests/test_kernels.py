@@ -260,14 +260,14 @@ def test_rotary_matches_diffusers():
 
 
 def test_attention_backend_on_cpu():
-    from h3gen.kernels.attention import attention, attention_backend
+    from h3gen.kernels.attention import attention, backend_name
 
-    assert attention_backend("cpu") == "sdpa"
+    assert backend_name("cpu") == "sdpa"
     q, k, v = torch.randn(3, 1, 9, 2, 16).unbind(0)
     expected = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
     torch.testing.assert_close(attention(q, k, v), expected.transpose(1, 2))
     with pytest.raises(ValueError, match="unknown attention backend"):
-        attention_backend("cpu", "bogus")
+        backend_name("cpu", "bogus")
 
 
 @parity

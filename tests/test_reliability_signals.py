@@ -135,7 +135,7 @@ def test_a_second_signal_before_any_clip_is_written_leaves_no_directory_the_run_
 def test_a_signal_as_a_finished_run_puts_its_handlers_back_ends_with_one_line(monkeypatch, capsys):
     """SIGTERM from `timeout` just as the run ends, after the body returned and before the old handlers are back:
     the run's exit status for the signal and its one line, never a traceback."""
-    import h3gen.cli.run as run
+    import h3gen.cli.render as run
     from h3gen.run.loop import Interrupted
     from h3gen.run.settings import RunSettings
 
@@ -152,7 +152,7 @@ def test_a_signal_as_a_finished_run_puts_its_handlers_back_ends_with_one_line(mo
 
 def test_a_signal_before_the_run_s_checks_end_leaves_no_directory_it_made(monkeypatch, tmp_path):
     """Ctrl-C just after the output directory was made, before the checks that would remove it on a refusal."""
-    import h3gen.cli.run as run
+    import h3gen.cli.render as run
     from h3gen.run.loop import Interrupted
     from h3gen.run.settings import RunSettings
 

@@ -10,8 +10,7 @@ writes q, k and v in e4m3.
 import torch
 import torch.nn as nn
 
-from h3gen.kernels.attention import attention_backend as attention_backend_name
-from h3gen.kernels.attention import choose_backend
+from h3gen.kernels.attention import backend_name, choose_backend
 from h3gen.models.dit.tags import MODALITIES
 from h3gen.models.dit.blocks import (EXACT_NORM_OPS, REFERENCE_OPS, TRITON_OPS, H3Block, OutputNorm,
                                           RefinerBlock, TimeEmbedding, rotary_angles, rotary_inv_freq)
@@ -69,7 +68,7 @@ class FastH3Transformer(nn.Module):
         if ffn_chunk_rows is not None and ffn_chunk_rows < 0:
             raise ValueError(f"ffn_chunk_rows must be 0 (all rows at once) or more, got {ffn_chunk_rows}")
         if attention_backend is not None:
-            attention_backend_name("cpu", attention_backend)  # rejects unknown names early
+            backend_name("cpu", attention_backend)  # rejects unknown names early
             self.attention_backend = attention_backend
         for block in (*self.token_refiner.refiner_blocks, *self.transformer_blocks):
             block.ops, block.attention_backend = self.ops, self.attention_backend
@@ -332,7 +331,7 @@ class FastH3Transformer(nn.Module):
             for index in self.streamer.streamed:
                 self.streamer.take(index)
 
-    def attention_backend_name(self):
+    def attention_used(self):
         """The backend the blocks run, with the reason when it is not the one asked for."""
         # The blocks' dtype (proj_in is one of the checkpoint's fp32 modules).
         return choose_backend(self.proj_in.weight.device, self.attention_backend, self.context_embedder.weight.dtype,

@@ -164,7 +164,7 @@ class FastViTDecoder:
         # The decoder's Q/K norms have no weight: the fused kernel gets ones.
         self.qk_weight = torch.ones(attn.dim_head, device=attn.to_q.bias.device)
 
-    def attention_backend_name(self) -> str:
+    def attention_used(self) -> str:
         """The backend the blocks run, with the reason when it is not the one asked for."""
         return choose_backend(self.qk_weight.device, self.shape.backend, self.dtype, self.qk_weight.shape[0]).describe()
 
