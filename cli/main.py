@@ -529,7 +529,7 @@ def presets_alone(ctx: typer.Context):
 
 @presets_app.command("list", cls=PlainCommand)
 def presets_list(strict_plugins: StrictPlugins = False):
-    """List the presets every plugin registered (h3gen presets alone does too).
+    """List the presets every plugin registered (h3gen presets alone does too), a plugin's with its name.
 
     \b
     Example:
@@ -537,6 +537,7 @@ def presets_list(strict_plugins: StrictPlugins = False):
     """
     from h3gen.cli.ui import plugin_registry
     from h3gen.config.preset import load_toml
+    from h3gen.stages.base import BUILTIN
 
     found = plugin_registry()
     report_failed_plugins(found, strict_plugins)
@@ -546,7 +547,8 @@ def presets_list(strict_plugins: StrictPlugins = False):
             description = load_toml(path).get("description", "")
         except H3genError as e:  # the others are still listed
             description = f"(unusable: {e})"
-        typer.echo(f"{name:{width}s} {description}")
+        origin = found.preset_origins.get(name, BUILTIN)
+        typer.echo(f"{name:{width}s} {description}" + (f" (from plugin '{origin}')" if origin != BUILTIN else ""))
 
 
 @presets_app.command("show", cls=PlainCommand)

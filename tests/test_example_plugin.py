@@ -37,7 +37,9 @@ def test_the_example_plugin_is_listed_with_its_module(plugin_env):
     listed = h3gen("plugins", env=plugin_env, check_code=0).stdout.splitlines()
     assert ["vae", "grayscale", "grayscale", "h3gen_grayscale.Grayscale"] in [line.split()[:4] for line in listed]
     presets = h3gen("presets", "list", env=plugin_env, check_code=0).stdout
-    assert "grayscale" in presets
+    [line] = [line for line in presets.splitlines() if line.startswith("grayscale ")]
+    assert line.endswith(" (from plugin 'grayscale')"), line
+    assert not [line for line in presets.splitlines() if line.startswith("tiny ") and "from plugin" in line]
 
 
 @pytest.mark.parametrize("args, wrapped", [(["--preset", "grayscale"], "reference"),
