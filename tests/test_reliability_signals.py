@@ -93,42 +93,42 @@ def test_after_one_stop_signal_any_second_one_ends_the_process_at_once():
     assert {signum: signal.getsignal(signum) for signum in STOP_SIGNALS} == before
 
 
-@pytest.mark.parametrize("in_place", [False, True])
-def test_a_second_signal_mid_mux_ends_at_once_with_one_line_and_leaves_no_hidden_file(faults, prompts_file, tmp_path,
-                                                                                       in_place):
-    """With `in_place`, the mux (a plugin's) writes the clip's first bytes at its final name: they go too."""
+def signalled_twice_mid_mux(faults, prompts, out, slow_id, first=signal.SIGINT, *settings):
+    """A render of `prompts` whose mux of clip `slow_id` takes its time, sent `first` and then SIGINT while it
+    muxes: its stderr, once it ended with SIGINT's status."""
     env, preset = faults
-    out, marker = tmp_path / "out", tmp_path / "muxing-b"
-    render = ["render", prompts_file(TWO_CLIPS), "-o", out, "--preset", preset]
-    process = start_render(render[1:] + ["--set", 'mux.slow_id="b"', "--set", f'mux.marker="{marker}"',
-                                         "--set", f"mux.in_place={str(in_place).lower()}"], env)
+    marker = Path(prompts).parent / f"muxing-{slow_id}"
+    process = start_render([prompts, "-o", out, "--preset", preset, "--set", f'mux.slow_id="{slow_id}"',
+                            "--set", f'mux.marker="{marker}"', *settings], env)
     wait_for(marker, process)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(first)
     time.sleep(0.2)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr[-2000:]
+    return stderr
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_second_signal_mid_mux_ends_at_once_with_one_line_and_leaves_no_hidden_file(faults, prompts_file, tmp_path,
+                                                                                       in_place):
+    """With `in_place`, the mux (a plugin's) writes the clip's first bytes at its final name: they go too."""
+    out, prompts = tmp_path / "out", prompts_file(TWO_CLIPS)
+    stderr = signalled_twice_mid_mux(faults, prompts, out, "b", signal.SIGINT,
+                                     "--set", f"mux.in_place={str(in_place).lower()}")
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d h3gen: ended at once by a second signal \(SIGINT\); the "
                         r"clips in flight were dropped, and running the same command again renders them",
                         stderr.splitlines()[-1]), stderr[-2000:]
     assert not list(out.glob(".*"))  # neither b's partial MP4 nor a claim
     assert sorted(p.name for p in out.glob("*.mp4")) == ["a.mp4"]
     assert all(validate_clip(path, expected_frames=124) == [] for path in out.glob("*.mp4"))
-    h3gen(*render, env=env, check_code=0)
+    h3gen("render", prompts, "-o", out, "--preset", faults[1], env=faults[0], check_code=0)
     assert sorted(p.name for p in out.glob("*.mp4")) == ["a.mp4", "b.mp4"]
 
 
 def test_a_second_signal_before_any_clip_is_written_leaves_no_directory_the_run_made(faults, prompts_file, tmp_path):
-    env, preset = faults
-    out, marker = tmp_path / "new" / "out", tmp_path / "muxing-a"
-    process = start_render([prompts_file(TWO_CLIPS), "-o", out, "--preset", preset, "--set", 'mux.slow_id="a"',
-                            "--set", f'mux.marker="{marker}"'], env)
-    wait_for(marker, process)
-    process.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 130 and "ended at once by a second signal" in stderr, stderr[-2000:]
+    stderr = signalled_twice_mid_mux(faults, prompts_file(TWO_CLIPS), tmp_path / "new" / "out", "a", signal.SIGTERM)
+    assert "ended at once by a second signal" in stderr, stderr[-2000:]
     assert not (tmp_path / "new").exists()
 
 
