@@ -216,8 +216,8 @@ def render(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print each prompt's output file and whether it would "
                                                             "render, skip or conflict (or finds it busy); render and "
                                                             "change nothing. Exits 1 when a clip would conflict, or "
-                                                            "the output disk has no room for one, as the run "
-                                                            "would.")] = False,
+                                                            "the output disk has less free than any clip takes "
+                                                            "(64 KiB) or no free inode, as the run would.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Render every clip again, over whatever file is at its "
                                                         "name: a valid clip (by default skipped), one rendered with "
                                                         "other settings or a file h3gen did not write (by default "

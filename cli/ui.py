@@ -382,10 +382,14 @@ def compare_table(records, console: Console | None = None) -> None:
         table.add_column(heading, justify="right")  # headings wrap at their spaces
     for name, cells in rows:
         table.add_row(name, *cells)
-    # Whether rich had to cut a cell: its measure says the row fits at some widths where its layout still cuts one.
+    # Whether rich had to cut a cell: its measure says the row fits at some widths where its layout still cuts one
+    # (with "…"), or squeezes the number columns to nothing beside a long name (no mark at all): every cell must
+    # be drawn whole.
     with console.capture() as drawn:
         console.print(table)
-    if drawn.get().count("…") > sum(name.count("…") for name, _ in rows):
+    text = drawn.get()
+    if (text.count("…") > sum(name.count("…") for name, _ in rows)
+            or not all(cell in text for name, cells in rows for cell in (name, *cells))):
         table = Table(title=title, title_justify="left")
         table.add_column("clip", overflow="fold")
         table.add_column("measure", no_wrap=True)

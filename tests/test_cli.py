@@ -290,6 +290,20 @@ def test_compare_s_table_cuts_no_number_at_any_width(monkeypatch, capsys):
         assert all(n in text for n in ("-0.84", "-12.34", "-0.8412", "0.1235", "-120.55", "-0.845")), columns
 
 
+@pytest.mark.parametrize("columns", [50, 60])
+def test_compare_s_table_never_squeezes_the_numbers_away_beside_a_long_name(monkeypatch, capsys, columns):
+    """A name matched by request ("A (B)") leaves the numbers' columns no room: rich draws them empty, no mark."""
+    from h3gen.cli.ui import compare_table
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    compare_table([{"a": "out/other.mp4", "b": "ref/h3-2cde9a4d8a31.mp4", "psnr_mean": 35.2, "psnr_worst": 30.0,
+                    "ssim_mean": 0.98, "ssim_worst": 0.95, "audio_snr_db": 12.5, "log_mel_distance_db": 0.1}],
+                  terminal())
+    text = capsys.readouterr().err
+    assert all(n in text for n in ("35.20", "30.00", "0.9800", "0.9500", "12.50", "0.100", "PSNR dB")), text
+    assert max(map(len, text.splitlines())) <= columns
+
+
 def terminal():
     """A console that draws as on a terminal, onto the stderr pytest captures."""
     from rich.console import Console
