@@ -152,7 +152,7 @@ class PlainReporter(SilentReporter):
         """A line for a log: timestamped, escaped (a prompt can hold anything). A log that cannot be written (its
         disk full) loses the line; the run goes on, its clips and manifest.jsonl written as ever."""
         try:
-            self.console.print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {shown(text)}", markup=False)
+            self.console.print(timestamped(shown(text)), markup=False)
         except OSError:
             pass
 
@@ -347,10 +347,15 @@ def reporter_for(total: int, json_out: bool, preset: str, since: float | None = 
     return kind(total, json_out, preset, since)
 
 
+def timestamped(text: str) -> str:
+    """A line of a log, as `PlainReporter.say` writes it."""
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}"
+
+
 def as_logged(text: str) -> str:
     """A line written to stderr outside the reporter (in a signal handler) as the reporter writes it: timestamped in
     a log, as it is on a terminal."""
-    return text if live_stderr() else f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}"
+    return text if live_stderr() else timestamped(text)
 
 
 COMPARE_COLUMNS = (("psnr_mean", "PSNR dB", "{:.2f}"), ("psnr_worst", "worst frame", "{:.2f}"),

@@ -109,8 +109,8 @@ def read_prompts(path: Path, base_seed: int, defaults: dict, file_name=None) -> 
         raise UsageError(f"prompts file {path} is a TOML file, which is how presets are written",
                          f"pass it as --preset {path}, and a prompts file (text or JSON Lines) first")
     requests, seen, bad = [], {}, []
-    prompts = [(number, line.strip(), line) for number, line in enumerate(prompt_lines(text), start=1)
-               if line.strip() and not line.strip().startswith("#")]
+    prompts = [(number, line, whole) for number, whole in enumerate(prompt_lines(text), start=1)
+               if (line := whole.strip()) and not line.startswith("#")]
     for index, (number, line, whole) in enumerate(prompts):
         try:  # every line is checked, so one run names each bad one
             bad_text = not_utf8(whole, f"{path}:{number}")

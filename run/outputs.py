@@ -319,6 +319,10 @@ def write_error(path: Path, error: OSError) -> str:
 NO_INODES_FIX = "delete files there or pass -o on another disk"
 
 
+def no_inodes_in(out_dir: Path) -> str:
+    return f"the file system of {out_dir} has no free inodes, however much space it has"
+
+
 def no_inodes(directory: Path) -> bool:
     """Whether the file system holding `directory` can create no more files (it counts inodes, and none is free)."""
     try:
@@ -380,8 +384,7 @@ def check_disk(out_dir: Path, request: Request, bytes_per_pixel: float = 0.0, wr
         problem = (f"only {sizes_that_differ(free, 0)[0]} free in {out_dir}, no more than when a clip of this run "
                    "did not fit")
     elif no_inodes(out_dir):  # the MP4's partial file is a new file, which takes an inode
-        raise ClipError(f"the file system of {out_dir} has no free inodes, however much space it has",
-                        f"{NO_INODES_FIX}; a rerun redoes only the clips that are missing")
+        raise ClipError(no_inodes_in(out_dir), f"{NO_INODES_FIX}; a rerun redoes only the clips that are missing")
     else:
         return
     raise ClipError(problem, "free disk space; a rerun redoes only the clips that are missing")
@@ -396,8 +399,7 @@ def check_room(out_dir: Path) -> None:
         raise WriteError(f"only {free_text} free in {out_dir}, and a clip takes at least {need_text}",
                          "free disk space there, or pass -o on another disk")
     if no_inodes(out_dir):
-        raise WriteError(f"the file system of {out_dir} has no free inodes, however much space it has",
-                         NO_INODES_FIX)
+        raise WriteError(no_inodes_in(out_dir), NO_INODES_FIX)
 
 
 def sizes_that_differ(a: int, b: int) -> tuple[str, str]:

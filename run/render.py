@@ -221,7 +221,7 @@ class Renderer:
             torch.cuda.reset_peak_memory_stats()
         refused = memory.refused_allocations(self.runtime.device)
         error, mux, job = "", self.stages["mux"], None
-        before = outputs.file_state(clip.path)  # a mux that fails after writing the file takes it back
+        before = claim.before  # the file there when claimed: a mux that fails after writing one takes it back
         try:
             self.room_for(clip)
             clip = self.stages["sampler"](clip)
