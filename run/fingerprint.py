@@ -7,6 +7,7 @@ differs. The machine is not part of it (device, CPU threads): a clip's settings 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -41,15 +42,29 @@ def run_fields(preset, registry, repo) -> dict:
         if not key.replace(".wraps.", ".").startswith(NOT_IN_OUTPUT):  # a wrapped stage's keys as its own
             fields[key] = plain(value)
     for kind, (name, config) in preset.stages.items():
-        for depth, (stage, _) in enumerate(wrapped_chain(registry.stage(kind, name), config)):
+        for depth, (stage, stage_config) in enumerate(wrapped_chain(registry.stage(kind, name), config)):
             section = kind + ".wraps" * depth
             fields[f"{section}.use"] = f"{stage.name} {stage_version(stage)}"
+            note_defaults(fields[f"{section}.use"], stage_config)
             # A stage may declare config keys that change how it runs, never what it writes (`output_neutral`).
             for key in getattr(stage, "output_neutral", ()):
                 fields.pop(f"{section}.{key}", None)
     for index, path in enumerate(adapter_files(preset, repo.root)):
         fields[f"adapter.file{index}"] = file_digest(path)
     return fields
+
+
+# Each stage's keys at their defaults, by the stage's `use` (name and version): a key a stage gained since a clip was
+# stamped, left at its default, is that clip's setting (a default that changed the bytes would change the version).
+DEFAULTS: dict[tuple[str, str], object] = {}
+
+
+def note_defaults(use: str, config) -> None:
+    for field in dataclasses.fields(config):
+        if field.default is not dataclasses.MISSING:
+            DEFAULTS[use, field.name] = plain(field.default)
+        elif field.default_factory is not dataclasses.MISSING:
+            DEFAULTS[use, field.name] = plain(field.default_factory())
 
 
 def clip_fields(run: dict, request) -> dict:
@@ -93,13 +108,23 @@ def differences(old: dict | None, new: dict) -> list[str]:
     """`FIELD: OLD -> NEW` for each field of this run's that differs (a clip from before fingerprints: one line
     saying so): a stage swapped (`vae.use`) first, whose own keys then differ too, then the rest by name. A field
     only the clip carries is one this h3gen no longer counts (the preset's name, a key a stage since declared
-    `output_neutral`): where its stage changed, that stage's `use` differs."""
+    `output_neutral`): where its stage changed, that stage's `use` differs. A key only this run has is a difference
+    but where its stage, the same name and version, gained it since and it is at its default (`DEFAULTS`)."""
     if old is None:
         return ["fingerprint: none -> " + digest(new)]
     keys = sorted(new, key=lambda key: (not key.endswith(".use"), key))
     was = {key: before(key, old) for key in keys}
     return [f"{key}: {shown(was[key])} -> {shown(new[key])}{in_seconds(key, was[key], new[key])}"
-            for key in keys if was[key] != new[key] and not same_model(key, was[key], new[key])]
+            for key in keys if was[key] != new[key] and not same_model(key, was[key], new[key])
+            and not (was[key] is None and gained_at_default(key, old, new))]
+
+
+def gained_at_default(key: str, old: dict, new: dict) -> bool:
+    """`key` is a knob its stage gained since `old` was stamped, and `new` leaves it at its default."""
+    section, _, knob = key.rpartition(".")
+    use = new.get(f"{section}.use")
+    return (knob != "use" and key not in old and use is not None and old.get(f"{section}.use") == use
+            and (use, knob) in DEFAULTS and DEFAULTS[use, knob] == new[key])
 
 
 def before(key: str, old: dict):

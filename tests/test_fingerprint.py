@@ -531,3 +531,23 @@ def test_the_embedding_cache_is_keyed_by_the_quant_stages_knobs(prompts_file, tm
     assert "(1 from the embedding cache)" in again.stderr
     other = h3gen("render", prompts, "-o", tmp_path / "c", *args, "--set", 'quant.roles=["dit"]', check_code=0)
     assert "(0 from the embedding cache)" in other.stderr, other.stderr
+
+
+def test_a_knob_a_stage_gained_since_a_clip_was_stamped_is_no_difference_at_its_default(tiny_model):
+    """A clip stamped before its mux had `crf` is this run's while crf stays at its default; set otherwise, or with
+    the stage at another version, it differs."""
+    from h3gen.config.preset import resolve
+    from h3gen.models.repo import ModelRepo
+    from h3gen.plugins.manager import registry
+
+    def fields(*overrides):
+        return fingerprint.run_fields(resolve("tiny", registry(), list(overrides)), registry(), ModelRepo(tiny_model))
+
+    new = fields()
+    before_crf = {key: value for key, value in new.items() if key != "mux.crf"}
+    assert fingerprint.differences(before_crf, new) == []
+    assert fingerprint.differences(before_crf, fields("mux.crf=30")) == ["mux.crf: (none) -> 30"]
+    other_version = before_crf | {"mux.use": "pyav h3gen/0"}
+    assert fingerprint.differences(other_version, new) == [f"mux.use: pyav h3gen/0 -> {new['mux.use']}",
+                                                           f"mux.crf: (none) -> {new['mux.crf']}"]
+    assert fingerprint.differences(new | {"mux.crf": None}, new) == [f"mux.crf: (none) -> {new['mux.crf']}"]
