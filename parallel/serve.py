@@ -63,9 +63,22 @@ class Worker:
 
     def make_plan(self) -> dict:
         """Rank 0 checks the run as a one-process run would, with the same reporter, and publishes the plan."""
-        from h3gen.run.loop import prepare, skip_finished
+        from h3gen.run.loop import prepare, say_to_render, skip_finished
 
-        job, settings = self.job, self.settings
+        job, settings, planned = self.job, self.settings, {}
+
+        def announce(pending: list) -> None:  # the layout, then the header, before the lines of clips already there
+            heads = job["heads"] if not job["split_refusal"] else 1
+            layout = choose_layout(self.world, self.per_node, len(pending), heads, settings.parallel.ulysses or 0)
+            # Why the clips are not split, where the layout would have split them
+            unsplit = job["split_refusal"] and choose_layout(self.world, self.per_node, len(pending), job["heads"],
+                                                             settings.parallel.ulysses or 0).ulysses > 1
+            why = f" (no Ulysses: {job['split_refusal']})" if unsplit else ""
+            worker = "GPU" if job["device"] == "gpu" else "CPU worker"
+            self.batch.reporter.say(f"h3gen: layout {layout.describe(worker, len(pending))}{why}")
+            say_to_render(self.batch, settings, pending, f", {self.world} worker(s)")
+            planned.update(layout=layout, pending=pending)
+
         try:
             check_same_command(command_of(settings), events.commands_of_others(self.store, self.world))
             preset, found = self.preset()
@@ -73,30 +86,14 @@ class Worker:
             make_reporter = functools.partial(self.make_reporter, since=job["began"], quiet=settings.quiet)
             self.batch = prepare(settings, preset, found, make_reporter)
             self.batch.reporter = events.SharedReporter(self.batch.reporter)
-            requests, reporter = self.batch.requests, self.batch.reporter
-            finished = skip_finished(self.batch, settings)
-            done = {result.request.index for result in finished}
-            pending = [request for request in requests if request.index not in done]
-            heads = job["heads"] if not job["split_refusal"] else 1
-            layout = choose_layout(self.world, self.per_node, len(pending), heads, settings.parallel.ulysses or 0)
+            finished = skip_finished(self.batch, settings, announce)
         except BaseException as e:
             from h3gen.errors import H3genError
 
             said = {"problem": str(e), "exit_code": e.exit_code} if isinstance(e, H3genError) else {}
             events.publish_plan(self.store, {"error": True, **said})
             raise
-        worker = "GPU" if job["device"] == "gpu" else "CPU worker"
-        # Why the clips are not split, where the layout would have split them
-        unsplit = job["split_refusal"] and choose_layout(self.world, self.per_node, len(pending), job["heads"],
-                                                         settings.parallel.ulysses or 0).ulysses > 1
-        why = f" (no Ulysses: {job['split_refusal']})" if unsplit else ""
-        reporter.say(f"h3gen: layout {layout.describe(worker, len(pending))}{why}")
-        if pending:
-            from h3gen.run.loop import note_tiny
-
-            note_tiny(settings, reporter)
-            reporter.say(f"h3gen: {len(pending)} clip(s) to render, preset {preset.name}, model "
-                         f"{self.batch.repo.root}, {self.world} worker(s)")
+        layout, pending = planned["layout"], planned["pending"]
         events.publish_plan(self.store, {"layout": (layout.groups, layout.ulysses), "pending": pending})
         return {"layout": (layout.groups, layout.ulysses), "pending": pending, "finished": finished}
 

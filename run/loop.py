@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import errno
 import os
 import signal
@@ -328,6 +329,14 @@ def note_tiny(settings: RunSettings, reporter) -> None:
         reporter.say(f"note: {TINY_NOTICE}")
 
 
+def say_to_render(batch: Batch, settings: RunSettings, pending: list, where: str = "") -> None:
+    """The run's header, when it has clips to render: how many, the preset and the model (`where` they run)."""
+    if pending:
+        note_tiny(settings, batch.reporter)
+        batch.reporter.say(f"h3gen: {len(pending)} clip(s) to render, preset {batch.preset.name}, model "
+                           f"{batch.repo.root}{where}")
+
+
 def plan(batch: Batch, settings: RunSettings) -> list:
     """What a run would do with each clip, without loading a weight: (request, path, the skip check's result) per
     request, in file order; a result of None: it would render."""
@@ -349,15 +358,17 @@ def note_moved_seeds(batch: Batch, settings: RunSettings, planned: list) -> None
         batch.reporter.warn(f"h3gen: note: {moved}")
 
 
-def skip_finished(batch: Batch, settings: RunSettings) -> list:
+def skip_finished(batch: Batch, settings: RunSettings, announce=None) -> list:
     """Results for the clips a previous run already wrote (file there, valid, same fingerprint): a rerun resumes;
     and for those it wrote with other settings (conflicts), which this run leaves alone; none of either that
-    `settings.redo` renders again."""
+    `settings.redo` renders again. `announce(pending)` says the run's header before each clip's line."""
     from h3gen.run.outputs import record
     from h3gen.run.resume import DAMAGED, to_render
 
     preset_name, reporter, output = batch.preset.name, batch.reporter, settings.output
     planned = plan(batch, settings)
+    if announce is not None:
+        announce([request for request, _, found in planned if to_render(found)])
     note_moved_seeds(batch, settings, planned)
     finished, unnoted = [], None
     for result in filter(None, (found for _, _, found in planned)):
@@ -378,14 +389,12 @@ def render_batch(settings: RunSettings, preset, found, make_reporter) -> int:
     """A one-process run: check, skip what is written, render the rest, report; the exit status."""
     batch = prepare(settings, preset, found, make_reporter)
     reporter, requests = batch.reporter, batch.requests
-    results = skip_finished(batch, settings)
+    results = skip_finished(batch, settings, functools.partial(say_to_render, batch, settings))
     finished = {result.request.index for result in results}
     pending = [request for request in requests if request.index not in finished]
     stopped = None
     try:
         if pending:  # weights load only when there is something to render
-            note_tiny(settings, reporter)
-            reporter.say(f"h3gen: {len(pending)} clip(s) to render, preset {preset.name}, model {batch.repo.root}")
             try:
                 results += render_pending(pending, settings, preset, found, batch.repo, reporter,
                                           memory_plan=batch.memory_plan,

@@ -551,3 +551,11 @@ def test_a_knob_a_stage_gained_since_a_clip_was_stamped_is_no_difference_at_its_
     assert fingerprint.differences(other_version, new) == [f"mux.use: pyav h3gen/0 -> {new['mux.use']}",
                                                            f"mux.crf: (none) -> {new['mux.crf']}"]
     assert fingerprint.differences(new | {"mux.crf": None}, new) == [f"mux.crf: (none) -> {new['mux.crf']}"]
+
+
+def test_a_rerun_says_its_header_before_the_lines_of_the_clips_already_there(prompts_file, tmp_path):
+    out = tmp_path / "out"
+    h3gen("render", prompts_file("a lighthouse at night\n"), "-o", out, check_code=0)
+    again = h3gen("render", prompts_file("a lighthouse at night\nrain on a tin roof\n"), "-o", out, check_code=0)
+    said = again.stderr.index
+    assert said("h3gen: 1 clip(s) to render, preset tiny") < said("[1/2] skipped ") < said("[2/2] wrote ")

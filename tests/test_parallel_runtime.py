@@ -163,6 +163,8 @@ def test_killed_worker_fails_the_run_and_a_rerun_finishes_the_rest(tmp_path):
     assert 0 < len(finished) < 8
     again = h3gen("render", prompts, "-o", out, "--cpu-workers", "2", env=ENV, check_code=0)
     assert f"{len(finished)} already there and valid (skipped)" in again.stderr
+    said = again.stderr.index  # the layout and header first, then the lines of the clips already there
+    assert said("h3gen: layout ") < said(f"h3gen: {8 - len(finished)} clip(s) to render") < said("] skipped ")
     after = written(out)
     assert len(after) == 8 and all(after[name] == finished[name] for name in finished)
     assert all(validate_clip(out / name, expected_frames=124) == [] for name in after)
