@@ -301,9 +301,10 @@ def check_manifest(out_dir: Path) -> None:
         raise OSError(e.errno, e.strerror, str(path)) from None
 
 
-def write_error(path: Path, error: OSError) -> str:
-    """The one line a failed write costs its clip."""
-    text = f"cannot write {path}: {error.strerror or error}"
+def write_error(path: Path, error: OSError, named: str = "") -> str:
+    """The one line a failed write costs its clip; `named`: what the file is called where its line already names its
+    path ("the clip")."""
+    text = f"cannot write {named or path}: {error.strerror or error}"
     if error.errno == errno.EFBIG:
         text += " (a file size limit stops it: raise `ulimit -f`; a rerun redoes only the clips that are missing)"
     elif error.errno in (errno.ENOSPC, errno.EDQUOT) and no_inodes(path.parent):

@@ -496,7 +496,7 @@ def clip_error(clip: Clip, error: Exception, memory_plan: dict | None = None, ra
     if isinstance(cause, MemoryError) or "can't allocate memory" in str(cause):  # torch's CPU allocator says so
         return HOST_OOM_HINT.replace("out of host memory", f"out of host memory{where}", 1)
     if isinstance(cause, OSError):
-        return outputs.write_error(clip.path, cause)
+        return outputs.write_error(clip.path, cause, "the clip")  # its line names the clip's path
     if isinstance(error, H3genError):
         return str(error)
     return f"{type(error).__name__}: {error}"

@@ -31,9 +31,10 @@ def test_disk_full_while_writing_costs_one_clip_and_leaves_no_partial_file(promp
     for name, line, reason, hint in (("full", 1, "No space left on device", f"free space in {out}"),
                                      ("big", 3, "File too large", "a file size limit stops it: raise `ulimit -f`")):
         assert not clips[name]["ok"]
-        assert clips[name]["error"] == (f"cannot write {out / name}.mp4: {reason} ({hint}; "
-                                        "a rerun redoes only the clips that are missing)")
-        assert f"failed {name}.mp4 (line {line}): cannot write {out / name}.mp4: {reason}" in result.stderr
+        assert clips[name]["error"] == (f"cannot write the clip: {reason} ({hint}; a rerun redoes only the clips "
+                                        "that are missing)")
+        assert f"failed {name}.mp4 (line {line}): cannot write the clip: {reason}" in result.stderr
+        assert f"FAILED {out / name}.mp4: cannot write the clip: {reason}" in result.stderr
     assert "1 of 3 clips written, 2 failed" in result.stderr
     assert sorted(p.name for p in out.glob("*.mp4")) == ["small.mp4"]
 
