@@ -100,8 +100,9 @@ def show_tracebacks(wanted: bool) -> None:
 
 
 VRAM_HELP = ("Device memory budget in GiB, as 24, 24G or 24GB (default, or 0: what is free on the GPU as the run "
-             "starts; a budget above that plans for what is free, one above the GPU's size is refused): DiT blocks "
-             "beyond it stream from pinned host memory, and the allocator is held to it.")
+             "starts; a budget above that plans for what is free; a card's size as sold is taken, up to a tenth "
+             "above the size the GPU reports, more is refused): DiT blocks beyond it stream from pinned host memory, "
+             "and the allocator is held to it. For a GPU: on the CPU only 0 is taken.")
 TRACEBACK_HELP = "Print a failure's traceback besides its one line (also H3GEN_DEBUG=1)."
 
 
@@ -136,8 +137,10 @@ def vram_setting(text: str | None) -> list[str]:
         return []
     found = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:g|gb|gib)?\s*", text, re.IGNORECASE)
     if not found:
-        below = text.strip().startswith("-")
-        raise UsageError(f"--vram {text} is {'below 0' if below else 'not a number of GiB'}",
+        below = re.fullmatch(r"\s*-\s*0*[1-9.][\d.]*\s*(?:g|gb|gib)?\s*", text, re.IGNORECASE)
+        what = "below 0" if below else "not a number of GiB"
+        said = f"--vram {text} is {what}" if text.strip() else "--vram is empty"
+        raise UsageError(said,
                          "give one like 24, 24G or 24GB, or 0 for what is free")
     return [f"runtime.vram_gib={float(found.group(1)):g}"]
 
@@ -191,8 +194,9 @@ def render(
                                       help="Base seed; a clip's seed is this plus its index.")] = 0,
     size: Annotated[Optional[str], typer.Option("--size", metavar="WxH",
                                                 help="WIDTHxHEIGHT of the clips whose line gives none (as --set "
-                                                     "request.width=W --set request.height=H).  [default: the "
-                                                     "preset's]")] = None,
+                                                     "request.width=W --set request.height=H); a line with a keyframe "
+                                                     "and no size takes the keyframe's aspect ratio on this canvas "
+                                                     "(its short edge and area).  [default: the preset's]")] = None,
     duration: Annotated[Optional[float], typer.Option("--duration", metavar="SECONDS",
                                                       help="Seconds, 5 to 15, of the clips whose line gives none (as "
                                                            "--set request.duration=S).  [default: the "

@@ -52,9 +52,12 @@ PROMPTS_FILE = [
                  "request.duration."),
     ("width, height", "integers: pixels, multiples of 32 (at least 32), width over height between 1:4 and 4:1. "
                       "Default: the preset's request.width and request.height; with keyframes, give both or "
-                      "neither: without them the first keyframe's (else the last's) aspect ratio sets the size: "
-                      "the preset's short edge, scaled down to at most the preset's area, each side rounded to a "
-                      "multiple of 32 (a 2:1 keyframe on 1344x768 gives 1440x704). A size whose estimated peak "
+                      "neither: without them the first keyframe's (else the last's) aspect ratio sets the size on the "
+                      "canvas (--size, else the preset's): the canvas's short edge, scaled down to the canvas's "
+                      "area, then each side rounded to a multiple of 32 and at least 32, which can leave it a "
+                      "little above that area (a 2:1 keyframe on 1344x768 gives 1440x704; a 10:3 one on 64x32, "
+                      "96x32). The first keyframe is stretched onto the clip's size, a last one beside it scaled to "
+                      "cover it and center-cropped. A size whose estimated peak "
                       "device memory is more than "
                       f"{MAX_CLIP_BYTES // 2**30} GiB (8 GPUs of 288 GiB) is refused."),
     ("first_frame, last_frame", "strings: fl2va, the image the video starts from, ends on, or both: a file PIL "
@@ -175,7 +178,8 @@ EXIT_STATUS = [
           "failed (an output disk too full for any MP4 among them), a worker failed, or h3gen hit a bug; a file is "
           "not valid (validate); a matched pair of clips in two folders could not be compared, the others were "
           "(compare)."),
-    ("2", "A usage error: bad options, prompts file, preset, model directory or output directory; a file to "
+    ("2", "A usage error: bad options, prompts file, preset, model directory or output directory; a clip too large "
+          "for the host memory free on the CPU, or a device memory budget the GPU cannot give; a file to "
           "validate that does not exist, or a directory without clips; clips to compare that are not MP4s of the same shape, or two folders with "
           "no clip in common."),
     ("130, 143, 129", "Stopped by SIGINT, SIGTERM or SIGHUP: the clip on the device is discarded, a clip already "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 from h3gen.errors import UsageError
 from h3gen.run.memory import GIB
@@ -257,7 +258,8 @@ def activations(preset, requests, config: dict, chunked: bool = False) -> int:
 
 def host_available_bytes() -> int:
     """Host memory a process can take now without swapping: the kernel's MemAvailable (free memory and the page cache
-    it can drop), within a cgroup's limit (a container's); the free pages where Linux does not say."""
+    it can drop), within the limit of each cgroup that holds the process (`cgroup_headroom`: a container's, a
+    systemd unit's); the free pages where Linux does not say."""
     import os
 
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -265,13 +267,60 @@ def host_available_bytes() -> int:
         with open("/proc/meminfo") as meminfo:
             available = next((int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:")),
                              available)
-        with open("/sys/fs/cgroup/memory.max") as limit, open("/sys/fs/cgroup/memory.current") as used:
-            ceiling = limit.read().strip()
-            if ceiling != "max":
-                available = min(available, max(0, int(ceiling) - int(used.read())))
     except (OSError, ValueError):
         pass
-    return available
+    headroom = cgroup_headroom()
+    return available if headroom is None else min(available, headroom)
+
+
+# cgroup v2's and v1's files: the limit, what is charged, and the page cache in it the kernel can drop (memory.stat)
+CGROUP_FILES = {"v2": ("memory.max", "memory.current", "inactive_file"),
+                "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
+NO_LIMIT = 2**62  # v1 says "no limit" with a number near 2**63
+
+
+def cgroup_headroom(mount: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")) -> int | None:
+    """The least memory any cgroup holding this process can still take (its limit less what is charged to it, but
+    the page cache it can drop), from the process's own cgroup up to the root, v2 (`0::/path`) and v1's memory
+    controller (`N:memory:/path`, mounted at memory/) alike; None where no limit holds it, or Linux does not say."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    headroom = None
+    for line in lines:
+        number, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        version = "v2" if number == "0" and not controllers else "v1" if "memory" in controllers.split(",") else None
+        if version is None:
+            continue
+        base = mount if version == "v2" else mount / "memory"
+        own = base / path.strip("/")
+        for group in (own, *own.parents):
+            room = cgroup_room(group, *CGROUP_FILES[version])
+            if room is not None:
+                headroom = room if headroom is None else min(headroom, room)
+            if group == base:
+                break
+    return headroom
+
+
+def cgroup_room(group: Path, limit_file: str, usage_file: str, cache_key: str) -> int | None:
+    try:
+        limit = (group / limit_file).read_text().strip()
+        if limit == "max" or int(limit) >= NO_LIMIT:
+            return None
+        used = int((group / usage_file).read_text())
+    except (OSError, ValueError):
+        return None
+    return max(0, int(limit) - used + droppable_cache(group, cache_key))
+
+
+def droppable_cache(group: Path, key: str) -> int:
+    try:
+        stat = (group / "memory.stat").read_text().splitlines()
+        return next((int(line.split()[1]) for line in stat if line.split()[:1] == [key]), 0)
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def check_host_fits(preset, requests, repo, processes: int = 1) -> None:
@@ -295,7 +344,8 @@ def check_host_fits(preset, requests, repo, processes: int = 1) -> None:
             fix = (f"run at most {fit} workers (--cpu-workers {fit})" if fit > 1
                    else "run in one process: leave out --cpu-workers")
         elif loaded > available:
-            fix = "the weights alone take more: run on a GPU, or free host memory"
+            fix = (f"the libraries and weights alone take {loaded / GIB:.1f} GiB before any clip: run on a GPU, or "
+                   "free host memory")
         else:
             fix = "render fewer frames or a smaller size, free host memory, or render on a GPU"
         raise UsageError(f"the largest clip ({memory.clip_named(largest)}) needs about {need / GIB:.1f} GiB of host "

@@ -241,4 +241,8 @@ def test_vram_takes_a_number_of_gib_with_or_without_its_unit(prompts_file, tmp_p
         what = "below 0" if text == "-3" else "not a number of GiB"
         assert result.stderr.splitlines()[-1] == (f"h3gen: error: --vram {text} is {what} (give one "
                                                   "like 24, 24G or 24GB, or 0 for what is free)")
+    for text, said in (("", "--vram is empty"), ("-0", "--vram -0 is not a number of GiB"),
+                       ("-2.5G", "--vram -2.5G is below 0")):
+        with pytest.raises(UsageError, match=f"^{said} \\(give one like 24"):
+            vram_setting(text)
     assert not (tmp_path / "out").exists()

@@ -2,6 +2,7 @@
 back before the next, and a clip that cannot fit is refused before the weights load."""
 
 import gc
+import re
 import weakref
 from pathlib import Path
 
@@ -280,7 +281,8 @@ def test_the_host_check_says_when_the_weights_alone_do_not_fit(tiny_model, monke
     monkeypatch.setattr(budget, "host_available_bytes", lambda: 2**29)
     with pytest.raises(UsageError) as refused:
         budget.check_host_fits(resolve("tiny", registry()), [clip], ModelRepo(tiny_model))
-    assert refused.value.fix == "the weights alone take more: run on a GPU, or free host memory"
+    assert re.fullmatch(r"the libraries and weights alone take 1\.\d GiB before any clip: run on a GPU, or free host "
+                        "memory", refused.value.fix), refused.value.fix
 
 
 def test_host_memory_free_is_what_the_kernel_says_is_available():
@@ -293,6 +295,46 @@ def test_host_memory_free_is_what_the_kernel_says_is_available():
     if limit.exists() and limit.read_text().strip() != "max":  # a container's limit holds it lower
         expected = min(expected, int(limit.read_text()) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
     assert abs(host_available_bytes() - expected) < 256 * 2**20
+
+
+def cgroup_tree(tmp_path, membership: str, groups: dict) -> tuple:
+    """A fake /sys/fs/cgroup: {relative folder: {file: text}}, and the /proc/self/cgroup that places the process."""
+    for folder, files in groups.items():
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (tmp_path / folder / name).write_text(text)
+    (tmp_path / "self-cgroup").write_text(membership)
+    return tmp_path, tmp_path / "self-cgroup"
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_host_memory_free_is_held_by_the_tightest_cgroup_above_the_process(tmp_path, version):
+    """A container's or a unit's limit, at the root or at any level above the process's own cgroup, in cgroup v2 or
+    v1's memory controller; what is charged counts but the page cache the kernel can drop."""
+    from h3gen.run.budget import cgroup_headroom
+    from h3gen.run.memory import GIB
+
+    if version == "v2":
+        membership, base, files, cache = "0::/job/step\n", "", ("memory.max", "memory.current"), "inactive_file"
+        unlimited = "max\n"
+    else:
+        membership, base, files = "12:cpu,cpuacct:/job/step\n4:memory:/job/step\n0::/\n", "memory/", (
+            "memory.limit_in_bytes", "memory.usage_in_bytes")
+        cache, unlimited = "total_inactive_file", "9223372036854771712\n"
+    limit, used = files
+    mount, self_cgroup = cgroup_tree(tmp_path, membership, {
+        base: {limit: unlimited, used: str(50 * GIB)},
+        f"{base}job": {limit: str(8 * GIB), used: str(3 * GIB), "memory.stat": f"file 9\n{cache} {GIB}\n"},
+        f"{base}job/step": {limit: str(16 * GIB), used: str(2 * GIB)},
+    })
+    assert cgroup_headroom(mount, self_cgroup) == 6 * GIB  # the job's 8 GiB less 3 charged, 1 of them droppable
+    (mount / f"{base}job" / limit).write_text(unlimited)
+    assert cgroup_headroom(mount, self_cgroup) == 14 * GIB  # the step's own
+    (mount / f"{base}job/step" / limit).write_text(unlimited)
+    assert cgroup_headroom(mount, self_cgroup) is None
+    (mount / base.rstrip("/") / limit).write_text(str(60 * GIB))  # a container's, where its namespace shows it as /
+    assert cgroup_headroom(mount, self_cgroup) == 10 * GIB
+    assert cgroup_headroom(mount, tmp_path / "missing") is None
 
 
 def test_host_memory_that_ran_out_in_a_plugin_s_stage_names_the_stage(tmp_path):
