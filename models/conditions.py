@@ -186,6 +186,11 @@ def decode_reference(reference):
 
 
 def read_media(path, what: str, reader):
+    from pathlib import Path
+
+    if not Path(path).exists():  # it was when the prompts were checked
+        raise ClipError(f"{what} {path} was taken away while the run went on", "put it back and run the same command "
+                        "again")
     try:
         return reader(str(path))
     except Exception as e:  # PIL, PyAV and diffusers each raise their own kinds; all mean "cannot read this file"

@@ -108,14 +108,16 @@ def differences(old: dict | None, new: dict) -> list[str]:
     """`FIELD: OLD -> NEW` for each field of this run's that differs (a clip from before fingerprints: one line
     saying so): a stage swapped (`vae.use`) first, whose own keys then differ too, then the rest by name. A field
     only the clip carries is one this h3gen no longer counts (the preset's name, a key a stage since declared
-    `output_neutral`): where its stage changed, that stage's `use` differs. A key only this run has is a difference
-    but where its stage, the same name and version, gained it since and it is at its default (`DEFAULTS`)."""
+    `output_neutral`): where its stage changed, that stage's `use` differs; but a request's media the clip had and this
+    request has not (a first frame taken off the line) is. A key only this run has is a difference but where its
+    stage, the same name and version, gained it since and it is at its default (`DEFAULTS`)."""
     if old is None:
         return ["fingerprint: none -> " + digest(new)]
-    keys = sorted(new, key=lambda key: (not key.endswith(".use"), key))
-    was = {key: before(key, old) for key in keys}
-    return [f"{key}: {shown(was[key])} -> {shown(new[key])}{in_seconds(key, was[key], new[key])}"
-            for key in keys if was[key] != new[key] and not same_model(key, was[key], new[key])
+    keys = sorted(set(new) | {key for key in old if key.startswith("request.")},
+                  key=lambda key: (not key.endswith(".use"), key))
+    was, now = {key: before(key, old) for key in keys}, {key: new.get(key) for key in keys}
+    return [f"{key}: {shown(was[key])} -> {shown(now[key])}{in_seconds(key, was[key], now[key])}"
+            for key in keys if was[key] != now[key] and not same_model(key, was[key], now[key])
             and not (was[key] is None and gained_at_default(key, old, new))]
 
 

@@ -188,6 +188,7 @@ class Renderer:
         for clip in clips:
             try:
                 encode(clip, report=False)
+                check_media_read(clip)
                 # The chunk's prompts are encoded before its first clip renders: the embeddings wait in host memory.
                 clip.prompt_embeds = clip.prompt_embeds.cpu()
             except ModelError:
@@ -441,6 +442,26 @@ def check_latents(clip: Clip, sampler) -> None:
                else "a sampler's latents must be finite: docs/plugins.md")
         raise ReturnedRefused(f"{sampler.label()} returned {' and '.join(broken)} latents holding NaN or infinite "
                               "values", fix)
+
+
+def check_media_read(clip: Clip) -> None:
+    """The keyframes and references a clip's encode read are the files its name and fingerprint were taken from: one
+    changed or replaced since the run checked its prompts would give a clip stamped as the file that was there."""
+    from h3gen.errors import ClipError
+
+    fields = ("request.first_frame", "request.last_frame", "request.references")
+    if not any(field in clip.fingerprint for field in fields):
+        return
+    try:
+        now = fingerprint.clip_fields({}, clip.request)
+    except OSError as e:
+        raise ClipError(f"{e.filename} was taken away while its clip rendered", "put it back and run the same "
+                        "command again") from None
+    changed = next((field for field in fields if now.get(field) != clip.fingerprint.get(field)), None)
+    if changed:
+        named = "a reference" if changed == "request.references" else f"its {changed.removeprefix('request.')}"
+        raise ClipError(f"{named} changed while the clip rendered, so the clip would carry the name and stamp of the "
+                        "file as it was", "run the same command again: it renders the clip from the file as it is")
 
 
 def check_media(clip: Clip, vae) -> None:

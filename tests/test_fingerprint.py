@@ -559,3 +559,9 @@ def test_a_rerun_says_its_header_before_the_lines_of_the_clips_already_there(pro
     again = h3gen("render", prompts_file("a lighthouse at night\nrain on a tin roof\n"), "-o", out, check_code=0)
     said = again.stderr.index
     assert said("h3gen: 1 clip(s) to render, preset tiny") < said("[1/2] skipped ") < said("[2/2] wrote ")
+
+
+def test_a_keyframe_taken_off_a_line_is_a_difference_as_one_put_on_it_is():
+    old = {"request.prompt": "fox", "request.first_frame": "aa11"}
+    assert fingerprint.differences(old, {"request.prompt": "fox", "request.last_frame": "aa11"}) == [
+        "request.first_frame: aa11 -> (none)", "request.last_frame: (none) -> aa11"]

@@ -106,7 +106,7 @@ def test_the_documented_keyframe_canvas_example_holds():
     ({"references": ["../notes.txt"]}, "notes.txt is not an image, video or audio file"),
     ({"references": ["../notes.png"]}, "notes.png is not an image, video or audio file h3gen can read"),
     ({"references": ["../cut.mp4"]}, r"cut.mp4 is an MP4/MOV file that does not decode \(the file is cut short or "
-                                     "damaged: export it again\)"),
+                                     r"damaged: export it again\)"),
     ({"references": ["../frame.png", "../header.wav"]}, "header.wav has an audio stream with no samples in it"),
     ({"references": ["../too-wide.png"]}, r"references\[0\] .* outside the 1:4 to 4:1"),
     ({"references": ["../voice.wav"]}, "audio references cannot be used on their own"),
@@ -299,3 +299,31 @@ def test_lines_of_two_tasks_an_adapter_refuses_name_both_fields_to_drop(media, t
                      defaults=resolved.request)
     with pytest.raises(UsageError, match=r"or drop their first_frame / last_frame or references\)$"):
         check_adapters(resolved, requests, tmp_path, "prompts.jsonl")
+
+
+def test_media_changed_or_taken_away_after_the_prompts_were_checked_fails_its_clip(media, tmp_path):
+    """The clip's name and stamp are the files' as the run found them: a keyframe or reference replaced or removed
+    before its clip's encode read it fails that clip, which a rerun renders from the file as it is then."""
+    import shutil
+
+    from h3gen.models.conditions import decode_keyframe
+    from h3gen.run.fingerprint import clip_fields
+    from h3gen.run.render import check_media_read
+
+    for name in ("frame.png", "photo.jpg"):
+        shutil.copy(media / name, tmp_path / name)
+    (tmp_path / "sub").mkdir()
+    keyed, referenced = parse(tmp_path, {"first_frame": "../frame.png"}, {"references": ["../photo.jpg"]})
+    clips = [Clip(request=r, path=tmp_path / "x.mp4", fingerprint=clip_fields({}, r)) for r in (keyed, referenced)]
+    for clip in clips:
+        check_media_read(clip)  # as they were
+    write_image(tmp_path / "frame.png", 48, 32, 9)
+    with pytest.raises(ClipError, match="its first_frame changed while the clip rendered, so the clip would carry "
+                                        "the name and stamp of the file as it was"):
+        check_media_read(clips[0])
+    (tmp_path / "photo.jpg").unlink()
+    with pytest.raises(ClipError, match=r"photo\.jpg was taken away while its clip rendered"):
+        check_media_read(clips[1])
+    with pytest.raises(ClipError, match=r"keyframe \S+photo\.jpg was taken away while the run went on"):
+        decode_keyframe(tmp_path / "photo.jpg")
+    check_media_read(Clip(request=parse(tmp_path, {})[0], path=tmp_path / "x.mp4"))  # a t2va clip has none
