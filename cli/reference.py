@@ -67,7 +67,8 @@ PROMPTS_FILE = [
                    "known by what it holds (an image PIL reads, else the streams PyAV finds; a video brings its "
                    "soundtrack): at most 9 images, 3 videos and 3 audio files, 12 in all (the limits of diffusers' "
                    "MiniMaxH3Ref2VASetupStep), never audio alone. A video needs a frame rate, an aspect ratio "
-                   f"between 1:4 and 4:1 and {MIN_VIDEO_FRAMES} frames at {FPS} fps ({MIN_VIDEO_FRAMES / FPS:.2f} s); "
+                   f"between 1:4 and 4:1 and {MIN_VIDEO_FRAMES} frames at {FPS} fps (at least "
+                   f"{(MIN_VIDEO_FRAMES - 0.5) / FPS:.2f} s, as its length rounds); "
                    f"audio must be mono or stereo, at {SAMPLE_RATE} Hz unless torchaudio is installed to resample "
                    "it."),
     "Media paths are absolute, or relative to the prompts file's folder (~ is expanded; for a link, the folder of "

@@ -52,8 +52,8 @@ def image_size(path: Path, field: str, where: str) -> tuple[int, int] | None:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(path)
     except Image.DecompressionBombError:
-        raise UsageError(f"{where}: {field} {path} has more than {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} MP",
-                         IMAGE_TOO_LARGE_FIX) from None
+        raise UsageError(f"{where}: {field} {path} has more than {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} MP, more "
+                         f"than the {Image.MAX_IMAGE_PIXELS / 1e6:.0f} MP h3gen reads", IMAGE_TOO_LARGE_FIX) from None
     except (OSError, ValueError, SyntaxError):  # UnidentifiedImageError included: not an image Pillow knows
         return None
     with image:
@@ -151,7 +151,8 @@ def reference(path: Path, field: str, where: str) -> Reference:
         check_aspect(size, field, path, where)
         if seconds is not None and math.floor(seconds * FPS + 0.5) < MIN_VIDEO_FRAMES:
             raise UsageError(f"{where}: {field} {path} lasts {seconds:.2f} s; H3 reads a video reference at 2 fps "
-                             f"in pairs of frames, so it needs at least {MIN_VIDEO_FRAMES / FPS:.2f} s",
+                             f"in pairs of frames, so it needs {MIN_VIDEO_FRAMES} frames at {FPS} fps (at least "
+                             f"{(MIN_VIDEO_FRAMES - 0.5) / FPS:.2f} s)",
                              "use a longer video, or a still of it as an image reference")
     if audio is not None:
         check_soundtrack(audio, field, path, where)
