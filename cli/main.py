@@ -140,8 +140,7 @@ def vram_setting(text: str | None) -> list[str]:
         below = re.fullmatch(r"\s*-\s*0*[1-9.][\d.]*\s*(?:g|gb|gib)?\s*", text, re.IGNORECASE)
         what = "below 0" if below else "not a number of GiB"
         said = f"--vram {text} is {what}" if text.strip() else "--vram is empty"
-        raise UsageError(said,
-                         "give one like 24, 24G or 24GB, or 0 for what is free")
+        raise UsageError(said, "give one like 24, 24G or 24GB, or 0 for what is free")
     return [f"runtime.vram_gib={float(found.group(1)):g}"]
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import errno
+import functools
 import os
 import signal
 import tempfile
