@@ -168,8 +168,11 @@ def sampler_asks(sampler) -> dict:
     from h3gen.stages.sampler import forwards
 
     positions = list(getattr(sampler, "sigma_positions", None) or [])
+    steps = getattr(sampler, "steps", None)
+    if not positions and steps is not None and steps >= 2:  # steps evenly spaced points of linspace(1, 0)
+        positions = [1 - index / (steps - 1) for index in range(steps)]
     asks = {}
-    if positions or getattr(sampler, "steps", None) is not None:
+    if positions or steps is not None:
         asks["forwards"] = forwards(sampler)
     if positions:
         asks["sigma_positions"] = positions

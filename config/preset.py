@@ -242,6 +242,7 @@ def resolve(name_or_file: str, registry, overrides: list[str] = ()) -> Preset:
         raise UsageError(f"{_given('model', 'needs', model['needs'], sources)} is not a model kind",
                          f"use one of {', '.join(MODEL_KINDS)}")
     stages = {kind: _stage(kind, data, registry, where, sources) for kind in STAGE_KINDS}
+    _check_steps_used(stages["sampler"][1], sources)
     adapter = _adapter(data, stages["quant"], registry, where, sources)
     return Preset(name, version, str(data.get("description", "")), request, runtime, stages, sources, adapter,
                   parallel, model)
@@ -261,6 +262,16 @@ def _check_request(request: dict, sources: dict) -> None:
         return ", ".join(_given("request", key, request[key], sources, with_value=False) for key in keys)
 
     check_clip(request["duration"], request["width"], request["height"], origin("duration"), origin("width", "height"))
+
+
+def _check_steps_used(sampler, sources: dict) -> None:
+    """A --set sampler.steps that the grid would not follow: explicit sigma positions set the forwards."""
+    positions = getattr(sampler, "sigma_positions", None)
+    if positions and sources.get("sampler.steps") == "--set" and sampler.steps != len(positions):
+        raise UsageError(f"--set sampler.steps={sampler.steps} would change nothing: "
+                         f"{_given('sampler', 'sigma_positions', positions, sources, with_value=False)} sets the "
+                         f"grid's {len(positions)} points", "add --set 'sampler.sigma_positions=[]' for a grid of "
+                         f"{sampler.steps} evenly spaced points, or leave out --set sampler.steps")
 
 
 def _given(section: str, key: str, value, sources: dict, with_value: bool = True) -> str:

@@ -183,6 +183,8 @@ def test_contract_as_shipped_passes_and_finds_the_adapter_in_the_model_directory
 @pytest.mark.parametrize("preset, overrides, asks", [
     (FAST, ["sampler.sigma_positions=[]", "sampler.steps=9"], "this run asks for 8 DiT forwards"),
     (FAST, ["sampler.sigma_positions=[0.999, 0.7, 0.5, 0.25, 0.0]"], "asks for sigma positions 0.999, 0.7,"),
+    # the same number of forwards on an evenly spaced grid is another grid
+    (FAST, ["sampler.sigma_positions=[]", "sampler.steps=5"], "asks for sigma positions 1, 0.75, 0.5, 0.25, 0 before"),
     (FAST, ["sampler.video_shift=5"], "asks for video shift 5"),
     (FAST, ['adapter.tasks=["fl2va"]'], "prompts file:1: a t2va clip (text alone), and preset fasth3's adapter "
                                         "adapters/student.safetensors renders fl2va only (render those lines with a "
@@ -197,6 +199,16 @@ def test_contract_violations_say_what_the_adapter_requires(tmp_path, preset, ove
     if preset == FAST and "tasks" not in overrides[0]:
         assert ("requires 4 DiT forwards, sigma positions 0.999, 0.749, 0.5, 0.25, 0 before the shift, "
                 "video shift 12, audio shift 3, t2va only") in message
+
+
+def test_a_step_count_the_preset_s_sigma_positions_would_ignore_is_refused():
+    """--set sampler.steps on a preset whose explicit grid sets the forwards would change nothing: refused, so the
+    run does not take another count silently; with the grid cleared, or the same count, it is taken."""
+    with pytest.raises(UsageError, match=r"^--set sampler.steps=9 would change nothing: preset fasth3 \[sampler\] "
+                                         r"sigma_positions sets the grid's 5 points \(add --set 'sampler.sigma_positions"):
+        resolve(FAST, registry(), ["sampler.steps=9"])
+    assert resolve(FAST, registry(), ["sampler.sigma_positions=[]", "sampler.steps=9"]).stages["sampler"][1].steps == 9
+    resolve(FAST, registry(), ["sampler.steps=5"])
 
 
 def test_contract_file_beside_the_weights_binds_a_preset_without_contract_keys(tmp_path):
