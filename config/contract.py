@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import struct
 from pathlib import Path
 
@@ -93,13 +94,49 @@ def find_adapter(name: str, model_root) -> AdapterFile:
 
 
 def safetensors_keys(path: Path) -> list[str]:
+    """The tensor names of an adapter file, checked whole as a checkpoint file is (cut short, not safetensors)."""
+    from h3gen.errors import ModelError
+    from h3gen.models.repo import check_safetensors
+
     try:
+        check_safetensors(path)
         with path.open("rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(length))
-        return [key for key in header if key != "__metadata__"]
-    except (OSError, ValueError, struct.error) as e:
-        raise UsageError(f"adapter {path} is not a readable safetensors file ({e})", "re-download it") from None
+    except ModelError as e:
+        reason = e.problem.rpartition(" (")[2].rstrip(")")  # "corrupt or truncated checkpoint X (reason)"
+        raise UsageError(f"adapter {path} is not a readable safetensors file ({reason})", "re-download it, or "
+                         "export it again") from None
+    except OSError as e:
+        raise UsageError(f"adapter {path} cannot be read ({e.strerror or e})", "check its permissions") from None
+    return [key for key in header if key != "__metadata__"]
+
+
+def check_peft_config(adapter: AdapterFile) -> None:
+    """A PEFT folder's adapter_config.json holds the scaling the fused delta takes: read before any weight loads."""
+    path = adapter.peft_config
+    if path is None:
+        return
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read {path} ({str(e).splitlines()[0]})", "fix it, or export the adapter "
+                         "again") from None
+    patterns = config.get("alpha_pattern", {}) if isinstance(config, dict) else None
+    number = (int, float)
+    if not isinstance(config, dict) or not isinstance(patterns, dict) or not all(
+            isinstance(v, number) and not isinstance(v, bool) for v in [config.get("lora_alpha", 1),
+                                                                      *patterns.values()]):
+        raise UsageError(f"{path} is not a PEFT adapter config h3gen can read (a JSON object whose lora_alpha and "
+                         "alpha_pattern values are numbers)", "fix it, or export the adapter again")
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise UsageError(f"{path}: alpha_pattern key {pattern!r} is not a regular expression ({e})",
+                             "fix it, or export the adapter again") from None
+    if config.get("use_dora"):
+        raise UsageError(f"{path}: DoRA adapters cannot be fused as a weight delta", "use a plain LoRA adapter")
 
 
 def classify_key(key: str) -> tuple[str, str] | None:
@@ -233,6 +270,7 @@ def check_adapters(preset, requests, model_root, prompts: Path | str = "prompts 
     adapters = [find_adapter(name, model_root) for name in config.paths]
     for adapter in adapters:
         check_key_kinds(adapter)
+        check_peft_config(adapter)
     contract = required(config, adapters)
     if not adapters or not contract:
         return adapters

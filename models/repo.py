@@ -27,6 +27,8 @@ def check_safetensors(path: Path) -> None:
             if len(raw) < 8:
                 raise ValueError("shorter than a header")
             (header_len,) = struct.unpack("<Q", raw)
+            if header_len > path.stat().st_size - 8:  # not read: a length from a file that is not one can be any
+                raise ValueError("truncated, or not safetensors: its header would be longer than the file")
             header = json.loads(f.read(header_len))
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
         stray = path.stat().st_size - (8 + header_len + end)

@@ -49,8 +49,10 @@ def run_fields(preset, registry, repo) -> dict:
             # A stage may declare config keys that change how it runs, never what it writes (`output_neutral`).
             for key in getattr(stage, "output_neutral", ()):
                 fields.pop(f"{section}.{key}", None)
-    for index, path in enumerate(adapter_files(preset, repo.root)):
+    for index, (path, scaling) in enumerate(adapter_files(preset, repo.root)):
         fields[f"adapter.file{index}"] = file_digest(path)
+        if scaling is not None:  # a PEFT folder's adapter_config.json: its alpha scales the delta
+            fields[f"adapter.config{index}"] = file_digest(scaling)
     return fields
 
 
@@ -176,10 +178,12 @@ def stage_version(stage: type) -> str:
     return f"{names[0]}/{version(names[0])}" if names else f"{top}/unversioned"
 
 
-def adapter_files(preset, model_root) -> list[Path]:
+def adapter_files(preset, model_root) -> list[tuple[Path, Path | None]]:
+    """Each adapter's weights, and the PEFT config beside them where it has one."""
     from h3gen.config.contract import find_adapter
 
-    return [find_adapter(name, model_root).weights for name in preset.adapter.paths]
+    found = [find_adapter(name, model_root) for name in preset.adapter.paths]
+    return [(adapter.weights, adapter.peft_config) for adapter in found]
 
 
 @cache

@@ -126,9 +126,10 @@ class ResidualCache(NoCache):
 
     @classmethod
     def check_config(cls, config) -> None:
-        if config.first_blocks < 1 or config.last_blocks < 0 or config.max_reuse < 0 or config.threshold < 0:
-            raise UsageError(f"cache {cls.name}: first_blocks >= 1, last_blocks, max_reuse and threshold >= 0",
-                             "fix the [cache] values")
+        if (config.first_blocks < 1 or min(config.last_blocks, config.max_reuse, config.threshold,
+                                            config.compute_first, config.compute_last) < 0):
+            raise UsageError(f"cache {cls.name}: first_blocks >= 1, last_blocks, max_reuse, threshold, compute_first "
+                             "and compute_last >= 0", "fix the [cache] values")
 
     def session(self, forwards: int, group=None, timer=None) -> StepCache:
         return StepCache(self, forwards, group, timer)

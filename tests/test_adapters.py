@@ -204,8 +204,9 @@ def test_contract_violations_say_what_the_adapter_requires(tmp_path, preset, ove
 def test_a_step_count_the_preset_s_sigma_positions_would_ignore_is_refused():
     """--set sampler.steps on a preset whose explicit grid sets the forwards would change nothing: refused, so the
     run does not take another count silently; with the grid cleared, or the same count, it is taken."""
-    with pytest.raises(UsageError, match=r"^--set sampler.steps=9 would change nothing: preset fasth3 \[sampler\] "
-                                         r"sigma_positions sets the grid's 5 points \(add --set 'sampler.sigma_positions"):
+    refused = (r"^--set sampler.steps=9 would change nothing: preset fasth3 \[sampler\] sigma_positions sets the "
+               r"grid's 5 points \(add --set 'sampler.sigma_positions")
+    with pytest.raises(UsageError, match=refused):
         resolve(FAST, registry(), ["sampler.steps=9"])
     assert resolve(FAST, registry(), ["sampler.sigma_positions=[]", "sampler.steps=9"]).stages["sampler"][1].steps == 9
     resolve(FAST, registry(), ["sampler.steps=5"])
@@ -254,3 +255,39 @@ def test_render_fuses_the_adapter_into_a_quantized_dit(tiny_model, tmp_path, dit
     latents = load_file(str(tmp_path / "fox.latents.safetensors"))
     # x0 = x_t + sigma * v summed over the grid: a velocity offset of 50 moves the audio latents by about 50.
     assert 40 < float(latents["audio"].mean()) < 60 and abs(float(latents["video"].mean())) < 5
+
+
+@pytest.mark.parametrize("content, said", [
+    ("pickle", "truncated, or not safetensors: its header would be longer than the file"),  # torch.save's
+    (bytes(range(256)) * 4, "truncated, or not safetensors"),
+    (None, "truncated"),  # a real adapter cut short
+])
+def test_an_adapter_file_that_is_not_whole_safetensors_is_one_line_before_loading(tmp_path, content, said):
+    path = tmp_path / "style.safetensors"
+    save_file({"a.lora_A.weight": torch.ones(2, 4), "a.lora_B.weight": torch.ones(4, 2)}, str(path))
+    if content == "pickle":
+        torch.save({"a.lora_A.weight": torch.ones(2, 4)}, path)
+    else:
+        path.write_bytes(path.read_bytes()[:-3] if content is None else content)
+    preset = resolve("tiny", registry(), [f'adapter.paths=["{path}"]'])
+    with pytest.raises(UsageError, match=f"^adapter {path} is not a readable safetensors file \\({said}") as caught:
+        check_adapters(preset, [], tmp_path)
+    assert caught.value.fix == "re-download it, or export it again"
+
+
+@pytest.mark.parametrize("config, said", [
+    ("{not json", "cannot read .*adapter_config.json \\(Expecting property name"),
+    ('{"lora_alpha": "eight"}', "is not a PEFT adapter config h3gen can read"),
+    ('{"alpha_pattern": {"blocks.0": null}}', "is not a PEFT adapter config h3gen can read"),
+    ('{"alpha_pattern": {"blocks.(": 4}}', "alpha_pattern key 'blocks.\\(' is not a regular expression"),
+    ('{"use_dora": true}', "DoRA adapters cannot be fused"),
+])
+def test_a_peft_folder_s_config_h3gen_cannot_use_is_one_line_before_loading(tmp_path, config, said):
+    folder = tmp_path / "peft"
+    folder.mkdir()
+    save_file({"a.lora_A.weight": torch.ones(2, 4), "a.lora_B.weight": torch.ones(4, 2)},
+              str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(config)
+    preset = resolve("tiny", registry(), [f'adapter.paths=["{folder}"]'])
+    with pytest.raises(UsageError, match=said):
+        check_adapters(preset, [], tmp_path)

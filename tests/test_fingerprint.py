@@ -208,6 +208,16 @@ def test_stage_versions_and_adapter_files_are_fields(tmp_path):
     assert len({fingerprint.digest(f) for f in (base, first, second)}) == 3
     assert fingerprint.differences(first, second)[0].startswith("adapter.file0: ")
 
+    folder = tmp_path / "peft"  # a PEFT folder: its adapter_config.json scales the delta, so it counts too
+    folder.mkdir()
+    adapter.rename(folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text('{"lora_alpha": 8}')
+    in_folder = dataclasses.replace(preset, adapter=dataclasses.replace(preset.adapter, paths=[str(folder)]))
+    eight = fingerprint.run_fields(in_folder, found, repo)
+    (folder / "adapter_config.json").write_text('{"lora_alpha": 4}')
+    [line] = fingerprint.differences(eight, fingerprint.run_fields(in_folder, found, repo))
+    assert line.startswith("adapter.config0: ")
+
 
 def test_the_same_model_in_another_cache_folder_is_the_same_model(tmp_path, tiny_model, monkeypatch):
     """A saved modular_model_index.json records the repository's own path: the tiny model written in another cache
