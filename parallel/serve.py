@@ -75,7 +75,8 @@ class Worker:
                                                              settings.parallel.ulysses or 0).ulysses > 1
             why = f" (no Ulysses: {job['split_refusal']})" if unsplit else ""
             worker = "GPU" if job["device"] == "gpu" else "CPU worker"
-            self.batch.reporter.say(f"h3gen: layout {layout.describe(worker, len(pending))}{why}")
+            if pending:  # a run with nothing to render has no layout to tell
+                self.batch.reporter.say(f"h3gen: layout {layout.describe(worker, len(pending))}{why}")
             say_to_render(self.batch, settings, pending, f", {self.world} worker(s)")
             planned.update(layout=layout, pending=pending)
 

@@ -47,6 +47,10 @@ def test_workers_with_a_sampler_that_cannot_split_render_whole_clips_and_say_why
                    "--preset", "diffusers", "--set", "model.needs=any", "--set", "request.width=32", "--set",
                    "request.height=32", "--set", "sampler.steps=3", env=ENV, check_code=0)
     assert "h3gen: layout 2 group(s) x 1 CPU worker: data parallel, 2 clip(s) at a time\n" in result.stderr
+    again = h3gen("render", prompts_file("a fox\nrain\n"), "-o", tmp_path / "two", "--cpu-workers", 2,
+                  "--preset", "diffusers", "--set", "model.needs=any", "--set", "request.width=32", "--set",
+                  "request.height=32", "--set", "sampler.steps=3", env=ENV, check_code=0)
+    assert "h3gen: layout" not in again.stderr and "2 already there and valid" in again.stderr  # nothing to lay out
 
 
 def test_ulysses_with_a_sampler_that_cannot_split_is_refused_before_any_worker(prompts_file, tmp_path):
