@@ -231,6 +231,9 @@ def run(config, job: dict, entry: str, warn) -> int:
 
         warn(stopped_line(stop.name, *stop_of_workers(job)))
         return 128 + stop
+    except rendezvous.PortTaken as e:
+        raise UsageError(str(e), "give --rdzv-endpoint a free port, the same on every machine, or end what holds "
+                                 "it") from None
     except rendezvous.RunUnderway as e:
         raise WorkerFailed(str(e), "wait until it ends, or stop it there, then start the same command on every "
                                    "machine") from None

@@ -69,8 +69,14 @@ class NodeRendezvous(RendezvousHandler):
 
         timeout = timedelta(seconds=self.timeout_s)
         if self.rank == 0:
-            return TCPStore(self.host, self.port, self.nnodes, True, timeout, wait_for_workers=False,
-                            multi_tenant=True)
+            try:
+                return TCPStore(self.host, self.port, self.nnodes, True, timeout, wait_for_workers=False,
+                                multi_tenant=True)
+            except (OSError, DistNetworkError) as e:
+                if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
+                    raise
+                raise PortTaken(f"--rdzv-endpoint {self.host}:{self.port}: the port is taken on this machine (another "
+                                "run, or another program)") from None
         while True:
             try:  # a socket of our own first: the store logs each refused try with a C++ stack
                 socket.create_connection((self.host, self.port), timeout=1).close()
@@ -95,6 +101,10 @@ class NodeRendezvous(RendezvousHandler):
 
     def shutdown(self) -> bool:
         return True
+
+
+class PortTaken(RendezvousError):
+    """Machine 0 cannot listen at the endpoint: something on it holds the port."""
 
 
 def wait_a_little(deadline: float, what: str) -> None:

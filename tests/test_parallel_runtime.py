@@ -623,3 +623,20 @@ def test_an_error_on_one_rank_of_a_group_ends_the_run_instead_of_hanging(tmp_pat
     assert result.returncode == 1, result.stderr[-2000:]
     assert "rank 1 failed on" in result.stderr and "out of GPU memory" in result.stderr, result.stderr[-2000:]
     assert not list((tmp_path / "out").glob("*.mp4"))
+
+
+def test_a_taken_port_at_machine_0_s_endpoint_is_one_line_and_exit_2(tmp_path):
+    import socket
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a fox\n")
+    with socket.socket() as held:  # another program listening on the port
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = h3gen("render", prompts, "-o", tmp_path / "out", "--cpu-workers", "1", "--nnodes", "2",
+                       "--rdzv-endpoint", f"127.0.0.1:{port}", "--node-rank", "0", env=ENV, check_code=2)
+    assert result.stderr.splitlines()[-1] == (
+        f"h3gen: error: --rdzv-endpoint 127.0.0.1:{port}: the port is taken on this machine (another run, or another "
+        "program) (give --rdzv-endpoint a free port, the same on every machine, or end what holds it)")
+    assert not (tmp_path / "out").exists()
