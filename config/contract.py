@@ -12,7 +12,6 @@ import dataclasses
 import json
 import math
 import re
-import struct
 from pathlib import Path
 
 from h3gen.errors import UsageError
@@ -95,18 +94,13 @@ def find_adapter(name: str, model_root) -> AdapterFile:
 
 def safetensors_keys(path: Path) -> list[str]:
     """The tensor names of an adapter file, checked whole as a checkpoint file is (cut short, not safetensors)."""
-    from h3gen.errors import ModelError
-    from h3gen.models.repo import check_safetensors
+    from h3gen.models.repo import safetensors_header
 
     try:
-        check_safetensors(path)
-        with path.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-    except ModelError as e:
-        reason = e.problem.rpartition(" (")[2].rstrip(")")  # "corrupt or truncated checkpoint X (reason)"
-        raise UsageError(f"adapter {path} is not a readable safetensors file ({reason})", "re-download it, or "
-                         "export it again") from None
+        header = safetensors_header(path)
+    except ValueError as e:
+        raise UsageError(f"adapter {path} is not a readable safetensors file ({e})", "re-download it, or export it "
+                         "again") from None
     except OSError as e:
         raise UsageError(f"adapter {path} cannot be read ({e.strerror or e})", "check its permissions") from None
     return [key for key in header if key != "__metadata__"]

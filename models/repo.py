@@ -22,6 +22,16 @@ def check_safetensors(path: Path) -> None:
     """Read the header of one safetensors file, naming the file when it is truncated, has bytes past its tensors' end or
     is not safetensors."""
     try:
+        safetensors_header(path)
+    except ValueError as e:
+        raise ModelError(f"corrupt or truncated checkpoint {path} ({e})",
+                         "re-download this file from the repository") from None
+
+
+def safetensors_header(path: Path) -> dict:
+    """One safetensors file's header, the file checked whole against it; ValueError saying why it is not (cut short,
+    bytes past its tensors' end, not safetensors)."""
+    try:
         with path.open("rb") as f:
             raw = f.read(8)
             if len(raw) < 8:
@@ -36,10 +46,10 @@ def check_safetensors(path: Path) -> None:
             raise ValueError("truncated")
         if stray > 0:  # safetensors refuses such a file as it loads, naming no cause
             raise ValueError(f"{stray} stray bytes after its tensors")
+        return header
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, MemoryError, OverflowError) as e:
-        reason = str(e) if isinstance(e, ValueError) and str(e) else "its header is not a safetensors header"
-        raise ModelError(f"corrupt or truncated checkpoint {path} ({reason})",
-                         "re-download this file from the repository") from None
+        raise ValueError(str(e) if isinstance(e, ValueError) and str(e) else "its header is not a safetensors "
+                         "header") from None
 
 
 def read_json_object(path: Path) -> dict:
